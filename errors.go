@@ -1,0 +1,99 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// ErrInvalidKey is returned when a key is empty, longer than 255 bytes, not
+// valid UTF-8, or contains a NUL byte. Nothing is sent to the database.
+var ErrInvalidKey = errors.New("idem: invalid key")
+
+// ErrInvalidScope is returned when a scope is empty, longer than 255 bytes,
+// not valid UTF-8, or contains a NUL byte. Nothing is sent to the database.
+var ErrInvalidScope = errors.New("idem: invalid scope")
+
+// ErrInvalidOption is returned when an option has a value that cannot work,
+// such as a negative retention. Nothing is sent to the database.
+var ErrInvalidOption = errors.New("idem: invalid option")
+
+// ErrFingerprintMismatch is returned when a key is reused, while its record
+// is live, with a request whose fingerprint differs from the one that claimed
+// it. The function is not run. It usually means a client bug: one key was
+// given to two different operations.
+var ErrFingerprintMismatch = errors.New("idem: key reused with a different request")
+
+// ErrInProgress is returned when another transaction holds the key and did
+// not finish within the wait budget (see [WithWait]), or when the calling
+// transaction already holds the key itself. The function is not run.
+//
+// The caller's transaction is unusable after ErrInProgress, because the
+// statement that waited failed inside it: roll it back. The client should
+// retry later with the same key.
+var ErrInProgress = errors.New("idem: key is in use by a concurrent attempt")
+
+// ErrResponseTooLarge is returned when the function's value, encoded as JSON,
+// exceeds the limit set with [WithMaxResponseSize]. Nothing is stored and the
+// claim is released; the caller should roll back.
+var ErrResponseTooLarge = errors.New("idem: response too large to store")
+
+// ErrResponseNotStorable is returned when the function's value cannot be
+// stored for replay: it cannot be encoded as JSON, or its encoding holds a
+// NUL character (\u0000), which PostgreSQL's jsonb rejects. Nothing is stored
+// and the claim is released; the caller should roll back.
+var ErrResponseNotStorable = errors.New("idem: response cannot be stored")
+
+// ErrSerialization is returned when PostgreSQL aborted the transaction to
+// keep it serializable (SQLSTATE 40001) or to break a deadlock (40P01). Under
+// REPEATABLE READ and SERIALIZABLE it is how a claim learns that the key was
+// completed after the transaction's snapshot was taken. The whole transaction
+// must be retried; [Run] and [WithTx] do so on their own.
+var ErrSerialization = errors.New("idem: transaction must be retried")
+
+// SQLSTATE codes that the package translates into its own errors.
+const (
+	sqlstateSerializationFailure = "40001"
+	sqlstateDeadlockDetected     = "40P01"
+	sqlstateLockNotAvailable     = "55P03"
+)
+
+// translate turns driver errors from the package's own statements into the
+// package's sentinel errors, keeping the original in the chain, so callers
+// never have to inspect SQLSTATE codes.
+func translate(op string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case sqlstateLockNotAvailable:
+			return fmt.Errorf("%s: %w (%w)", op, ErrInProgress, err)
+		case sqlstateSerializationFailure, sqlstateDeadlockDetected:
+			return fmt.Errorf("%s: %w (%w)", op, ErrSerialization, err)
+		}
+	}
+	return fmt.Errorf("%s: %w", op, err)
+}
+
+// isRetryable reports whether err means the whole transaction may succeed if
+// run again from the start.
+func isRetryable(err error) bool {
+	if errors.Is(err, ErrSerialization) {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code == sqlstateSerializationFailure || pgErr.Code == sqlstateDeadlockDetected
+	}
+	return false
+}
+
+// contextErr prefers the context's own error when the context ended, so that
+// a cancelled call reports context.Canceled rather than a driver message.
+func contextErr(ctx context.Context, err error) error {
+	if ctxErr := ctx.Err(); ctxErr != nil && !errors.Is(err, ctxErr) {
+		return fmt.Errorf("%w (%w)", ctxErr, err)
+	}
+	return err
+}

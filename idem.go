@@ -1,0 +1,359 @@
+package idem
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/pgidem/idem/internal/dbsqlc"
+)
+
+// MaxKeyLength is the longest key or scope accepted, in bytes.
+const MaxKeyLength = 255
+
+// Default values of the options.
+const (
+	// DefaultRetention is how long a record blocks its key unless
+	// [WithRetention] says otherwise.
+	DefaultRetention = 24 * time.Hour
+
+	// DefaultWait is how long a duplicate waits for a concurrent attempt
+	// unless [WithWait] says otherwise.
+	DefaultWait = 5 * time.Second
+
+	// DefaultMaxResponseSize is the largest stored value, in bytes of JSON,
+	// unless [WithMaxResponseSize] says otherwise.
+	DefaultMaxResponseSize = 1 << 20
+)
+
+// Result is what [Do] and [Run] return on success.
+type Result[T any] struct {
+	// Value is the function's result, or on a replay the stored result
+	// decoded again from JSON. Only what survives a JSON round trip is
+	// replayed: unexported fields and fields tagged `json:"-"` come back as
+	// zero values.
+	Value T
+
+	// Replayed is true when the function did not run in this call because
+	// the key's operation had already completed.
+	Replayed bool
+}
+
+// Option changes how [Do] and [Run] treat a key.
+type Option interface {
+	apply(*options)
+}
+
+type optionFunc func(*options)
+
+func (f optionFunc) apply(o *options) { f(o) }
+
+type options struct {
+	retention       time.Duration
+	wait            time.Duration
+	txOptions       pgx.TxOptions
+	maxResponseSize int
+	err             error
+}
+
+// WithRetention sets how long a completed record blocks its key and answers
+// retries with the stored value. After that the record counts as absent and
+// the key can be claimed again. Choose it longer than the longest time in
+// which a client, or anything that stores and forwards its requests, may
+// retry. It must be positive. Defaults to 24h.
+func WithRetention(d time.Duration) Option {
+	return optionFunc(func(o *options) {
+		if d <= 0 {
+			o.fail(fmt.Errorf("%w: retention must be positive, got %s", ErrInvalidOption, d))
+			return
+		}
+		o.retention = d
+	})
+}
+
+// WithWait sets how long a duplicate waits for a concurrent attempt on the
+// same key to finish. When that attempt commits in time, the duplicate
+// replays its outcome; when it rolls back, the duplicate claims the key and
+// runs the function itself; past the budget, the duplicate returns
+// [ErrInProgress]. Zero means not at all: PostgreSQL's own lock_timeout of 0
+// would wait forever, so zero is sent as the server's smallest budget, one
+// millisecond. Negative values are rejected. The budget applies only to the
+// claim: the function and the rest of the transaction keep the caller's own
+// lock_timeout. Defaults to 5s.
+func WithWait(d time.Duration) Option {
+	return optionFunc(func(o *options) {
+		if d < 0 {
+			o.fail(fmt.Errorf("%w: wait must not be negative, got %s", ErrInvalidOption, d))
+			return
+		}
+		o.wait = d
+	})
+}
+
+// WithTxOptions sets the options of the transaction that [Run] begins, such
+// as its isolation level. [Do] ignores it: the caller owns that transaction.
+// Defaults to READ COMMITTED.
+func WithTxOptions(txOptions pgx.TxOptions) Option {
+	return optionFunc(func(o *options) { o.txOptions = txOptions })
+}
+
+// WithMaxResponseSize sets the largest value, in bytes of encoded JSON, that
+// is stored for replay. A larger value makes the call fail with
+// [ErrResponseTooLarge]. It must be positive. Defaults to 1 MiB.
+func WithMaxResponseSize(n int) Option {
+	return optionFunc(func(o *options) {
+		if n <= 0 {
+			o.fail(fmt.Errorf("%w: max response size must be positive, got %d", ErrInvalidOption, n))
+			return
+		}
+		o.maxResponseSize = n
+	})
+}
+
+func (o *options) fail(err error) {
+	if o.err == nil {
+		o.err = err
+	}
+}
+
+func newOptions(opts []Option) (*options, error) {
+	o := &options{
+		retention:       DefaultRetention,
+		wait:            DefaultWait,
+		txOptions:       pgx.TxOptions{IsoLevel: pgx.ReadCommitted},
+		maxResponseSize: DefaultMaxResponseSize,
+	}
+	for _, opt := range opts {
+		opt.apply(o)
+	}
+	return o, o.err
+}
+
+// lockTimeout spells the wait budget in whole milliseconds, rounded up, and
+// never zero, which PostgreSQL would read as "wait forever".
+func (o *options) lockTimeout() string {
+	ms := (o.wait + time.Millisecond - 1) / time.Millisecond
+	return strconv.FormatInt(max(int64(ms), 1), 10)
+}
+
+// checkScopeAndKey validates both identifiers before anything reaches the
+// database: out-of-bounds input is rejected, never truncated, because
+// truncation turns distinct keys into collisions.
+func checkScopeAndKey(scope, key string) error {
+	if err := checkIdentifier(scope); err != nil {
+		return fmt.Errorf("%w: %s", ErrInvalidScope, err)
+	}
+	if err := checkIdentifier(key); err != nil {
+		return fmt.Errorf("%w: %s", ErrInvalidKey, err)
+	}
+	return nil
+}
+
+func checkIdentifier(s string) error {
+	switch {
+	case s == "":
+		return errors.New("empty")
+	case len(s) > MaxKeyLength:
+		return fmt.Errorf("%d bytes, more than %d", len(s), MaxKeyLength)
+	case !utf8.ValidString(s):
+		return errors.New("not valid UTF-8")
+	case bytes.IndexByte([]byte(s), 0) >= 0:
+		return errors.New("contains a NUL byte")
+	}
+	return nil
+}
+
+// Do makes fn's effect happen once per (scope, key), inside the caller's
+// transaction tx.
+//
+// Do claims the key in tx, runs fn with tx, and stores fn's value (as JSON)
+// in tx, so that the claim, fn's writes and the stored value commit together
+// or not at all. A call for a key whose operation already committed does not
+// run fn: it returns the stored value with Replayed set. Scopes are separate
+// namespaces: pass the tenant or client identity, so that two tenants using
+// the same key never see each other's records.
+//
+// fp is the request's fingerprint (see [Fingerprint] and [FingerprintJSON]).
+// A live key claimed with another fingerprint gives [ErrFingerprintMismatch].
+// A nil fp matches only another nil or empty fp.
+//
+// When fn returns an error, Do releases the claim and returns the error
+// wrapped (errors.Is works); the caller should roll back. A duplicate that
+// arrives while another transaction holds the key waits for it (see
+// [WithWait]) and may get [ErrInProgress], after which tx is unusable.
+// Under REPEATABLE READ or SERIALIZABLE, a key completed after tx's snapshot
+// gives [ErrSerialization]: retry the whole transaction, or use [Run], which
+// does.
+//
+// Invalid scopes and keys give [ErrInvalidScope] and [ErrInvalidKey] before
+// anything is sent to the database.
+func Do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
+	fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...Option,
+) (Result[T], error) {
+	o, err := newOptions(opts)
+	if err != nil {
+		return Result[T]{}, err
+	}
+	if err := checkScopeAndKey(scope, key); err != nil {
+		return Result[T]{}, err
+	}
+	res, store, err := attempt(ctx, tx, scope, key, fp, fn, o)
+	if err != nil || store == nil {
+		return res, err
+	}
+	if err := dbsqlc.New(tx).KeyStoreResponse(ctx, *store); err != nil {
+		return Result[T]{}, releaseAfter(ctx, tx, scope, key, translate("store response", err))
+	}
+	return res, nil
+}
+
+// attempt claims the key and runs fn, or replays. When fn ran, it returns
+// the statement that stores the value instead of running it, so that [Run]
+// can send it in the same round trip as COMMIT.
+func attempt[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
+	fn func(ctx context.Context, tx pgx.Tx) (T, error), o *options,
+) (res Result[T], store *dbsqlc.KeyStoreResponseParams, err error) {
+	stored, claimed, err := claim(ctx, dbsqlc.New(tx), scope, key, fp, o)
+	if err != nil {
+		return res, nil, err
+	}
+	if !claimed {
+		if err := json.Unmarshal(stored, &res.Value); err != nil {
+			return Result[T]{}, nil, fmt.Errorf("idem: decode stored response: %w", err)
+		}
+		res.Replayed = true
+		return res, nil, nil
+	}
+
+	// The claim must not survive a panic in fn either: a caller that
+	// recovers and commits would leave the key blocked in progress.
+	defer func() {
+		if p := recover(); p != nil {
+			_ = releaseAfter(ctx, tx, scope, key, nil)
+			panic(p)
+		}
+	}()
+
+	value, err := fn(ctx, tx)
+	if err != nil {
+		return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, fmt.Errorf("idem: %w", err))
+	}
+	encoded, err := encodeResponse(value, o.maxResponseSize)
+	if err != nil {
+		return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, err)
+	}
+	res.Value = value
+	return res, &dbsqlc.KeyStoreResponseParams{Scope: scope, Key: key, Response: encoded}, nil
+}
+
+// claim runs KeyClaim and interprets the answer. It returns claimed when the
+// calling transaction now owns the key, or else the stored response to
+// replay.
+func claim(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte, o *options) (stored []byte, claimed bool, err error) {
+	params := dbsqlc.KeyClaimParams{
+		Scope:       scope,
+		Key:         key,
+		LockTimeout: o.lockTimeout(),
+		Fingerprint: fp,
+		Retention:   pgtype.Interval{Microseconds: o.retention.Microseconds(), Valid: true},
+	}
+	if params.Fingerprint == nil {
+		params.Fingerprint = []byte{}
+	}
+	// A record can vanish between the claim and the read that follows it
+	// (purged or reclaimed once expired); the next claim then succeeds or
+	// sees the new record. Three rounds are more than that race needs.
+	for range 3 {
+		row, err := q.KeyClaim(ctx, params)
+		if err != nil {
+			return nil, false, translate("idem: claim key", err)
+		}
+		if row.Claimed {
+			return nil, true, nil
+		}
+		if row.State.Valid {
+			stored, err := judge(row.State.String, row.Fingerprint, row.Response, fp)
+			return stored, false, err
+		}
+		// The record was committed while the claim waited for it, so the
+		// claim's snapshot cannot see it: read it with a new one.
+		got, err := q.KeyGet(ctx, dbsqlc.KeyGetParams{Scope: scope, Key: key})
+		if errors.Is(err, pgx.ErrNoRows) {
+			continue
+		}
+		if err != nil {
+			return nil, false, translate("idem: read key", err)
+		}
+		stored, err := judge(got.State, got.Fingerprint, got.Response, fp)
+		return stored, false, err
+	}
+	return nil, false, fmt.Errorf("%w: the record kept changing while it was claimed", ErrInProgress)
+}
+
+// judge decides what a duplicate gets from the live record that blocked it.
+func judge(state string, storedFP, response, fp []byte) ([]byte, error) {
+	switch {
+	case !bytes.Equal(storedFP, fp):
+		return nil, ErrFingerprintMismatch
+	case state != stateDone:
+		// Only the calling transaction's own open claim can be seen in
+		// progress: another transaction's would have been waited for.
+		return nil, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
+	}
+	return response, nil
+}
+
+// stateDone marks a record whose operation committed with a stored response.
+const stateDone = "done"
+
+// encodeResponse encodes v for the jsonb column, refusing what the column
+// would reject so that the failure is typed and the transaction stays usable.
+func encodeResponse(v any, limit int) ([]byte, error) {
+	encoded, err := json.Marshal(v)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrResponseNotStorable, err)
+	}
+	if len(encoded) > limit {
+		return nil, fmt.Errorf("%w: %d bytes of JSON, limit %d", ErrResponseTooLarge, len(encoded), limit)
+	}
+	if hasEscapedNUL(encoded) {
+		return nil, fmt.Errorf("%w: a string holds a NUL character, which jsonb cannot store", ErrResponseNotStorable)
+	}
+	return encoded, nil
+}
+
+// hasEscapedNUL reports whether valid JSON holds the escape \u0000. Every
+// backslash in valid JSON starts an escape, so skipping each escape as a
+// whole tells an escaped backslash followed by "u0000" from a real one.
+func hasEscapedNUL(encoded []byte) bool {
+	for i := 0; i < len(encoded)-1; i++ {
+		if encoded[i] != '\\' {
+			continue
+		}
+		if encoded[i+1] == 'u' && bytes.HasPrefix(encoded[i+2:], []byte("0000")) {
+			return true
+		}
+		i++
+	}
+	return false
+}
+
+// releaseAfter removes the calling transaction's claim after a failure, with
+// a context that is not cancelled, so that a caller who commits anyway never
+// commits a record stuck in progress. If the transaction is already aborted
+// the release fails harmlessly: nothing in it can commit.
+func releaseAfter(ctx context.Context, tx pgx.Tx, scope, key string, cause error) error {
+	err := dbsqlc.New(tx).KeyRelease(context.WithoutCancel(ctx), dbsqlc.KeyReleaseParams{Scope: scope, Key: key})
+	if err != nil && tx.Conn() != nil && tx.Conn().PgConn().TxStatus() == 'T' {
+		return errors.Join(cause, fmt.Errorf("idem: release claim, roll back: %w", err))
+	}
+	return cause
+}

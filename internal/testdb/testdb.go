@@ -1,0 +1,208 @@
+// Package testdb gives a package's tests a throwaway PostgreSQL database,
+// migrated and dropped again when the tests finish.
+//
+// The server is TEST_DATABASE_URL when set, or else a postgres container
+// started with testcontainers-go. When neither is available the database
+// tests skip, except with CI=true, where they fail: a CI run must never
+// pass by skipping them.
+package testdb
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"flag"
+	"fmt"
+	neturl "net/url"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/testcontainers/testcontainers-go"
+	"github.com/testcontainers/testcontainers-go/modules/postgres"
+
+	"github.com/pgidem/idem"
+)
+
+// Env is the database of one test binary.
+type Env struct {
+	pool *pgxpool.Pool
+	url  string
+	err  error
+}
+
+// Pool returns the pool of the throwaway database, or ends the test: it
+// skips when no server is available, and fails instead when CI=true.
+func (e *Env) Pool(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	if e.err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("no test database (CI=true, so this fails instead of skipping): %v", e.err)
+		}
+		t.Skipf("no test database: %v", e.err)
+	}
+	return e.pool
+}
+
+// URL returns the connection string of the throwaway database.
+func (e *Env) URL(t testing.TB) string {
+	t.Helper()
+	e.Pool(t)
+	return e.url
+}
+
+// Main runs the tests of m against a throwaway database, stored in *env,
+// and returns the exit code for os.Exit.
+func Main(m *testing.M, env **Env) int {
+	flag.Parse()
+	ctx := context.Background()
+	e := &Env{}
+	*env = e
+	cleanup, err := e.start(ctx)
+	if err != nil {
+		e.err = err
+		fmt.Fprintf(os.Stderr, "testdb: %v\n", err)
+		if os.Getenv("CI") != "true" {
+			// Examples cannot skip: keep them from failing for want of a
+			// server. Tests skip one by one and say why.
+			_ = flag.Set("test.skip", "^Example")
+		}
+	}
+	code := m.Run()
+	if cleanup != nil {
+		cleanup()
+	}
+	return code
+}
+
+func (e *Env) start(ctx context.Context) (func(), error) {
+	serverURL := os.Getenv("TEST_DATABASE_URL")
+	var stopContainer func()
+	if serverURL == "" {
+		url, stop, err := startContainer(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("TEST_DATABASE_URL is not set and no postgres container could be started: %w", err)
+		}
+		serverURL, stopContainer = url, stop
+	}
+
+	admin, err := pgx.Connect(ctx, serverURL)
+	if err != nil {
+		if stopContainer != nil {
+			stopContainer()
+		}
+		return nil, fmt.Errorf("connect to %s: %w", redact(serverURL), err)
+	}
+	name := "idem_test_" + randomHex(6)
+	// Identifiers cannot be bound as parameters; the name is ours and quoted.
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		admin.Close(ctx)
+		return nil, fmt.Errorf("create database: %w", err)
+	}
+	cleanup := func() {
+		if e.pool != nil {
+			e.pool.Close()
+		}
+		dropCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_, _ = admin.Exec(dropCtx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
+		admin.Close(dropCtx)
+		if stopContainer != nil {
+			stopContainer()
+		}
+	}
+
+	cfg, err := pgxpool.ParseConfig(serverURL)
+	if err != nil {
+		cleanup()
+		return nil, err
+	}
+	cfg.ConnConfig.Database = name
+	cfg.MaxConns = 60
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		cleanup()
+		return nil, err
+	}
+	e.pool = pool
+	e.url = withDatabase(serverURL, name)
+
+	sqlDB := stdlib.OpenDBFromPool(pool)
+	defer sqlDB.Close()
+	if err := idem.Migrate(ctx, sqlDB); err != nil {
+		cleanup()
+		return nil, err
+	}
+	if _, err := pool.Exec(ctx, appSchema); err != nil {
+		cleanup()
+		return nil, fmt.Errorf("create app schema: %w", err)
+	}
+	return cleanup, nil
+}
+
+// appSchema is the business table the tests write beside their claims, as
+// an application would.
+const appSchema = `
+CREATE TABLE payment (
+    id           bigserial PRIMARY KEY,
+    scope        text   NOT NULL,
+    key          text   NOT NULL,
+    amount_cents bigint NOT NULL
+)`
+
+func startContainer(ctx context.Context) (url string, stop func(), err error) {
+	defer func() {
+		// testcontainers panics when no Docker provider exists at all.
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%v", r)
+		}
+	}()
+	ctr, err := postgres.Run(ctx, "postgres:16-alpine",
+		postgres.WithDatabase("postgres"),
+		postgres.WithUsername("postgres"),
+		postgres.WithPassword("postgres"),
+		postgres.BasicWaitStrategies(),
+	)
+	if err != nil {
+		if ctr != nil {
+			_ = testcontainers.TerminateContainer(ctr)
+		}
+		return "", nil, err
+	}
+	url, err = ctr.ConnectionString(ctx, "sslmode=disable")
+	if err != nil {
+		_ = testcontainers.TerminateContainer(ctr)
+		return "", nil, err
+	}
+	return url, func() { _ = testcontainers.TerminateContainer(ctr) }, nil
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// Name returns a name unique to this run, for scopes and keys that must not
+// meet another test's.
+func Name(prefix string) string { return prefix + "-" + randomHex(8) }
+
+// withDatabase points a connection string, URL or key=value, at database.
+func withDatabase(connString, database string) string {
+	if u, err := neturl.Parse(connString); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		u.Path = "/" + database
+		return u.String()
+	}
+	return connString + " dbname=" + database
+}
+
+func redact(url string) string {
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return "the test database"
+	}
+	return fmt.Sprintf("%s:%d", cfg.Host, cfg.Port)
+}

@@ -1,0 +1,89 @@
+-- name: KeyClaim :one
+-- KeyClaim claims (scope, key) for the calling transaction, in one round
+-- trip: it sets the wait budget, inserts the claim (or takes over an expired
+-- record), restores the caller's lock_timeout, and returns the live record
+-- that blocked the claim, if the statement's snapshot can see it.
+--
+-- A record committed by another transaction while this statement waited on
+-- it is invisible to this statement's snapshot: the caller then gets neither
+-- claimed nor a record, and must read it again with KeyGet.
+WITH budget AS (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', @lock_timeout::text, true) AS applied
+),
+inserted AS (
+    INSERT INTO idempotency_key (scope, key, fingerprint, state, expires_at)
+    SELECT @scope::text, @key::text, @fingerprint::bytea, 'in_progress',
+           now() + @retention::interval
+    FROM budget
+    WHERE budget.applied IS NOT NULL
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING 1
+),
+reclaimed AS (
+    UPDATE idempotency_key
+    SET fingerprint = @fingerprint::bytea,
+        state = 'in_progress',
+        response = NULL,
+        created_at = now(),
+        expires_at = now() + @retention::interval
+    WHERE scope = @scope::text
+      AND key = @key::text
+      AND expires_at <= now()
+      AND NOT EXISTS (SELECT FROM inserted)
+    RETURNING 1
+),
+outcome AS (
+    -- Both counts are evaluated, so both data-modifying CTEs (and any lock
+    -- wait in them) finish before the budget is restored below.
+    SELECT (SELECT count(*) FROM inserted) + (SELECT count(*) FROM reclaimed) > 0 AS claimed
+)
+SELECT outcome.claimed::bool AS claimed,
+       existing.fingerprint,
+       existing.state,
+       existing.response,
+       set_config('lock_timeout', budget.saved, true) AS restored
+FROM outcome
+CROSS JOIN budget
+LEFT JOIN idempotency_key AS existing
+    ON existing.scope = @scope::text
+   AND existing.key = @key::text
+   AND existing.expires_at > now();
+
+-- name: KeyGet :one
+-- KeyGet reads the live record for (scope, key) with a fresh snapshot.
+SELECT fingerprint, state, response
+FROM idempotency_key
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND expires_at > now();
+
+-- name: KeyStoreResponse :exec
+-- KeyStoreResponse completes a claim made by the same transaction.
+UPDATE idempotency_key
+SET state = 'done',
+    response = @response::jsonb
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND state = 'in_progress';
+
+-- name: KeyRelease :exec
+-- KeyRelease removes a claim whose work failed, so that a committed record is
+-- never left in progress.
+DELETE FROM idempotency_key
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND state = 'in_progress';
+
+-- name: KeyPurgeExpired :execrows
+-- KeyPurgeExpired deletes up to @max_rows expired records, oldest expiry
+-- first, skipping rows another transaction holds (a reclaim in flight).
+DELETE FROM idempotency_key
+WHERE (scope, key) IN (
+    SELECT expired.scope, expired.key
+    FROM idempotency_key AS expired
+    WHERE expired.expires_at <= now()
+    ORDER BY expired.expires_at
+    LIMIT @max_rows::int
+    FOR UPDATE SKIP LOCKED
+);

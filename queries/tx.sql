@@ -1,0 +1,2 @@
+-- name: TxCommit :exec
+COMMIT;
