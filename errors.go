@@ -1,7 +1,6 @@
 package idem
 
 import (
-	"context"
 	"errors"
 	"fmt"
 
@@ -87,13 +86,4 @@ func isRetryable(err error) bool {
 		return pgErr.Code == sqlstateSerializationFailure || pgErr.Code == sqlstateDeadlockDetected
 	}
 	return false
-}
-
-// contextErr prefers the context's own error when the context ended, so that
-// a cancelled call reports context.Canceled rather than a driver message.
-func contextErr(ctx context.Context, err error) error {
-	if ctxErr := ctx.Err(); ctxErr != nil && !errors.Is(err, ctxErr) {
-		return fmt.Errorf("%w (%w)", ctxErr, err)
-	}
-	return err
 }

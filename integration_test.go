@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"reflect"
 	"strings"
 	"sync"
@@ -674,7 +675,7 @@ func TestStoredValuesReplayEqual(t *testing.T) {
 			Empty: map[string]string{}, Time: time.Date(2026, 11, 29, 12, 0, 0, 123456789, time.UTC),
 			Escaping: `\u0000 is text here, not a NUL`,
 		},
-		"float extremes": []float64{1e21, 5e-324, -0.0, 1.7976931348623157e308},
+		"float extremes": []float64{1e21, 5e-324, math.Copysign(0, -1), 1.7976931348623157e308},
 		"null":           nil,
 		"string":         "plain",
 	}

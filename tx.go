@@ -86,8 +86,6 @@ func Run[T any](ctx context.Context, db TxBeginner, scope, key string, fp []byte
 	return res, nil
 }
 
-type dbKeyStore = dbsqlc.KeyStoreResponseParams
-
 // txWork is one attempt's work in a transaction. Statements it puts on
 // beforeCommit run after it returns, ahead of COMMIT, in the same round trip
 // where the connection allows it.
