@@ -61,6 +61,7 @@ type options struct {
 	wait            time.Duration
 	txOptions       pgx.TxOptions
 	maxResponseSize int
+	lookupFirst     bool
 	err             error
 }
 
@@ -97,6 +98,15 @@ func WithWait(d time.Duration) Option {
 		o.wait = d
 	})
 }
+
+// WithLookupFirst makes [Run] read the key before it begins a transaction.
+// A replay then costs one round trip and no transaction at all, instead of
+// two round trips; a first execution costs one round trip more. It pays
+// where retries are common: consumers of a queue that redelivers, endpoints
+// behind retrying proxies, or a service riding out a retry storm. [Do]
+// ignores it, as it does when Run is given a TxBeginner other than
+// *pgxpool.Pool, *pgxpool.Conn or *pgx.Conn. Defaults to off.
+func WithLookupFirst() Option { return optionFunc(func(o *options) { o.lookupFirst = true }) }
 
 // WithTxOptions sets the options of the transaction that [Run] begins, such
 // as its isolation level. [Do] ignores it: the caller owns that transaction.
@@ -205,7 +215,7 @@ func Do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	if err := checkScopeAndKey(scope, key); err != nil {
 		return Result[T]{}, err
 	}
-	res, store, err := attempt(ctx, tx, scope, key, fp, fn, o)
+	res, store, err := attempt(ctx, tx, func() pgx.Tx { return tx }, scope, key, fp, fn, o)
 	if err != nil || store == nil {
 		return res, err
 	}
@@ -215,22 +225,21 @@ func Do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	return res, nil
 }
 
-// attempt claims the key and runs fn, or replays. When fn ran, it returns
-// the statement that stores the value instead of running it, so that [Run]
-// can send it in the same round trip as COMMIT.
-func attempt[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
+// attempt claims the key through db and runs fn in the transaction that
+// txOf returns once the claim is made, or replays. When fn ran, it returns
+// the parameters that store the value instead of storing it, so that [Run]
+// can send them in the same round trip as COMMIT.
+func attempt[T any](ctx context.Context, db dbsqlc.DBTX, txOf func() pgx.Tx, scope, key string, fp []byte,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error), o *options,
 ) (res Result[T], store *dbsqlc.KeyStoreResponseParams, err error) {
-	stored, claimed, err := claim(ctx, dbsqlc.New(tx), scope, key, fp, o)
+	stored, claimed, err := claim(ctx, dbsqlc.New(db), scope, key, fp, o)
 	if err != nil {
 		return res, nil, err
 	}
+	tx := txOf()
 	if !claimed {
-		if err := json.Unmarshal(stored, &res.Value); err != nil {
-			return Result[T]{}, nil, fmt.Errorf("idem: decode stored response: %w", err)
-		}
-		res.Replayed = true
-		return res, nil, nil
+		res, err := replayed[T](stored)
+		return res, nil, err
 	}
 
 	// The claim must not survive a panic in fn either: a caller that
@@ -268,9 +277,9 @@ func claim(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte,
 	if params.Fingerprint == nil {
 		params.Fingerprint = []byte{}
 	}
-	// A record can vanish between the claim and the read that follows it
-	// (purged or reclaimed once expired); the next claim then succeeds or
-	// sees the new record. Three rounds are more than that race needs.
+	// A record can vanish or change between one statement and the next
+	// (purged, or reclaimed once expired); the next round then claims the
+	// key or sees the new record. Three rounds are more than that race needs.
 	for range 3 {
 		row, err := q.KeyClaim(ctx, params)
 		if err != nil {
@@ -278,6 +287,21 @@ func claim(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte,
 		}
 		if row.Claimed {
 			return nil, true, nil
+		}
+		if row.State.Valid && row.Expired {
+			// An expired record counts as absent: take it over, whatever
+			// its fingerprint, unless a concurrent reclaimer got there first.
+			got, err := q.KeyReclaim(ctx, dbsqlc.KeyReclaimParams{
+				Scope: scope, Key: key, LockTimeout: params.LockTimeout,
+				Fingerprint: params.Fingerprint, Retention: params.Retention,
+			})
+			if err != nil {
+				return nil, false, translate("idem: reclaim expired key", err)
+			}
+			if got.Claimed {
+				return nil, true, nil
+			}
+			continue
 		}
 		if row.State.Valid {
 			stored, err := judge(row.State.String, row.Fingerprint, row.Response, fp)
@@ -296,6 +320,30 @@ func claim(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte,
 		return stored, false, err
 	}
 	return nil, false, fmt.Errorf("%w: the record kept changing while it was claimed", ErrInProgress)
+}
+
+// lookup reads the key's live record outside any transaction, and reports
+// found when it holds a completed operation to replay.
+func lookup(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte) (stored []byte, found bool, err error) {
+	got, err := q.KeyGet(ctx, dbsqlc.KeyGetParams{Scope: scope, Key: key})
+	if errors.Is(err, pgx.ErrNoRows) || (err == nil && got.State != stateDone) {
+		return nil, false, nil
+	}
+	if err != nil {
+		return nil, false, translate("idem: look up key", err)
+	}
+	stored, err = judge(got.State, got.Fingerprint, got.Response, fp)
+	return stored, err == nil, err
+}
+
+// replayed decodes a stored response into the result of a replay.
+func replayed[T any](stored []byte) (Result[T], error) {
+	var res Result[T]
+	if err := json.Unmarshal(stored, &res.Value); err != nil {
+		return Result[T]{}, fmt.Errorf("idem: decode stored response: %w", err)
+	}
+	res.Replayed = true
+	return res, nil
 }
 
 // judge decides what a duplicate gets from the live record that blocked it.

@@ -845,3 +845,29 @@ func normalize(t *testing.T, v any) any {
 	}
 	return out
 }
+
+func TestRunLookupFirst(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	var calls atomic.Int64
+	lookupFirst := idem.WithLookupFirst()
+
+	first, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 100, &calls), lookupFirst)
+	if err != nil || first.Replayed {
+		t.Fatalf("first: %+v, %v", first, err)
+	}
+	second, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 100, &calls), lookupFirst)
+	if err != nil || !second.Replayed || second.Value != first.Value {
+		t.Fatalf("replay: %+v, %v; want %+v", second, err, first.Value)
+	}
+	if _, err := idem.Run(ctx, pool, scope, "k", fpB, pay(scope, "k", 100, &calls), lookupFirst); !errors.Is(err, idem.ErrFingerprintMismatch) {
+		t.Fatalf("other fingerprint: %v, want ErrFingerprintMismatch", err)
+	}
+	expire(t, pool, scope, "k")
+	third, err := idem.Run(ctx, pool, scope, "k", fpB, pay(scope, "k", 300, &calls), lookupFirst)
+	if err != nil || third.Replayed || third.Value.AmountCents != 300 {
+		t.Fatalf("after expiry: %+v, %v; want a fresh run", third, err)
+	}
+	if calls.Load() != 2 || countPayments(t, pool, scope) != 2 {
+		t.Fatalf("fn ran %d times, want 2", calls.Load())
+	}
+}

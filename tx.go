@@ -46,8 +46,25 @@ const rollbackTimeout = 5 * time.Second
 // [MaxTxAttempts] times in all. fn must therefore do nothing that cannot be
 // rolled back. A failed COMMIT is reported as an error.
 func WithTx(ctx context.Context, db TxBeginner, txOptions pgx.TxOptions, fn func(ctx context.Context, tx pgx.Tx) error) error {
-	return runTx(ctx, db, txOptions, func(ctx context.Context, tx pgx.Tx, _ *statementQueue) error {
-		return fn(ctx, tx)
+	return retry(ctx, func() error {
+		tx, err := db.BeginTx(ctx, txOptions)
+		if err != nil {
+			return translate("idem: begin", err)
+		}
+		committed := false
+		defer func() {
+			if !committed {
+				rollback(ctx, tx)
+			}
+		}()
+		if err := fn(ctx, tx); err != nil {
+			return err
+		}
+		committed = true
+		if err := tx.Commit(ctx); err != nil {
+			return translate("idem: commit", err)
+		}
+		return nil
 	})
 }
 
@@ -56,10 +73,13 @@ func WithTx(ctx context.Context, db TxBeginner, txOptions pgx.TxOptions, fn func
 // has no transaction of its own. Like [WithTx], it retries the whole
 // transaction on serialization failures and deadlocks, so that under
 // SERIALIZABLE a duplicate that loses the race sees a replay, not an error.
+// A replay rolls its transaction back: it wrote nothing.
 //
 // The transaction is READ COMMITTED unless [WithTxOptions] says otherwise.
-// Given a *pgxpool.Pool, *pgxpool.Conn or *pgx.Conn, Run stores the value in
-// the same round trip as COMMIT.
+// Given a *pgxpool.Pool, *pgxpool.Conn or *pgx.Conn, Run sends BEGIN in the
+// same round trip as the claim, and the stored value in the same round trip
+// as COMMIT: a first execution costs one round trip more than fn's own
+// statements, and a replay two round trips in all.
 func Run[T any](ctx context.Context, db TxBeginner, scope, key string, fp []byte,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...Option,
 ) (Result[T], error) {
@@ -71,14 +91,10 @@ func Run[T any](ctx context.Context, db TxBeginner, scope, key string, fp []byte
 		return Result[T]{}, err
 	}
 	var res Result[T]
-	err = runTx(ctx, db, o.txOptions, func(ctx context.Context, tx pgx.Tx, beforeCommit *statementQueue) error {
-		var store *dbsqlc.KeyStoreResponseParams
+	err = retry(ctx, func() error {
 		var err error
-		res, store, err = attempt(ctx, tx, scope, key, fp, fn, o)
-		if err != nil || store == nil {
-			return err
-		}
-		return beforeCommit.queries().KeyStoreResponse(ctx, *store)
+		res, err = runOnce(ctx, db, scope, key, fp, fn, o)
+		return err
 	})
 	if err != nil {
 		return Result[T]{}, err
@@ -86,21 +102,106 @@ func Run[T any](ctx context.Context, db TxBeginner, scope, key string, fp []byte
 	return res, nil
 }
 
-// txWork is one attempt's work in a transaction. Statements it puts on
-// beforeCommit run after it returns, ahead of COMMIT, in the same round trip
-// where the connection allows it.
-type txWork func(ctx context.Context, tx pgx.Tx, beforeCommit *statementQueue) error
+func runOnce[T any](ctx context.Context, beginner TxBeginner, scope, key string, fp []byte,
+	fn func(ctx context.Context, tx pgx.Tx) (T, error), o *options,
+) (Result[T], error) {
+	conn, release, err := ownConn(ctx, beginner)
+	if err != nil {
+		return Result[T]{}, fmt.Errorf("idem: acquire connection: %w", err)
+	}
+	defer release()
 
-func runTx(ctx context.Context, beginner TxBeginner, txOptions pgx.TxOptions, work txWork) error {
-	for attempt := 1; ; attempt++ {
-		err := runTxOnce(ctx, beginner, txOptions, work)
+	if conn != nil && o.lookupFirst {
+		stored, found, err := lookup(ctx, dbsqlc.New(conn), scope, key, fp)
+		if err != nil {
+			return Result[T]{}, err
+		}
+		if found {
+			return replayed[T](stored)
+		}
+	}
+	lazy := &lazyTx{conn: conn, txOptions: o.txOptions}
+	if conn == nil {
+		if lazy.tx, err = beginner.BeginTx(ctx, o.txOptions); err != nil {
+			return Result[T]{}, translate("idem: begin", err)
+		}
+	}
+	finished := false
+	defer func() {
+		if !finished && lazy.tx != nil {
+			rollback(ctx, lazy.tx)
+		}
+	}()
+
+	res, store, err := attempt(ctx, lazy, lazy.current, scope, key, fp, fn, o)
+	if err != nil {
+		return Result[T]{}, err
+	}
+	if store == nil {
+		return res, nil // a replay: the deferred rollback ends the transaction
+	}
+	finished = true
+	if err := commitWith(ctx, lazy.tx, conn != nil, store); err != nil {
+		return Result[T]{}, err
+	}
+	return res, nil
+}
+
+// commitWith stores the response and commits. On a connection Run drives
+// itself both go in one round trip; the pgx.Tx is then left unclosed, which
+// is harmless: the server's transaction ended with the batch, and the
+// connection goes back to its pool idle.
+func commitWith(ctx context.Context, tx pgx.Tx, ownsConn bool, store *dbsqlc.KeyStoreResponseParams) error {
+	if !ownsConn {
+		if err := dbsqlc.New(tx).KeyStoreResponse(ctx, *store); err != nil {
+			rollback(ctx, tx)
+			return translate("idem: store response", err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return translate("idem: commit", err)
+		}
+		return nil
+	}
+
+	batch := &pgx.Batch{}
+	q := dbsqlc.New(batchQueue{batch})
+	_ = q.KeyStoreResponse(ctx, *store) // queuing cannot fail
+	_ = q.TxCommit(ctx)
+	results := tx.SendBatch(ctx, batch)
+	var tag pgconn.CommandTag
+	var err error
+	for range batch.Len() {
+		if tag, err = results.Exec(); err != nil {
+			break
+		}
+	}
+	if closeErr := results.Close(); err == nil {
+		err = closeErr
+	}
+	if err == nil && tag.String() == "ROLLBACK" {
+		err = pgx.ErrTxCommitRollback
+	}
+	if err != nil {
+		if tx.Conn().PgConn().TxStatus() != 'I' {
+			rollback(ctx, tx)
+		}
+		return translate("idem: store response and commit", err)
+	}
+	return nil
+}
+
+// retry runs attempt until it succeeds, fails for good, or has failed with
+// a serialization failure or deadlock MaxTxAttempts times.
+func retry(ctx context.Context, attempt func() error) error {
+	for n := 1; ; n++ {
+		err := attempt()
 		if err == nil || !isRetryable(err) {
 			return err
 		}
-		if attempt == MaxTxAttempts {
-			return fmt.Errorf("idem: gave up after %d attempts: %w", attempt, err)
+		if n == MaxTxAttempts {
+			return fmt.Errorf("idem: gave up after %d attempts: %w", n, err)
 		}
-		if err := sleep(ctx, retryDelay(attempt)); err != nil {
+		if err := sleep(ctx, retryDelay(n)); err != nil {
 			return err
 		}
 	}
@@ -122,52 +223,9 @@ func sleep(ctx context.Context, d time.Duration) error {
 	}
 }
 
-func runTxOnce(ctx context.Context, beginner TxBeginner, txOptions pgx.TxOptions, work txWork) (err error) {
-	conn, release, err := ownConn(ctx, beginner)
-	if err != nil {
-		return fmt.Errorf("idem: acquire connection: %w", err)
-	}
-	defer release()
-
-	var tx pgx.Tx
-	if conn != nil {
-		tx, err = conn.BeginTx(ctx, txOptions)
-	} else {
-		tx, err = beginner.BeginTx(ctx, txOptions)
-	}
-	if err != nil {
-		return translate("idem: begin", err)
-	}
-	finished := false
-	defer func() {
-		if !finished {
-			rollback(ctx, tx)
-		}
-	}()
-
-	var beforeCommit statementQueue
-	if err := work(ctx, tx, &beforeCommit); err != nil {
-		return err
-	}
-	finished = true
-	if conn != nil && beforeCommit.len() > 0 {
-		return commitPipelined(ctx, tx, &beforeCommit)
-	}
-	if beforeCommit.len() > 0 {
-		if err := beforeCommit.send(ctx, tx); err != nil {
-			rollback(ctx, tx)
-			return err
-		}
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return translate("idem: commit", err)
-	}
-	return nil
-}
-
 // ownConn returns the connection under beginner when it is one Run may
-// drive directly (to commit in a pipeline), with the function that gives it
-// back. For any other TxBeginner it returns a nil connection.
+// drive directly, with the function that gives it back. For any other
+// TxBeginner it returns a nil connection.
 func ownConn(ctx context.Context, beginner TxBeginner) (*pgx.Conn, func(), error) {
 	switch b := beginner.(type) {
 	case *pgxpool.Pool:
@@ -184,79 +242,106 @@ func ownConn(ctx context.Context, beginner TxBeginner) (*pgx.Conn, func(), error
 	return nil, func() {}, nil
 }
 
-// commitPipelined sends the queued statements and COMMIT in one round trip.
-// The pgx.Tx is left behind unclosed: the server's transaction ended with
-// the batch, and the connection is ours, so nothing else will use it.
-func commitPipelined(ctx context.Context, tx pgx.Tx, q *statementQueue) error {
-	if err := q.queries().TxCommit(ctx); err != nil {
-		return err
-	}
-	err := q.send(ctx, tx)
-	if err != nil {
-		if tx.Conn().PgConn().TxStatus() != 'I' {
-			rollback(ctx, tx)
-		}
-		return err
-	}
-	if q.lastTag.String() == "ROLLBACK" {
-		return translate("idem: commit", pgx.ErrTxCommitRollback)
-	}
-	return nil
-}
-
 func rollback(ctx context.Context, tx pgx.Tx) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 	defer cancel()
 	_ = tx.Rollback(ctx)
 }
 
-// statementQueue collects statements from the generated queries instead of
-// running them, so that they can be sent together in one pipeline.
-type statementQueue struct {
-	batch   pgx.Batch
-	lastTag pgconn.CommandTag
+// lazyTx is a dbsqlc.DBTX whose transaction begins with the first statement
+// sent through it, in the same round trip (pgx's Batch.BeginTx). Later
+// statements run in that transaction. When tx is set from the start, it
+// simply runs statements in tx.
+type lazyTx struct {
+	conn      *pgx.Conn
+	txOptions pgx.TxOptions
+	tx        pgx.Tx
 }
 
-func (q *statementQueue) queries() *dbsqlc.Queries { return dbsqlc.New(q) }
+func (l *lazyTx) current() pgx.Tx { return l.tx }
 
-func (q *statementQueue) len() int { return q.batch.Len() }
+// begin sends BEGIN and sql in one batch and returns the results positioned
+// at sql's.
+func (l *lazyTx) begin(ctx context.Context, sql string, args []any) (pgx.BatchResults, error) {
+	batch := &pgx.Batch{}
+	batch.BeginTx(l.txOptions)
+	batch.Queue(sql, args...)
+	results := l.conn.SendBatch(ctx, batch)
+	l.tx = results.Tx()
+	if _, err := results.Exec(); err != nil {
+		_ = results.Close()
+		return nil, err
+	}
+	return results, nil
+}
 
-// Exec queues sql; its result is read by send.
-func (q *statementQueue) Exec(_ context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+func (l *lazyTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if l.tx != nil {
+		return l.tx.Exec(ctx, sql, args...)
+	}
+	results, err := l.begin(ctx, sql, args)
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	tag, err := results.Exec()
+	if closeErr := results.Close(); err == nil {
+		err = closeErr
+	}
+	return tag, err
+}
+
+func (l *lazyTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if l.tx != nil {
+		return l.tx.Query(ctx, sql, args...)
+	}
+	return nil, errors.New("idem: a transaction cannot begin with a query returning many rows")
+}
+
+func (l *lazyTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if l.tx != nil {
+		return l.tx.QueryRow(ctx, sql, args...)
+	}
+	results, err := l.begin(ctx, sql, args)
+	if err != nil {
+		return errRow{err}
+	}
+	return batchRow{row: results.QueryRow(), results: results}
+}
+
+// batchRow is a row from a batch; scanning it closes the batch, after which
+// the transaction the batch began may be used.
+type batchRow struct {
+	row     pgx.Row
+	results pgx.BatchResults
+}
+
+func (r batchRow) Scan(dest ...any) error {
+	err := r.row.Scan(dest...)
+	if closeErr := r.results.Close(); err == nil {
+		err = closeErr
+	}
+	return err
+}
+
+type errRow struct{ err error }
+
+func (r errRow) Scan(...any) error { return r.err }
+
+// batchQueue is a dbsqlc.DBTX that queues statements on a batch instead of
+// running them. Only statements without results can be queued.
+type batchQueue struct{ batch *pgx.Batch }
+
+func (q batchQueue) Exec(_ context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	q.batch.Queue(sql, args...)
 	return pgconn.CommandTag{}, nil
 }
 
-// Query is not supported: only statements without results can be queued.
-func (q *statementQueue) Query(context.Context, string, ...any) (pgx.Rows, error) {
+func (q batchQueue) Query(context.Context, string, ...any) (pgx.Rows, error) {
 	return nil, errQueuedResult
 }
 
-// QueryRow is not supported: only statements without results can be queued.
-func (q *statementQueue) QueryRow(context.Context, string, ...any) pgx.Row {
-	return errRow{}
+func (q batchQueue) QueryRow(context.Context, string, ...any) pgx.Row {
+	return errRow{errQueuedResult}
 }
 
 var errQueuedResult = errors.New("idem: a queued statement cannot return rows")
-
-type errRow struct{}
-
-func (errRow) Scan(...any) error { return errQueuedResult }
-
-// send runs the queued statements in one round trip and reports the first
-// failure.
-func (q *statementQueue) send(ctx context.Context, tx pgx.Tx) error {
-	results := tx.SendBatch(ctx, &q.batch)
-	for range q.batch.Len() {
-		tag, err := results.Exec()
-		if err != nil {
-			_ = results.Close()
-			return translate("idem: finish transaction", err)
-		}
-		q.lastTag = tag
-	}
-	if err := results.Close(); err != nil {
-		return translate("idem: finish transaction", err)
-	}
-	return nil
-}

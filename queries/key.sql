@@ -1,12 +1,13 @@
 -- name: KeyClaim :one
--- KeyClaim claims (scope, key) for the calling transaction, in one round
--- trip: it sets the wait budget, inserts the claim (or takes over an expired
--- record), restores the caller's lock_timeout, and returns the live record
--- that blocked the claim, if the statement's snapshot can see it.
+-- KeyClaim claims (scope, key) for the calling transaction in one
+-- statement: it sets the wait budget, inserts the claim, restores the
+-- caller's lock_timeout, and returns the record that blocked the claim, if
+-- the statement's snapshot can see it.
 --
 -- A record committed by another transaction while this statement waited on
 -- it is invisible to this statement's snapshot: the caller then gets neither
--- claimed nor a record, and must read it again with KeyGet.
+-- claimed nor a record, and reads it again with KeyGet. An expired record
+-- comes back with expired set; the caller takes it over with KeyReclaim.
 WITH budget AS (
     SELECT current_setting('lock_timeout') AS saved,
            set_config('lock_timeout', @lock_timeout::text, true) AS applied
@@ -20,6 +21,31 @@ inserted AS (
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1
 ),
+outcome AS (
+    SELECT count(*) > 0 AS claimed FROM inserted
+)
+SELECT outcome.claimed::bool AS claimed,
+       existing.fingerprint,
+       existing.state,
+       existing.response,
+       coalesce(existing.expires_at <= now(), false)::bool AS expired,
+       -- Reading outcome runs the insert, and with it any wait, before the
+       -- caller's lock_timeout comes back.
+       set_config('lock_timeout', budget.saved, outcome.claimed IS NOT NULL) AS restored
+FROM budget
+CROSS JOIN outcome
+LEFT JOIN idempotency_key AS existing
+    ON existing.scope = @scope::text
+   AND existing.key = @key::text;
+
+-- name: KeyReclaim :one
+-- KeyReclaim takes over an expired record for the calling transaction, with
+-- the same wait budget as KeyClaim. Two concurrent reclaimers queue on the
+-- row lock; the second finds the record live again and takes nothing.
+WITH budget AS (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', @lock_timeout::text, true) AS applied
+),
 reclaimed AS (
     UPDATE idempotency_key
     SET fingerprint = @fingerprint::bytea,
@@ -27,28 +53,20 @@ reclaimed AS (
         response = NULL,
         created_at = now(),
         expires_at = now() + @retention::interval
-    WHERE scope = @scope::text
-      AND key = @key::text
-      AND expires_at <= now()
-      AND NOT EXISTS (SELECT FROM inserted)
+    FROM budget
+    WHERE idempotency_key.scope = @scope::text
+      AND idempotency_key.key = @key::text
+      AND idempotency_key.expires_at <= now()
+      AND budget.applied IS NOT NULL
     RETURNING 1
 ),
 outcome AS (
-    -- Both counts are evaluated, so both data-modifying CTEs (and any lock
-    -- wait in them) finish before the budget is restored below.
-    SELECT (SELECT count(*) FROM inserted) + (SELECT count(*) FROM reclaimed) > 0 AS claimed
+    SELECT count(*) > 0 AS claimed FROM reclaimed
 )
 SELECT outcome.claimed::bool AS claimed,
-       existing.fingerprint,
-       existing.state,
-       existing.response,
-       set_config('lock_timeout', budget.saved, true) AS restored
-FROM outcome
-CROSS JOIN budget
-LEFT JOIN idempotency_key AS existing
-    ON existing.scope = @scope::text
-   AND existing.key = @key::text
-   AND existing.expires_at > now();
+       set_config('lock_timeout', budget.saved, outcome.claimed IS NOT NULL) AS restored
+FROM budget
+CROSS JOIN outcome;
 
 -- name: KeyGet :one
 -- KeyGet reads the live record for (scope, key) with a fresh snapshot.

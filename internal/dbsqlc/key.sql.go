@@ -25,35 +25,22 @@ inserted AS (
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1
 ),
-reclaimed AS (
-    UPDATE idempotency_key
-    SET fingerprint = $4::bytea,
-        state = 'in_progress',
-        response = NULL,
-        created_at = now(),
-        expires_at = now() + $5::interval
-    WHERE scope = $1::text
-      AND key = $2::text
-      AND expires_at <= now()
-      AND NOT EXISTS (SELECT FROM inserted)
-    RETURNING 1
-),
 outcome AS (
-    -- Both counts are evaluated, so both data-modifying CTEs (and any lock
-    -- wait in them) finish before the budget is restored below.
-    SELECT (SELECT count(*) FROM inserted) + (SELECT count(*) FROM reclaimed) > 0 AS claimed
+    SELECT count(*) > 0 AS claimed FROM inserted
 )
 SELECT outcome.claimed::bool AS claimed,
        existing.fingerprint,
        existing.state,
        existing.response,
-       set_config('lock_timeout', budget.saved, true) AS restored
-FROM outcome
-CROSS JOIN budget
+       coalesce(existing.expires_at <= now(), false)::bool AS expired,
+       -- Reading outcome runs the insert, and with it any wait, before the
+       -- caller's lock_timeout comes back.
+       set_config('lock_timeout', budget.saved, outcome.claimed IS NOT NULL) AS restored
+FROM budget
+CROSS JOIN outcome
 LEFT JOIN idempotency_key AS existing
     ON existing.scope = $1::text
    AND existing.key = $2::text
-   AND existing.expires_at > now()
 `
 
 type KeyClaimParams struct {
@@ -69,17 +56,19 @@ type KeyClaimRow struct {
 	Fingerprint []byte
 	State       pgtype.Text
 	Response    []byte
+	Expired     bool
 	Restored    string
 }
 
-// KeyClaim claims (scope, key) for the calling transaction, in one round
-// trip: it sets the wait budget, inserts the claim (or takes over an expired
-// record), restores the caller's lock_timeout, and returns the live record
-// that blocked the claim, if the statement's snapshot can see it.
+// KeyClaim claims (scope, key) for the calling transaction in one
+// statement: it sets the wait budget, inserts the claim, restores the
+// caller's lock_timeout, and returns the record that blocked the claim, if
+// the statement's snapshot can see it.
 //
 // A record committed by another transaction while this statement waited on
 // it is invisible to this statement's snapshot: the caller then gets neither
-// claimed nor a record, and must read it again with KeyGet.
+// claimed nor a record, and reads it again with KeyGet. An expired record
+// comes back with expired set; the caller takes it over with KeyReclaim.
 func (q *Queries) KeyClaim(ctx context.Context, arg KeyClaimParams) (KeyClaimRow, error) {
 	row := q.db.QueryRow(ctx, keyClaim,
 		arg.Scope,
@@ -94,6 +83,7 @@ func (q *Queries) KeyClaim(ctx context.Context, arg KeyClaimParams) (KeyClaimRow
 		&i.Fingerprint,
 		&i.State,
 		&i.Response,
+		&i.Expired,
 		&i.Restored,
 	)
 	return i, err
@@ -146,6 +136,63 @@ func (q *Queries) KeyPurgeExpired(ctx context.Context, maxRows int32) (int64, er
 		return 0, err
 	}
 	return result.RowsAffected(), nil
+}
+
+const keyReclaim = `-- name: KeyReclaim :one
+WITH budget AS (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', $1::text, true) AS applied
+),
+reclaimed AS (
+    UPDATE idempotency_key
+    SET fingerprint = $2::bytea,
+        state = 'in_progress',
+        response = NULL,
+        created_at = now(),
+        expires_at = now() + $3::interval
+    FROM budget
+    WHERE idempotency_key.scope = $4::text
+      AND idempotency_key.key = $5::text
+      AND idempotency_key.expires_at <= now()
+      AND budget.applied IS NOT NULL
+    RETURNING 1
+),
+outcome AS (
+    SELECT count(*) > 0 AS claimed FROM reclaimed
+)
+SELECT outcome.claimed::bool AS claimed,
+       set_config('lock_timeout', budget.saved, outcome.claimed IS NOT NULL) AS restored
+FROM budget
+CROSS JOIN outcome
+`
+
+type KeyReclaimParams struct {
+	LockTimeout string
+	Fingerprint []byte
+	Retention   pgtype.Interval
+	Scope       string
+	Key         string
+}
+
+type KeyReclaimRow struct {
+	Claimed  bool
+	Restored string
+}
+
+// KeyReclaim takes over an expired record for the calling transaction, with
+// the same wait budget as KeyClaim. Two concurrent reclaimers queue on the
+// row lock; the second finds the record live again and takes nothing.
+func (q *Queries) KeyReclaim(ctx context.Context, arg KeyReclaimParams) (KeyReclaimRow, error) {
+	row := q.db.QueryRow(ctx, keyReclaim,
+		arg.LockTimeout,
+		arg.Fingerprint,
+		arg.Retention,
+		arg.Scope,
+		arg.Key,
+	)
+	var i KeyReclaimRow
+	err := row.Scan(&i.Claimed, &i.Restored)
+	return i, err
 }
 
 const keyRelease = `-- name: KeyRelease :exec

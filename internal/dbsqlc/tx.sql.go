@@ -13,6 +13,8 @@ const txCommit = `-- name: TxCommit :exec
 COMMIT
 `
 
+// TxCommit ends a transaction that Run drives itself, queued behind the
+// stored response so that both travel in one round trip.
 func (q *Queries) TxCommit(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, txCommit)
 	return err

@@ -1,0 +1,188 @@
+// Package bench measures idem against the plain transaction it protects, on
+// one database, with the phases interleaved so that drift in the machine's
+// load or the table's size hits them alike.
+package bench
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+)
+
+// Schema is the business table the benchmark writes. It is created if
+// missing, and is the same table the tests use.
+const Schema = `
+CREATE TABLE IF NOT EXISTS payment (
+    id           bigserial PRIMARY KEY,
+    scope        text   NOT NULL,
+    key          text   NOT NULL,
+    amount_cents bigint NOT NULL
+)`
+
+// Payment is what the protected write returns and a replay gives back.
+type Payment struct {
+	ID          int64 `json:"id"`
+	AmountCents int64 `json:"amount_cents"`
+}
+
+// Phase is one way of doing the write, measured one operation at a time.
+type Phase struct {
+	Name string
+	// Op performs operation i.
+	Op func(ctx context.Context, i int64) error
+}
+
+// Stats is what a phase measured.
+type Stats struct {
+	Ops       int64
+	Elapsed   time.Duration
+	latencies []time.Duration
+}
+
+// Throughput is operations per second.
+func (s *Stats) Throughput() float64 { return float64(s.Ops) / s.Elapsed.Seconds() }
+
+// Percentile returns the latency below which fraction p of operations fell.
+func (s *Stats) Percentile(p float64) time.Duration {
+	if len(s.latencies) == 0 {
+		return 0
+	}
+	slices.Sort(s.latencies)
+	return s.latencies[min(int(p*float64(len(s.latencies))), len(s.latencies)-1)]
+}
+
+func (s *Stats) add(o *Stats) {
+	s.Ops += o.Ops
+	s.Elapsed += o.Elapsed
+	s.latencies = append(s.latencies, o.latencies...)
+}
+
+// Insert is the business write: one payment row.
+func Insert(ctx context.Context, tx pgx.Tx, scope, key string, amount int64) (Payment, error) {
+	p := Payment{AmountCents: amount}
+	err := tx.QueryRow(ctx,
+		`INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
+		scope, key, amount).Scan(&p.ID)
+	return p, err
+}
+
+// StandardPhases returns the phases every comparison has: the bare
+// transaction (the floor for this write), then idem.Run on new keys (first
+// executions) and on keys that completed before (replays), each both ways:
+// claim first (the default) and with idem.WithLookupFirst. Replays use keys
+// that earlier first executions completed, so a first-execution phase must
+// run before any replay phase.
+func StandardPhases(pool *pgxpool.Pool, scope string) []Phase {
+	var completed atomic.Int64
+	fp := idem.Fingerprint([]byte("benchmark payment"))
+	key := func(n int64) string { return fmt.Sprintf("k-%d", n) }
+	run := func(ctx context.Context, n int64, opts ...idem.Option) (idem.Result[Payment], error) {
+		return idem.Run(ctx, pool, scope, key(n), fp, func(ctx context.Context, tx pgx.Tx) (Payment, error) {
+			return Insert(ctx, tx, scope, key(n), n)
+		}, opts...)
+	}
+	first := func(opts ...idem.Option) func(context.Context, int64) error {
+		return func(ctx context.Context, _ int64) error {
+			n := completed.Add(1)
+			res, err := run(ctx, n, opts...)
+			if err == nil && res.Replayed {
+				err = fmt.Errorf("key %d replayed on its first execution", n)
+			}
+			return err
+		}
+	}
+	replay := func(opts ...idem.Option) func(context.Context, int64) error {
+		return func(ctx context.Context, i int64) error {
+			done := completed.Load()
+			if done == 0 {
+				return fmt.Errorf("no completed keys to replay")
+			}
+			n := 1 + i%done
+			res, err := run(ctx, n, opts...)
+			if err == nil && !res.Replayed {
+				err = fmt.Errorf("key %d ran again instead of replaying", n)
+			}
+			return err
+		}
+	}
+	return []Phase{
+		{Name: "bare", Op: func(ctx context.Context, i int64) error {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			defer tx.Rollback(ctx)
+			if _, err := Insert(ctx, tx, scope, "bare", i); err != nil {
+				return err
+			}
+			return tx.Commit(ctx)
+		}},
+		{Name: "run-first", Op: first()},
+		{Name: "run-replay", Op: replay()},
+		{Name: "lookup-first", Op: first(idem.WithLookupFirst())},
+		{Name: "lookup-replay", Op: replay(idem.WithLookupFirst())},
+	}
+}
+
+// Measure runs ops operations of phase on clients goroutines and times them.
+func Measure(ctx context.Context, phase Phase, clients int, ops int64) (*Stats, error) {
+	var next atomic.Int64
+	var firstErr error
+	var mu sync.Mutex
+	latencies := make([][]time.Duration, clients)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for c := range clients {
+		wg.Go(func() {
+			for {
+				i := next.Add(1)
+				if i > ops {
+					return
+				}
+				t0 := time.Now()
+				if err := phase.Op(ctx, i); err != nil {
+					mu.Lock()
+					if firstErr == nil {
+						firstErr = fmt.Errorf("%s: %w", phase.Name, err)
+					}
+					mu.Unlock()
+					return
+				}
+				latencies[c] = append(latencies[c], time.Since(t0))
+			}
+		})
+	}
+	wg.Wait()
+	s := &Stats{Ops: ops, Elapsed: time.Since(start)}
+	for _, l := range latencies {
+		s.latencies = append(s.latencies, l...)
+	}
+	return s, firstErr
+}
+
+// Interleave runs rounds of every phase in turn, opsPerPhase operations each
+// time, and returns each phase's totals by name.
+func Interleave(ctx context.Context, phases []Phase, clients, rounds int, opsPerPhase int64) (map[string]*Stats, error) {
+	totals := make(map[string]*Stats, len(phases))
+	for _, p := range phases {
+		totals[p.Name] = &Stats{}
+	}
+	for range rounds {
+		for _, p := range phases {
+			s, err := Measure(ctx, p, clients, opsPerPhase)
+			if err != nil {
+				return nil, err
+			}
+			totals[p.Name].add(s)
+		}
+	}
+	return totals, nil
+}
