@@ -62,6 +62,8 @@ type options struct {
 	txOptions       pgx.TxOptions
 	maxResponseSize int
 	lookupFirst     bool
+	// noResponse stores no value: the key only records that fn ran.
+	noResponse bool
 	err             error
 }
 
@@ -255,9 +257,11 @@ func attempt[T any](ctx context.Context, db dbsqlc.DBTX, txOf func() pgx.Tx, sco
 	if err != nil {
 		return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, fmt.Errorf("idem: %w", err))
 	}
-	encoded, err := encodeResponse(value, o.maxResponseSize)
-	if err != nil {
-		return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, err)
+	var encoded []byte
+	if !o.noResponse {
+		if encoded, err = encodeResponse(value, o.maxResponseSize); err != nil {
+			return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, err)
+		}
 	}
 	res.Value = value
 	return res, &dbsqlc.KeyStoreResponseParams{Scope: scope, Key: key, Response: encoded}, nil
@@ -338,11 +342,13 @@ func lookup(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte
 
 // replayed decodes a stored response into the result of a replay.
 func replayed[T any](stored []byte) (Result[T], error) {
-	var res Result[T]
+	res := Result[T]{Replayed: true}
+	if stored == nil {
+		return res, nil // the key recorded only that its operation ran (Once)
+	}
 	if err := json.Unmarshal(stored, &res.Value); err != nil {
 		return Result[T]{}, fmt.Errorf("idem: decode stored response: %w", err)
 	}
-	res.Replayed = true
 	return res, nil
 }
 
