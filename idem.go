@@ -64,7 +64,7 @@ type options struct {
 	lookupFirst     bool
 	// noResponse stores no value: the key only records that fn ran.
 	noResponse bool
-	err             error
+	err        error
 }
 
 // WithRetention sets how long a completed record blocks its key and answers
