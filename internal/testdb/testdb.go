@@ -29,9 +29,10 @@ import (
 
 // Env is the database of one test binary.
 type Env struct {
-	pool *pgxpool.Pool
-	url  string
-	err  error
+	pool      *pgxpool.Pool
+	url       string
+	serverURL string
+	err       error
 }
 
 // Pool returns the pool of the throwaway database, or ends the test: it
@@ -47,11 +48,42 @@ func (e *Env) Pool(t testing.TB) *pgxpool.Pool {
 	return e.pool
 }
 
+// ExamplePool returns the pool for runnable examples, which have no
+// testing.TB. Main keeps examples from running when there is no database.
+func (e *Env) ExamplePool() *pgxpool.Pool { return e.pool }
+
 // URL returns the connection string of the throwaway database.
 func (e *Env) URL(t testing.TB) string {
 	t.Helper()
 	e.Pool(t)
 	return e.url
+}
+
+// EmptyDatabase creates a database with nothing in it, not even idem's
+// migrations, drops it when the test ends, and returns its connection string.
+func (e *Env) EmptyDatabase(t testing.TB) string {
+	t.Helper()
+	e.Pool(t)
+	ctx := context.Background()
+	admin, err := pgx.Connect(ctx, e.serverURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+	name := "idem_test_" + randomHex(6)
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		admin, err := pgx.Connect(ctx, e.serverURL)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer admin.Close(ctx)
+		_, _ = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
+	})
+	return withDatabase(e.serverURL, name)
 }
 
 // Main runs the tests of m against a throwaway database, stored in *env,
@@ -129,6 +161,7 @@ func (e *Env) start(ctx context.Context) (func(), error) {
 	}
 	e.pool = pool
 	e.url = withDatabase(serverURL, name)
+	e.serverURL = serverURL
 
 	sqlDB := stdlib.OpenDBFromPool(pool)
 	defer sqlDB.Close()

@@ -1,0 +1,65 @@
+/*
+Package idem makes a write happen once per client key on PostgreSQL.
+
+A client sends a write, the server commits, and the response is lost; the
+client cannot tell this from a request that never arrived, so it retries, and
+the effect happens twice. idem records each client key in the same local
+transaction as the write it protects, with the response, so that a retry is
+answered from the record instead of running again.
+
+# Claiming a key
+
+[Do] takes the caller's transaction, a scope (the tenant or client the key
+belongs to), the key, a fingerprint of the request, and the function that
+performs the write:
+
+	res, err := idem.Do(ctx, tx, tenantID, idempotencyKey, idem.Fingerprint(body),
+		func(ctx context.Context, tx pgx.Tx) (Payment, error) {
+			return insertPayment(ctx, tx, order)
+		})
+
+Do claims (scope, key) with an INSERT that the table's primary key
+arbitrates, runs the function in the same transaction, and stores its value as
+JSON in the same transaction. The claim, the write and the stored value commit
+together or not at all:
+
+  - a crash, a cancelled context or a rollback before COMMIT leaves the key
+    free, and the retry runs the function again;
+  - a retry after COMMIT does not run the function: it gets the stored value
+    with Result.Replayed set;
+  - a retry with the same key but another fingerprint gets
+    [ErrFingerprintMismatch];
+  - a duplicate that arrives while the first attempt is still open waits for
+    it (see [WithWait]) and then replays its outcome, or runs the function if
+    the first attempt rolled back, or gives [ErrInProgress] when the wait
+    budget runs out;
+  - a record older than its retention (see [WithRetention]) counts as absent.
+
+[Run] is Do in a transaction of its own, for callers without one. It retries
+serialization failures and deadlocks, and on a pool or a connection it drives
+itself it saves round trips: BEGIN travels with the claim and the stored value
+with COMMIT. [WithTx] is the same transaction runner for any function.
+
+# Consumers
+
+[Once] is Do for a message consumer: it records a message's identity beside
+the consumer's own write, so a redelivered message is a no-op.
+
+# Set-up
+
+The table lives in embedded goose migrations. [Migrate] applies them with
+their own version table and advisory lock, so they never meet an
+application's own goose migrations; [Migrations] returns the files for
+applications that run goose themselves. [Purge] deletes expired records in
+small batches.
+
+# Errors
+
+Scopes and keys are checked before anything reaches the database: 1 to
+[MaxKeyLength] bytes of UTF-8 without NUL, or [ErrInvalidScope] and
+[ErrInvalidKey]. Values that cannot be stored give [ErrResponseTooLarge] or
+[ErrResponseNotStorable]. Every error the package returns can be checked with
+errors.Is against its sentinel values; driver errors from its own statements
+are translated, so callers never inspect SQLSTATE codes.
+*/
+package idem

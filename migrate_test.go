@@ -1,0 +1,109 @@
+package idem_test
+
+import (
+	"context"
+	"database/sql"
+	"io/fs"
+	"strings"
+	"testing"
+	"testing/fstest"
+
+	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
+	"github.com/pressly/goose/v3"
+
+	"github.com/pgidem/idem"
+)
+
+// setupEmpty returns a fresh database without any migrations applied.
+func setupEmpty(t *testing.T) (context.Context, *sql.DB) {
+	t.Helper()
+	t.Parallel()
+	db, err := sql.Open("pgx", env.EmptyDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return context.Background(), db
+}
+
+func TestMigrateTwiceIsANoOp(t *testing.T) {
+	ctx, db := setupEmpty(t)
+	if err := idem.Migrate(ctx, db); err != nil {
+		t.Fatalf("first Migrate: %v", err)
+	}
+	var versions int
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM idem_goose_version`).Scan(&versions); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Migrate(ctx, db); err != nil {
+		t.Fatalf("second Migrate: %v", err)
+	}
+	var after int
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM idem_goose_version`).Scan(&after); err != nil {
+		t.Fatal(err)
+	}
+	if after != versions {
+		t.Fatalf("version rows went from %d to %d on a second Migrate", versions, after)
+	}
+	var exists bool
+	if err := db.QueryRowContext(ctx, `SELECT to_regclass('idempotency_key') IS NOT NULL`).Scan(&exists); err != nil || !exists {
+		t.Fatalf("idempotency_key missing after Migrate: %v", err)
+	}
+}
+
+func TestMigrateBesideAnApplicationsGoose(t *testing.T) {
+	ctx, db := setupEmpty(t)
+	// The application's own migrations, numbered like ours, in goose's
+	// default version table.
+	appFS := fstest.MapFS{
+		"00001_orders.sql": {Data: []byte("-- +goose Up\nCREATE TABLE orders (id bigint PRIMARY KEY);\n-- +goose Down\nDROP TABLE orders;\n")},
+	}
+	app, err := goose.NewProvider(goose.DialectPostgres, db, appFS, goose.WithDisableGlobalRegistry(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := app.Up(ctx); err != nil {
+		t.Fatalf("app migrations: %v", err)
+	}
+	if err := idem.Migrate(ctx, db); err != nil {
+		t.Fatalf("idem after the app: %v", err)
+	}
+	if _, err := app.Up(ctx); err != nil {
+		t.Fatalf("app migrations again: %v", err)
+	}
+	appVersion, err := app.GetDBVersion(ctx)
+	if err != nil || appVersion != 1 {
+		t.Fatalf("app version %d, %v; want 1", appVersion, err)
+	}
+	provider, err := idem.NewMigrationProvider(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	current, target, err := provider.GetVersions(ctx)
+	if err != nil || current != target {
+		t.Fatalf("idem at version %d, embedded target %d, %v", current, target, err)
+	}
+	for _, table := range []string{"orders", "idempotency_key", "goose_db_version", "idem_goose_version"} {
+		var exists bool
+		if err := db.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil || !exists {
+			t.Errorf("table %s missing", table)
+		}
+	}
+}
+
+func TestMigrationsFSHoldsTheGooseFiles(t *testing.T) {
+	t.Parallel()
+	files, err := fs.Glob(idem.Migrations(), "*.sql")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no migrations in Migrations(): %v", err)
+	}
+	for _, name := range files {
+		b, err := fs.ReadFile(idem.Migrations(), name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(string(b), "-- +goose Up") || !strings.Contains(string(b), "-- +goose Down") {
+			t.Errorf("%s is not a goose migration with Up and Down", name)
+		}
+	}
+}
