@@ -16,6 +16,9 @@ import (
 func BenchmarkRunVsBare(b *testing.B) {
 	pool := env.Pool(b)
 	ctx := context.Background()
+	if err := bench.CreateSchema(ctx, pool); err != nil {
+		b.Fatal(err)
+	}
 	phases := bench.StandardPhases(pool, testdb.Name("bench"))
 	// Give the replay phases completed keys, and every statement a warm
 	// cache, before timing starts.

@@ -40,6 +40,7 @@ type command struct {
 func commands() []command {
 	return []command{
 		{"demo", "fire a retry storm of payments and show that none is lost or doubled", runDemo},
+		{"bench", "compare idem.Run with a bare transaction and other designs, side by side", runBench},
 	}
 }
 

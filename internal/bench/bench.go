@@ -5,6 +5,8 @@ package bench
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -17,15 +19,42 @@ import (
 	"github.com/pgidem/idem"
 )
 
-// Schema is the business table the benchmark writes. It is created if
-// missing, and is the same table the tests use.
-const Schema = `
-CREATE TABLE IF NOT EXISTS payment (
+// Schema is what the benchmark writes besides idem's own table: the
+// business table (the same as the tests'), and the key tables of the two
+// designs idem is compared with. Each statement creates what is missing.
+var Schema = []string{
+	`CREATE TABLE IF NOT EXISTS payment (
     id           bigserial PRIMARY KEY,
     scope        text   NOT NULL,
     key          text   NOT NULL,
     amount_cents bigint NOT NULL
-)`
+)`,
+	// The naive design checks, then inserts: nothing stops two inserts.
+	`CREATE TABLE IF NOT EXISTS bench_naive_key (
+    scope    text  NOT NULL,
+    key      text  NOT NULL,
+    response jsonb
+)`,
+	`CREATE INDEX IF NOT EXISTS bench_naive_key_idx ON bench_naive_key (scope, key)`,
+	// The two-phase design reserves the key in a transaction of its own.
+	`CREATE TABLE IF NOT EXISTS bench_two_phase_key (
+    scope    text  NOT NULL,
+    key      text  NOT NULL,
+    state    text  NOT NULL,
+    response jsonb,
+    PRIMARY KEY (scope, key)
+)`,
+}
+
+// CreateSchema creates the benchmark's tables where missing.
+func CreateSchema(ctx context.Context, pool *pgxpool.Pool) error {
+	for _, stmt := range Schema {
+		if _, err := pool.Exec(ctx, stmt); err != nil {
+			return fmt.Errorf("create benchmark schema: %w", err)
+		}
+	}
+	return nil
+}
 
 // Payment is what the protected write returns and a replay gives back.
 type Payment struct {
@@ -130,6 +159,161 @@ func StandardPhases(pool *pgxpool.Pool, scope string) []Phase {
 		{Name: "lookup-first", Op: first(idem.WithLookupFirst())},
 		{Name: "lookup-replay", Op: replay(idem.WithLookupFirst())},
 	}
+}
+
+// Design is one way of making the payment once per key, for the
+// comparison of designs: each operation is a first execution on a new key.
+type Design struct {
+	Name string
+	// Pay makes the payment for key, or replays it.
+	Pay func(ctx context.Context, key string, amount int64) (Payment, error)
+}
+
+// Designs returns idem.Run and the designs it is compared with, all writing
+// the same payment row:
+//   - naive: read the key table, then insert the key and the payment
+//     (check-then-act, in one transaction, without a unique constraint);
+//   - two-phase: reserve the key in a committed transaction of its own, then
+//     write the payment and complete the key in a second transaction;
+//   - single-statement: the claim and the payment in one statement, for a
+//     response known before the write (see the README).
+func Designs(pool *pgxpool.Pool, scope string) []Design {
+	fp := idem.Fingerprint([]byte("benchmark payment"))
+	return []Design{
+		{Name: "idem.Run", Pay: func(ctx context.Context, key string, amount int64) (Payment, error) {
+			res, err := idem.Run(ctx, pool, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (Payment, error) {
+				return Insert(ctx, tx, scope, key, amount)
+			})
+			return res.Value, err
+		}},
+		{Name: "naive", Pay: func(ctx context.Context, key string, amount int64) (Payment, error) {
+			var p Payment
+			err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				var stored []byte
+				err := tx.QueryRow(ctx, `SELECT response FROM bench_naive_key WHERE scope = $1 AND key = $2 LIMIT 1`,
+					scope, key).Scan(&stored)
+				if err == nil {
+					return json.Unmarshal(stored, &p)
+				}
+				if !errors.Is(err, pgx.ErrNoRows) {
+					return err
+				}
+				if p, err = Insert(ctx, tx, scope, key, amount); err != nil {
+					return err
+				}
+				_, err = tx.Exec(ctx, `INSERT INTO bench_naive_key (scope, key, response) VALUES ($1, $2, $3)`, scope, key, p)
+				return err
+			})
+			return p, err
+		}},
+		{Name: "two-phase", Pay: func(ctx context.Context, key string, amount int64) (Payment, error) {
+			var p Payment
+			tag, err := pool.Exec(ctx, `INSERT INTO bench_two_phase_key (scope, key, state) VALUES ($1, $2, 'reserved')
+ON CONFLICT (scope, key) DO NOTHING`, scope, key)
+			if err != nil {
+				return p, err
+			}
+			if tag.RowsAffected() == 0 {
+				// Reserved before: a real library would wait for it; the
+				// benchmark's first executions never get here.
+				var stored []byte
+				err := pool.QueryRow(ctx, `SELECT response FROM bench_two_phase_key WHERE scope = $1 AND key = $2 AND state = 'done'`,
+					scope, key).Scan(&stored)
+				if err != nil {
+					return p, err
+				}
+				return p, json.Unmarshal(stored, &p)
+			}
+			err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				var err error
+				if p, err = Insert(ctx, tx, scope, key, amount); err != nil {
+					return err
+				}
+				_, err = tx.Exec(ctx, `UPDATE bench_two_phase_key SET state = 'done', response = $3 WHERE scope = $1 AND key = $2`,
+					scope, key, p)
+				return err
+			})
+			return p, err
+		}},
+		{Name: "single-statement", Pay: func(ctx context.Context, key string, amount int64) (Payment, error) {
+			p := Payment{AmountCents: amount}
+			err := pool.QueryRow(ctx, singleStatement, scope, key, fp, amount).Scan(&p.ID)
+			if !errors.Is(err, pgx.ErrNoRows) {
+				return p, err
+			}
+			// No row: the key was taken, and its statement has committed by
+			// now (the claim waited for it). Answer from the record.
+			var stored []byte
+			if err := pool.QueryRow(ctx, `SELECT response FROM idempotency_key WHERE scope = $1 AND key = $2`,
+				scope, key).Scan(&stored); err != nil {
+				return p, err
+			}
+			return p, json.Unmarshal(stored, &p)
+		}},
+	}
+}
+
+// singleStatement is the README's pattern for a hot path whose response is
+// known before the write: the payment insert reads the claim, so it runs only
+// when the key was free, and both commit in one implicit transaction.
+const singleStatement = `
+WITH claim AS (
+    INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
+    VALUES ($1, $2, $3, 'done', jsonb_build_object('amount_cents', $4::bigint), now() + interval '24 hours')
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING key
+)
+INSERT INTO payment (scope, key, amount_cents)
+SELECT $1, claim.key, $4 FROM claim
+RETURNING id`
+
+// DesignPhases turns designs into phases of first executions on new keys.
+func DesignPhases(designs []Design) []Phase {
+	var next atomic.Int64
+	phases := make([]Phase, len(designs))
+	for i, d := range designs {
+		phases[i] = Phase{Name: d.Name, Op: func(ctx context.Context, _ int64) error {
+			n := next.Add(1)
+			_, err := d.Pay(ctx, fmt.Sprintf("%s-%d", d.Name, n), n)
+			return err
+		}}
+	}
+	return phases
+}
+
+// StormResult is what a design did with concurrent duplicates.
+type StormResult struct {
+	// Duplicates counts payment rows beyond one per key: effects doubled.
+	Duplicates int64
+	// Rejected counts calls that ended in an error instead of an answer.
+	Rejected int64
+}
+
+// Storm sends each of keys payments from clientsPerKey clients at once.
+func Storm(ctx context.Context, pool *pgxpool.Pool, scope string, d Design, keys, clientsPerKey int) (StormResult, error) {
+	prefix := fmt.Sprintf("storm-%s-%d", d.Name, time.Now().UnixNano())
+	var rejected atomic.Int64
+	for k := range keys {
+		key := fmt.Sprintf("%s-%d", prefix, k)
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for range clientsPerKey {
+			wg.Go(func() {
+				<-start
+				if _, err := d.Pay(ctx, key, int64(k)); err != nil {
+					rejected.Add(1)
+				}
+			})
+		}
+		close(start)
+		wg.Wait()
+	}
+	var rows int64
+	err := pool.QueryRow(ctx, `SELECT count(*) FROM payment WHERE scope = $1 AND starts_with(key, $2)`, scope, prefix+"-").Scan(&rows)
+	if err != nil {
+		return StormResult{}, err
+	}
+	return StormResult{Duplicates: rows - int64(keys), Rejected: rejected.Load()}, nil
 }
 
 // Measure runs ops operations of phase on clients goroutines and times them.
