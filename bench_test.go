@@ -2,7 +2,12 @@ package idem_test
 
 import (
 	"context"
+	"strconv"
 	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem"
 
 	"github.com/pgidem/idem/internal/bench"
 	"github.com/pgidem/idem/internal/testdb"
@@ -34,5 +39,68 @@ func BenchmarkRunVsBare(b *testing.B) {
 	b.ReportMetric(bare, "bare-tx/s")
 	for _, p := range phases[1:] {
 		b.ReportMetric(totals[p.Name].Throughput()/bare, p.Name+"/bare")
+	}
+}
+
+// BenchmarkDo measures one Do on a new key inside a transaction, per call,
+// with its allocations (run with -benchmem); the transaction's own BEGIN and
+// COMMIT are part of every iteration, and BenchmarkBareTx is that floor.
+func BenchmarkDo(b *testing.B) {
+	pool := env.Pool(b)
+	ctx := context.Background()
+	scope := testdb.Name("bench-do")
+	fp := idem.Fingerprint([]byte("benchmark"))
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		i++
+		key := strconv.Itoa(i)
+		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := idem.Do(ctx, tx, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (bench.Payment, error) {
+				return bench.Insert(ctx, tx, scope, key, 1)
+			})
+			return err
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkRunReplay measures one replay through Run, with its allocations.
+func BenchmarkRunReplay(b *testing.B) {
+	pool := env.Pool(b)
+	ctx := context.Background()
+	scope := testdb.Name("bench-replay")
+	fp := idem.Fingerprint([]byte("benchmark"))
+	fn := func(ctx context.Context, tx pgx.Tx) (bench.Payment, error) {
+		return bench.Insert(ctx, tx, scope, "k", 1)
+	}
+	if _, err := idem.Run(ctx, pool, scope, "k", fp, fn); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		if res, err := idem.Run(ctx, pool, scope, "k", fp, fn); err != nil || !res.Replayed {
+			b.Fatalf("%+v, %v", res, err)
+		}
+	}
+}
+
+// BenchmarkBareTx is the floor for BenchmarkDo: the same insert in
+// WithTx, without a key.
+func BenchmarkBareTx(b *testing.B) {
+	pool := env.Pool(b)
+	ctx := context.Background()
+	scope := testdb.Name("bench-bare")
+	b.ReportAllocs()
+	for b.Loop() {
+		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := bench.Insert(ctx, tx, scope, "k", 1)
+			return err
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
 	}
 }
