@@ -808,7 +808,7 @@ func TestWithTxRetriesSerializationFailures(t *testing.T) {
 }
 
 func TestPurgeDeletesOnlyExpired(t *testing.T) {
-	ctx, pool, scope := setup(t)
+	ctx, pool, scope := setupOwnDatabase(t)
 	var calls atomic.Int64
 	for i := range 7 {
 		key := fmt.Sprintf("k%d", i)
@@ -819,9 +819,8 @@ func TestPurgeDeletesOnlyExpired(t *testing.T) {
 			expire(t, pool, scope, key)
 		}
 	}
-	// Other tests' expired records may be purged too; count only ours.
-	if _, err := idem.Purge(ctx, pool, 2); err != nil {
-		t.Fatal(err)
+	if n, err := idem.Purge(ctx, pool, 2); err != nil || n != 5 {
+		t.Fatalf("Purge deleted %d, %v; want the 5 expired", n, err)
 	}
 	if n := countRecords(t, pool, scope); n != 2 {
 		t.Fatalf("%d records left, want the 2 live ones", n)

@@ -3,12 +3,20 @@ package idem
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"math"
+	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
 )
+
+// DefaultPurgeBatch is the number of records a purge deletes per
+// transaction unless told otherwise.
+const DefaultPurgeBatch = 1000
 
 // Purge deletes every expired record, batch rows per transaction, and
 // returns how many it deleted. Short transactions keep each one's locks and
@@ -17,25 +25,137 @@ import (
 // correctness: an expired record already counts as absent. It keeps the
 // table and its indexes small.
 //
-// batch must be between 1 and math.MaxInt32; 1000 is a reasonable start.
+// batch must be between 1 and math.MaxInt32; [DefaultPurgeBatch] is a
+// reasonable start. For purging in the background, see [StartPurger].
 func Purge(ctx context.Context, db TxBeginner, batch int) (int64, error) {
-	if batch < 1 || batch > math.MaxInt32 {
-		return 0, fmt.Errorf("%w: purge batch must be between 1 and %d, got %d", ErrInvalidOption, math.MaxInt32, batch)
+	if err := checkBatch(batch); err != nil {
+		return 0, err
 	}
 	var total int64
 	for {
-		var deleted int64
-		err := WithTx(ctx, db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
-			var err error
-			deleted, err = dbsqlc.New(tx).KeyPurgeExpired(ctx, int32(batch))
-			return err
-		})
-		if err != nil {
-			return total, fmt.Errorf("idem: purge: %w", err)
-		}
+		deleted, err := purgeBatch(ctx, db, batch)
 		total += deleted
-		if deleted < int64(batch) {
-			return total, nil
+		if err != nil || deleted < int64(batch) {
+			return total, err
 		}
 	}
 }
+
+func checkBatch(batch int) error {
+	if batch < 1 || batch > math.MaxInt32 {
+		return fmt.Errorf("%w: purge batch must be between 1 and %d, got %d", ErrInvalidOption, math.MaxInt32, batch)
+	}
+	return nil
+}
+
+// purgeBatch deletes up to batch expired records in one transaction.
+func purgeBatch(ctx context.Context, db TxBeginner, batch int) (int64, error) {
+	var deleted int64
+	err := WithTx(ctx, db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
+		var err error
+		deleted, err = dbsqlc.New(tx).KeyPurgeExpired(ctx, int32(batch))
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("idem: purge: %w", err)
+	}
+	return deleted, nil
+}
+
+// PurgerConfig configures [StartPurger]. The zero value is usable.
+type PurgerConfig struct {
+	// Batch is how many records one transaction deletes. Small batches keep
+	// each transaction short, so live claims never wait on it for long.
+	// Defaults to DefaultPurgeBatch.
+	Batch int
+
+	// Pause is how long the purger rests between two batches while expired
+	// records remain, so that it paces itself instead of taking a core.
+	// Defaults to 10ms.
+	Pause time.Duration
+
+	// Interval is how long the purger sleeps once nothing expired is left.
+	// Defaults to 1m.
+	Interval time.Duration
+
+	// Logger receives a line per pass that deleted something, and failures.
+	// Defaults to no logging.
+	Logger *slog.Logger
+}
+
+// Purger deletes expired records in the background until stopped. Create it
+// with [StartPurger].
+type Purger struct {
+	cancel  context.CancelFunc
+	done    chan struct{}
+	deleted atomic.Int64
+	once    sync.Once
+}
+
+// StartPurger starts deleting expired records in the background, in
+// batches with a pause between them, and sleeping between passes. It stops
+// when ctx is cancelled or Stop is called. Several purgers (one per
+// replica) can run at once: each skips rows another holds. A failed batch is
+// logged and retried after Interval.
+func StartPurger(ctx context.Context, db TxBeginner, cfg PurgerConfig) (*Purger, error) {
+	if cfg.Batch == 0 {
+		cfg.Batch = DefaultPurgeBatch
+	}
+	if err := checkBatch(cfg.Batch); err != nil {
+		return nil, err
+	}
+	if cfg.Pause < 0 || cfg.Interval < 0 {
+		return nil, fmt.Errorf("%w: purger pause and interval must not be negative", ErrInvalidOption)
+	}
+	if cfg.Pause == 0 {
+		cfg.Pause = 10 * time.Millisecond
+	}
+	if cfg.Interval == 0 {
+		cfg.Interval = time.Minute
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	p := &Purger{cancel: cancel, done: make(chan struct{})}
+	go p.run(ctx, db, cfg)
+	return p, nil
+}
+
+func (p *Purger) run(ctx context.Context, db TxBeginner, cfg PurgerConfig) {
+	defer close(p.done)
+	for {
+		pass := int64(0)
+		started := time.Now()
+		for {
+			deleted, err := purgeBatch(ctx, db, cfg.Batch)
+			pass += deleted
+			p.deleted.Add(deleted)
+			if err != nil {
+				if ctx.Err() == nil && cfg.Logger != nil {
+					cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: purge failed", slog.Any("error", err))
+				}
+				break
+			}
+			if deleted < int64(cfg.Batch) {
+				break
+			}
+			if sleep(ctx, cfg.Pause) != nil {
+				return
+			}
+		}
+		if pass > 0 && cfg.Logger != nil {
+			cfg.Logger.LogAttrs(ctx, slog.LevelInfo, "idem: purged expired records",
+				slog.Int64("deleted", pass), slog.Duration("took", time.Since(started)))
+		}
+		if sleep(ctx, cfg.Interval) != nil {
+			return
+		}
+	}
+}
+
+// Stop stops the purger and waits for its current batch to end.
+func (p *Purger) Stop() {
+	p.once.Do(p.cancel)
+	<-p.done
+}
+
+// Deleted returns how many records the purger has deleted so far.
+func (p *Purger) Deleted() int64 { return p.deleted.Load() }
