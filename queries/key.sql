@@ -105,3 +105,23 @@ WHERE (scope, key) IN (
     LIMIT @max_rows::int
     FOR UPDATE SKIP LOCKED
 );
+
+-- name: KeyStats :one
+-- KeyStats summarizes the table for operators. It reads every row: run it
+-- from a console, not from a hot path.
+SELECT count(*) FILTER (WHERE state = 'in_progress' AND expires_at > now()) AS in_progress,
+       count(*) FILTER (WHERE state = 'done' AND expires_at > now()) AS done,
+       count(*) FILTER (WHERE expires_at <= now()) AS expired,
+       count(DISTINCT scope) AS scopes,
+       min(created_at) FILTER (WHERE expires_at > now())::timestamptz AS oldest_live,
+       pg_table_size('idempotency_key'::regclass) AS table_bytes,
+       pg_indexes_size('idempotency_key'::regclass) AS index_bytes
+FROM idempotency_key;
+
+-- name: KeyInspect :one
+-- KeyInspect reads one record whatever its state or expiry, for operators.
+SELECT fingerprint, state, response, created_at, expires_at,
+       (expires_at <= now())::bool AS expired
+FROM idempotency_key
+WHERE scope = @scope::text
+  AND key = @key::text;

@@ -41,6 +41,10 @@ func commands() []command {
 	return []command{
 		{"demo", "fire a retry storm of payments and show that none is lost or doubled", runDemo},
 		{"bench", "compare idem.Run with a bare transaction and other designs, side by side", runBench},
+		{"migrate", "apply, roll back or list the embedded migrations: migrate up|down|status", runMigrate},
+		{"purge", "delete expired records in batches", runPurge},
+		{"stats", "count records by state and show the table's size", runStats},
+		{"inspect", "show one record: inspect SCOPE KEY", runInspect},
 	}
 }
 

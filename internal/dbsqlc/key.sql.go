@@ -116,6 +116,43 @@ func (q *Queries) KeyGet(ctx context.Context, arg KeyGetParams) (KeyGetRow, erro
 	return i, err
 }
 
+const keyInspect = `-- name: KeyInspect :one
+SELECT fingerprint, state, response, created_at, expires_at,
+       (expires_at <= now())::bool AS expired
+FROM idempotency_key
+WHERE scope = $1::text
+  AND key = $2::text
+`
+
+type KeyInspectParams struct {
+	Scope string
+	Key   string
+}
+
+type KeyInspectRow struct {
+	Fingerprint []byte
+	State       string
+	Response    []byte
+	CreatedAt   pgtype.Timestamptz
+	ExpiresAt   pgtype.Timestamptz
+	Expired     bool
+}
+
+// KeyInspect reads one record whatever its state or expiry, for operators.
+func (q *Queries) KeyInspect(ctx context.Context, arg KeyInspectParams) (KeyInspectRow, error) {
+	row := q.db.QueryRow(ctx, keyInspect, arg.Scope, arg.Key)
+	var i KeyInspectRow
+	err := row.Scan(
+		&i.Fingerprint,
+		&i.State,
+		&i.Response,
+		&i.CreatedAt,
+		&i.ExpiresAt,
+		&i.Expired,
+	)
+	return i, err
+}
+
 const keyPurgeExpired = `-- name: KeyPurgeExpired :execrows
 DELETE FROM idempotency_key
 WHERE (scope, key) IN (
@@ -212,6 +249,44 @@ type KeyReleaseParams struct {
 func (q *Queries) KeyRelease(ctx context.Context, arg KeyReleaseParams) error {
 	_, err := q.db.Exec(ctx, keyRelease, arg.Scope, arg.Key)
 	return err
+}
+
+const keyStats = `-- name: KeyStats :one
+SELECT count(*) FILTER (WHERE state = 'in_progress' AND expires_at > now()) AS in_progress,
+       count(*) FILTER (WHERE state = 'done' AND expires_at > now()) AS done,
+       count(*) FILTER (WHERE expires_at <= now()) AS expired,
+       count(DISTINCT scope) AS scopes,
+       min(created_at) FILTER (WHERE expires_at > now())::timestamptz AS oldest_live,
+       pg_table_size('idempotency_key'::regclass) AS table_bytes,
+       pg_indexes_size('idempotency_key'::regclass) AS index_bytes
+FROM idempotency_key
+`
+
+type KeyStatsRow struct {
+	InProgress int64
+	Done       int64
+	Expired    int64
+	Scopes     int64
+	OldestLive pgtype.Timestamptz
+	TableBytes int64
+	IndexBytes int64
+}
+
+// KeyStats summarizes the table for operators. It reads every row: run it
+// from a console, not from a hot path.
+func (q *Queries) KeyStats(ctx context.Context) (KeyStatsRow, error) {
+	row := q.db.QueryRow(ctx, keyStats)
+	var i KeyStatsRow
+	err := row.Scan(
+		&i.InProgress,
+		&i.Done,
+		&i.Expired,
+		&i.Scopes,
+		&i.OldestLive,
+		&i.TableBytes,
+		&i.IndexBytes,
+	)
+	return i, err
 }
 
 const keyStoreResponse = `-- name: KeyStoreResponse :exec
