@@ -89,14 +89,22 @@ func connectMigrated(ctx context.Context) (*pgxpool.Pool, error) {
 	}
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	if err := checkMigrated(ctx, db); err != nil {
+	if err := checkMigrated(ctx, pool, db); err != nil {
 		pool.Close()
 		return nil, err
 	}
 	return pool, nil
 }
 
-func checkMigrated(ctx context.Context, db *sql.DB) error {
+func checkMigrated(ctx context.Context, pool *pgxpool.Pool, db *sql.DB) error {
+	// Asking goose would create its version table; look first.
+	exists, err := dbsqlc.New(pool).SchemaTableExists(ctx, idem.MigrationTable)
+	if err != nil {
+		return databaseError{fmt.Errorf("look for %s: %w", idem.MigrationTable, err)}
+	}
+	if !exists {
+		return databaseError{errors.New("idem's migrations are not applied: run 'idem migrate up'")}
+	}
 	provider, err := idem.NewMigrationProvider(db)
 	if err != nil {
 		return err
