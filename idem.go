@@ -64,6 +64,8 @@ type options struct {
 	lookupFirst     bool
 	// noResponse stores no value: the key only records that fn ran.
 	noResponse bool
+	observer   *Observer
+	codec      Codec
 	err        error
 }
 
@@ -128,6 +130,25 @@ func WithMaxResponseSize(n int) Option {
 		}
 		o.maxResponseSize = n
 	})
+}
+
+// Codec seals a value's JSON encoding before it is stored and opens it when
+// a replay reads it back, so that stored responses, which may hold personal
+// data, can be encrypted or redacted. The scope is passed along for
+// per-tenant keys. Sealed bytes are stored as a JSON string.
+//
+// Records sealed with one codec open only with a codec that understands
+// them: when changing codecs, keep opening the old form until the
+// retention of the records sealed with it has passed.
+type Codec interface {
+	Seal(scope string, plaintext []byte) ([]byte, error)
+	Open(scope string, sealed []byte) ([]byte, error)
+}
+
+// WithCodec stores values sealed by codec, and opens them on replay.
+// Defaults to none: values are stored as plain JSON.
+func WithCodec(codec Codec) Option {
+	return optionFunc(func(o *options) { o.codec = codec })
 }
 
 func (o *options) fail(err error) {
@@ -209,20 +230,22 @@ func checkIdentifier(s string) error {
 // anything is sent to the database.
 func Do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...Option,
-) (Result[T], error) {
+) (_ Result[T], err error) {
 	o, err := newOptions(opts)
+	ctx, obs := o.observer.observe(ctx, "idem.Do")
+	defer func() { obs.end(ctx, scope, key, err) }()
 	if err != nil {
 		return Result[T]{}, err
 	}
 	if err := checkScopeAndKey(scope, key); err != nil {
 		return Result[T]{}, err
 	}
-	res, store, err := attempt(ctx, tx, func() pgx.Tx { return tx }, scope, key, fp, fn, o)
+	res, store, err := attempt(ctx, tx, func() pgx.Tx { return tx }, scope, key, fp, fn, o, obs)
 	if err != nil || store == nil {
 		return res, err
 	}
 	if err := dbsqlc.New(tx).KeyStoreResponse(ctx, *store); err != nil {
-		return Result[T]{}, releaseAfter(ctx, tx, scope, key, translate("store response", err))
+		return Result[T]{}, releaseAfter(ctx, tx, scope, key, translate("idem: store response", err), o)
 	}
 	return res, nil
 }
@@ -232,15 +255,16 @@ func Do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 // the parameters that store the value instead of storing it, so that [Run]
 // can send them in the same round trip as COMMIT.
 func attempt[T any](ctx context.Context, db dbsqlc.DBTX, txOf func() pgx.Tx, scope, key string, fp []byte,
-	fn func(ctx context.Context, tx pgx.Tx) (T, error), o *options,
+	fn func(ctx context.Context, tx pgx.Tx) (T, error), o *options, obs *observation,
 ) (res Result[T], store *dbsqlc.KeyStoreResponseParams, err error) {
-	stored, claimed, err := claim(ctx, dbsqlc.New(db), scope, key, fp, o)
+	stored, outcome, err := claim(ctx, dbsqlc.New(db), scope, key, fp, o)
+	obs.claimDone(outcome)
 	if err != nil {
 		return res, nil, err
 	}
 	tx := txOf()
-	if !claimed {
-		res, err := replayed[T](stored)
+	if outcome == OutcomeReplayed {
+		res, err := replayed[T](stored, scope, o)
 		return res, nil, err
 	}
 
@@ -248,29 +272,29 @@ func attempt[T any](ctx context.Context, db dbsqlc.DBTX, txOf func() pgx.Tx, sco
 	// recovers and commits would leave the key blocked in progress.
 	defer func() {
 		if p := recover(); p != nil {
-			_ = releaseAfter(ctx, tx, scope, key, nil)
+			_ = releaseAfter(ctx, tx, scope, key, nil, o)
 			panic(p)
 		}
 	}()
 
 	value, err := fn(ctx, tx)
 	if err != nil {
-		return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, fmt.Errorf("idem: %w", err))
+		return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, fmt.Errorf("idem: %w", err), o)
 	}
 	var encoded []byte
 	if !o.noResponse {
-		if encoded, err = encodeResponse(value, o.maxResponseSize); err != nil {
-			return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, err)
+		if encoded, err = encodeResponse(value, scope, o); err != nil {
+			return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, err, o)
 		}
 	}
 	res.Value = value
 	return res, &dbsqlc.KeyStoreResponseParams{Scope: scope, Key: key, Response: encoded}, nil
 }
 
-// claim runs KeyClaim and interprets the answer. It returns claimed when the
-// calling transaction now owns the key, or else the stored response to
-// replay.
-func claim(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte, o *options) (stored []byte, claimed bool, err error) {
+// claim runs KeyClaim and interprets the answer: the calling transaction
+// now owns the key (OutcomeClaimed, OutcomeReclaimed), or the key's stored
+// response is to be replayed (OutcomeReplayed), or an error says why not.
+func claim(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte, o *options) (stored []byte, _ Outcome, err error) {
 	params := dbsqlc.KeyClaimParams{
 		Scope:       scope,
 		Key:         key,
@@ -287,10 +311,10 @@ func claim(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte,
 	for range 3 {
 		row, err := q.KeyClaim(ctx, params)
 		if err != nil {
-			return nil, false, translate("idem: claim key", err)
+			return nil, OutcomeFailed, translate("idem: claim key", err)
 		}
 		if row.Claimed {
-			return nil, true, nil
+			return nil, OutcomeClaimed, nil
 		}
 		if row.State.Valid && row.Expired {
 			// An expired record counts as absent: take it over, whatever
@@ -300,16 +324,15 @@ func claim(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte,
 				Fingerprint: params.Fingerprint, Retention: params.Retention,
 			})
 			if err != nil {
-				return nil, false, translate("idem: reclaim expired key", err)
+				return nil, OutcomeFailed, translate("idem: reclaim expired key", err)
 			}
 			if got.Claimed {
-				return nil, true, nil
+				return nil, OutcomeReclaimed, nil
 			}
 			continue
 		}
 		if row.State.Valid {
-			stored, err := judge(row.State.String, row.Fingerprint, row.Response, fp)
-			return stored, false, err
+			return judge(row.State.String, row.Fingerprint, row.Response, fp)
 		}
 		// The record was committed while the claim waited for it, so the
 		// claim's snapshot cannot see it: read it with a new one.
@@ -318,12 +341,11 @@ func claim(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte,
 			continue
 		}
 		if err != nil {
-			return nil, false, translate("idem: read key", err)
+			return nil, OutcomeFailed, translate("idem: read key", err)
 		}
-		stored, err := judge(got.State, got.Fingerprint, got.Response, fp)
-		return stored, false, err
+		return judge(got.State, got.Fingerprint, got.Response, fp)
 	}
-	return nil, false, fmt.Errorf("%w: the record kept changing while it was claimed", ErrInProgress)
+	return nil, OutcomeInProgress, fmt.Errorf("%w: the record kept changing while it was claimed", ErrInProgress)
 }
 
 // lookup reads the key's live record outside any transaction, and reports
@@ -336,15 +358,26 @@ func lookup(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte
 	if err != nil {
 		return nil, false, translate("idem: look up key", err)
 	}
-	stored, err = judge(got.State, got.Fingerprint, got.Response, fp)
+	stored, _, err = judge(got.State, got.Fingerprint, got.Response, fp)
 	return stored, err == nil, err
 }
 
 // replayed decodes a stored response into the result of a replay.
-func replayed[T any](stored []byte) (Result[T], error) {
+func replayed[T any](stored []byte, scope string, o *options) (Result[T], error) {
 	res := Result[T]{Replayed: true}
 	if stored == nil {
 		return res, nil // the key recorded only that its operation ran (Once)
+	}
+	if o.codec != nil {
+		var sealed []byte
+		if err := json.Unmarshal(stored, &sealed); err != nil {
+			return Result[T]{}, fmt.Errorf("idem: stored response is not sealed by a codec: %w", err)
+		}
+		opened, err := o.codec.Open(scope, sealed)
+		if err != nil {
+			return Result[T]{}, fmt.Errorf("idem: open stored response: %w", err)
+		}
+		stored = opened
 	}
 	if err := json.Unmarshal(stored, &res.Value); err != nil {
 		return Result[T]{}, fmt.Errorf("idem: decode stored response: %w", err)
@@ -353,16 +386,16 @@ func replayed[T any](stored []byte) (Result[T], error) {
 }
 
 // judge decides what a duplicate gets from the live record that blocked it.
-func judge(state string, storedFP, response, fp []byte) ([]byte, error) {
+func judge(state string, storedFP, response, fp []byte) ([]byte, Outcome, error) {
 	switch {
 	case !bytes.Equal(storedFP, fp):
-		return nil, ErrFingerprintMismatch
+		return nil, OutcomeMismatch, ErrFingerprintMismatch
 	case state != stateDone:
 		// Only the calling transaction's own open claim can be seen in
 		// progress: another transaction's would have been waited for.
-		return nil, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
+		return nil, OutcomeInProgress, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
 	}
-	return response, nil
+	return response, OutcomeReplayed, nil
 }
 
 // stateDone marks a record whose operation committed with a stored response.
@@ -370,13 +403,21 @@ const stateDone = "done"
 
 // encodeResponse encodes v for the jsonb column, refusing what the column
 // would reject so that the failure is typed and the transaction stays usable.
-func encodeResponse(v any, limit int) ([]byte, error) {
+// With a codec, the sealed bytes are stored as a JSON string.
+func encodeResponse(v any, scope string, o *options) ([]byte, error) {
 	encoded, err := json.Marshal(v)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrResponseNotStorable, err)
 	}
-	if len(encoded) > limit {
-		return nil, fmt.Errorf("%w: %d bytes of JSON, limit %d", ErrResponseTooLarge, len(encoded), limit)
+	if o.codec != nil {
+		sealed, err := o.codec.Seal(scope, encoded)
+		if err != nil {
+			return nil, fmt.Errorf("%w: seal: %w", ErrResponseNotStorable, err)
+		}
+		encoded, _ = json.Marshal(sealed) // a []byte always encodes
+	}
+	if len(encoded) > o.maxResponseSize {
+		return nil, fmt.Errorf("%w: %d bytes of JSON, limit %d", ErrResponseTooLarge, len(encoded), o.maxResponseSize)
 	}
 	if hasEscapedNUL(encoded) {
 		return nil, fmt.Errorf("%w: a string holds a NUL character, which jsonb cannot store", ErrResponseNotStorable)
@@ -404,9 +445,10 @@ func hasEscapedNUL(encoded []byte) bool {
 // a context that is not cancelled, so that a caller who commits anyway never
 // commits a record stuck in progress. If the transaction is already aborted
 // the release fails harmlessly: nothing in it can commit.
-func releaseAfter(ctx context.Context, tx pgx.Tx, scope, key string, cause error) error {
+func releaseAfter(ctx context.Context, tx pgx.Tx, scope, key string, cause error, o *options) error {
 	err := dbsqlc.New(tx).KeyRelease(context.WithoutCancel(ctx), dbsqlc.KeyReleaseParams{Scope: scope, Key: key})
 	if err != nil && tx.Conn() != nil && tx.Conn().PgConn().TxStatus() == 'T' {
+		o.observer.logRelease(ctx, scope, key, err)
 		return errors.Join(cause, fmt.Errorf("idem: release claim, roll back: %w", err))
 	}
 	return cause

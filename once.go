@@ -18,13 +18,16 @@ import (
 // the id is not recorded and the error is returned; the caller rolls back
 // and the broker redelivers.
 //
+// Options work as for Do: [WithWait], [WithRetention] and [WithObserver]
+// apply; options about stored values do not.
+//
 // Choose id from the message's business identity (the producer's event id,
 // or an entity id and version) rather than a broker offset, which changes
 // when a topic is rebuilt.
-func Once(ctx context.Context, tx pgx.Tx, scope, id string, fn func(ctx context.Context, tx pgx.Tx) error) (ran bool, err error) {
+func Once(ctx context.Context, tx pgx.Tx, scope, id string, fn func(ctx context.Context, tx pgx.Tx) error, opts ...Option) (ran bool, err error) {
 	res, err := Do(ctx, tx, scope, id, nil, func(ctx context.Context, tx pgx.Tx) (struct{}, error) {
 		return struct{}{}, fn(ctx, tx)
-	}, optionFunc(func(o *options) { o.noResponse = true }))
+	}, append(opts, optionFunc(func(o *options) { o.noResponse = true }))...)
 	if err != nil {
 		return false, err
 	}

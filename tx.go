@@ -82,8 +82,10 @@ func WithTx(ctx context.Context, db TxBeginner, txOptions pgx.TxOptions, fn func
 // statements, and a replay two round trips in all.
 func Run[T any](ctx context.Context, db TxBeginner, scope, key string, fp []byte,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...Option,
-) (Result[T], error) {
+) (_ Result[T], err error) {
 	o, err := newOptions(opts)
+	ctx, obs := o.observer.observe(ctx, "idem.Run")
+	defer func() { obs.end(ctx, scope, key, err) }()
 	if err != nil {
 		return Result[T]{}, err
 	}
@@ -93,7 +95,7 @@ func Run[T any](ctx context.Context, db TxBeginner, scope, key string, fp []byte
 	var res Result[T]
 	err = retry(ctx, func() error {
 		var err error
-		res, err = runOnce(ctx, db, scope, key, fp, fn, o)
+		res, err = runOnce(ctx, db, scope, key, fp, fn, o, obs)
 		return err
 	})
 	if err != nil {
@@ -103,7 +105,7 @@ func Run[T any](ctx context.Context, db TxBeginner, scope, key string, fp []byte
 }
 
 func runOnce[T any](ctx context.Context, beginner TxBeginner, scope, key string, fp []byte,
-	fn func(ctx context.Context, tx pgx.Tx) (T, error), o *options,
+	fn func(ctx context.Context, tx pgx.Tx) (T, error), o *options, obs *observation,
 ) (Result[T], error) {
 	conn, release, err := ownConn(ctx, beginner)
 	if err != nil {
@@ -117,7 +119,8 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, scope, key string,
 			return Result[T]{}, err
 		}
 		if found {
-			return replayed[T](stored)
+			obs.claimDone(OutcomeReplayed)
+			return replayed[T](stored, scope, o)
 		}
 	}
 	lazy := &lazyTx{conn: conn, txOptions: o.txOptions}
@@ -133,7 +136,7 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, scope, key string,
 		}
 	}()
 
-	res, store, err := attempt(ctx, lazy, lazy.current, scope, key, fp, fn, o)
+	res, store, err := attempt(ctx, lazy, lazy.current, scope, key, fp, fn, o, obs)
 	if err != nil {
 		return Result[T]{}, err
 	}

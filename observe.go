@@ -1,0 +1,203 @@
+package idem
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Outcome says what a call to [Do], [Run] or [Once] did with its key. It is
+// the value of the idem.outcome attribute on the metrics and spans an
+// [Observer] records.
+type Outcome string
+
+// The outcomes a call can have.
+const (
+	// OutcomeClaimed: the key was free; fn ran and its value was stored.
+	OutcomeClaimed Outcome = "claimed"
+	// OutcomeReclaimed: the key's record had expired; it was taken over and
+	// fn ran.
+	OutcomeReclaimed Outcome = "expired_reclaimed"
+	// OutcomeReplayed: the key's operation had completed; its stored value
+	// was returned and fn did not run.
+	OutcomeReplayed Outcome = "replayed"
+	// OutcomeMismatch: the key is live with another fingerprint.
+	OutcomeMismatch Outcome = "mismatch"
+	// OutcomeInProgress: another attempt held the key past the wait budget.
+	OutcomeInProgress Outcome = "in_progress"
+	// OutcomeInvalid: the scope, key or an option was rejected before any
+	// database call.
+	OutcomeInvalid Outcome = "invalid"
+	// OutcomeFailed: fn, the database or the stored value failed.
+	OutcomeFailed Outcome = "failed"
+)
+
+// ObserverConfig configures [NewObserver]. The zero value records nothing.
+type ObserverConfig struct {
+	// MeterProvider receives the idem.calls counter and the
+	// idem.claim.duration histogram. Defaults to none.
+	MeterProvider metric.MeterProvider
+
+	// TracerProvider receives a span per call, named after the function
+	// ("idem.Do", "idem.Run"). Defaults to none.
+	TracerProvider trace.TracerProvider
+
+	// Logger receives a line for what deserves a human's attention: a key
+	// reused with another request (a client bug), a duplicate that gave up
+	// waiting, a claim that could not be released. Never the stored value.
+	// Defaults to none.
+	Logger *slog.Logger
+
+	// LogKeys logs keys in full. Defaults to false: keys are logged as the
+	// first 12 hex digits of their SHA-256, enough to correlate, too little
+	// to read a key that carries data.
+	LogKeys bool
+}
+
+// Observer records what [Do], [Run] and [Once] do, with OpenTelemetry and
+// log/slog. It uses only the OpenTelemetry API: the application brings the
+// SDK. Create one at start-up and pass it to every call with
+// [WithObserver]; calls without one record nothing and spend nothing on it.
+type Observer struct {
+	tracer        trace.Tracer
+	calls         metric.Int64Counter
+	claimDuration metric.Float64Histogram
+	logger        *slog.Logger
+	logKeys       bool
+}
+
+// instrumentationName names the package to OpenTelemetry.
+const instrumentationName = "github.com/pgidem/idem"
+
+// NewObserver builds the instruments once, so that each call only records.
+func NewObserver(cfg ObserverConfig) (*Observer, error) {
+	o := &Observer{logger: cfg.Logger, logKeys: cfg.LogKeys}
+	if cfg.TracerProvider != nil {
+		o.tracer = cfg.TracerProvider.Tracer(instrumentationName)
+	}
+	if cfg.MeterProvider != nil {
+		meter := cfg.MeterProvider.Meter(instrumentationName)
+		var err error
+		o.calls, err = meter.Int64Counter("idem.calls",
+			metric.WithDescription("Calls of Do, Run and Once, by outcome."),
+			metric.WithUnit("{call}"))
+		if err != nil {
+			return nil, fmt.Errorf("idem: observer: %w", err)
+		}
+		o.claimDuration, err = meter.Float64Histogram("idem.claim.duration",
+			metric.WithDescription("Time to claim a key, including any wait for a concurrent attempt, by outcome."),
+			metric.WithUnit("s"),
+			metric.WithExplicitBucketBoundaries(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+		if err != nil {
+			return nil, fmt.Errorf("idem: observer: %w", err)
+		}
+	}
+	return o, nil
+}
+
+// WithObserver records the call's outcome, claim duration and span with
+// observer. Defaults to none.
+func WithObserver(observer *Observer) Option {
+	return optionFunc(func(o *options) { o.observer = observer })
+}
+
+// observation is one call being observed. Its methods do nothing on a nil
+// receiver, which is what a call without an Observer gets.
+type observation struct {
+	observer *Observer
+	span     trace.Span
+	start    time.Time
+	claimed  time.Duration
+	outcome  Outcome
+}
+
+// observe starts observing a call named name; ctx carries its span.
+func (o *Observer) observe(ctx context.Context, name string) (context.Context, *observation) {
+	if o == nil {
+		return ctx, nil
+	}
+	obs := &observation{observer: o, start: time.Now()}
+	if o.tracer != nil {
+		ctx, obs.span = o.tracer.Start(ctx, name, trace.WithSpanKind(trace.SpanKindInternal))
+	}
+	return ctx, obs
+}
+
+// claimDone notes the claim's outcome and how long it took.
+func (obs *observation) claimDone(outcome Outcome) {
+	if obs == nil {
+		return
+	}
+	obs.outcome = outcome
+	obs.claimed = time.Since(obs.start)
+}
+
+// end records the call: the outcome its claim had, or one derived from err.
+func (obs *observation) end(ctx context.Context, scope, key string, err error) {
+	if obs == nil {
+		return
+	}
+	outcome := obs.outcome
+	switch {
+	case errors.Is(err, ErrInvalidKey), errors.Is(err, ErrInvalidScope), errors.Is(err, ErrInvalidOption):
+		outcome = OutcomeInvalid
+	case errors.Is(err, ErrFingerprintMismatch):
+		outcome = OutcomeMismatch
+	case errors.Is(err, ErrInProgress):
+		outcome = OutcomeInProgress
+	case err != nil:
+		outcome = OutcomeFailed
+	}
+	attrs := attribute.NewSet(attribute.String("idem.outcome", string(outcome)))
+	o := obs.observer
+	if o.calls != nil {
+		o.calls.Add(ctx, 1, metric.WithAttributeSet(attrs))
+		if obs.claimed > 0 {
+			o.claimDuration.Record(ctx, obs.claimed.Seconds(), metric.WithAttributeSet(attrs))
+		}
+	}
+	if obs.span != nil {
+		obs.span.SetAttributes(attribute.String("idem.outcome", string(outcome)))
+		if err != nil && outcome == OutcomeFailed {
+			obs.span.RecordError(err)
+			obs.span.SetStatus(codes.Error, err.Error())
+		}
+		obs.span.End()
+	}
+	if o.logger != nil {
+		switch outcome {
+		case OutcomeMismatch:
+			o.logger.LogAttrs(ctx, slog.LevelWarn, "idem: key reused with a different request",
+				slog.String("scope", scope), slog.String("key", o.loggedKey(key)))
+		case OutcomeInProgress:
+			o.logger.LogAttrs(ctx, slog.LevelInfo, "idem: duplicate gave up waiting for a concurrent attempt",
+				slog.String("scope", scope), slog.String("key", o.loggedKey(key)))
+		}
+	}
+}
+
+// logRelease reports a claim that could not be released after a failure.
+func (o *Observer) logRelease(ctx context.Context, scope, key string, err error) {
+	if o == nil || o.logger == nil {
+		return
+	}
+	o.logger.LogAttrs(ctx, slog.LevelError, "idem: could not release a claim; roll the transaction back",
+		slog.String("scope", scope), slog.String("key", o.loggedKey(key)), slog.Any("error", err))
+}
+
+func (o *Observer) loggedKey(key string) string {
+	if o.logKeys {
+		return key
+	}
+	sum := sha256.Sum256([]byte(key))
+	return "sha256:" + hex.EncodeToString(sum[:6])
+}

@@ -1,0 +1,160 @@
+package idem_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+
+	"github.com/pgidem/idem"
+)
+
+// setupObserver returns an Observer wired to in-memory OpenTelemetry
+// readers and a log buffer.
+func setupObserver(t *testing.T, logKeys bool) (*idem.Observer, *sdkmetric.ManualReader, *tracetest.SpanRecorder, *bytes.Buffer) {
+	t.Helper()
+	reader := sdkmetric.NewManualReader()
+	spans := tracetest.NewSpanRecorder()
+	var logs bytes.Buffer
+	observer, err := idem.NewObserver(idem.ObserverConfig{
+		MeterProvider:  sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)),
+		Logger:         slog.New(slog.NewTextHandler(&logs, nil)),
+		LogKeys:        logKeys,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return observer, reader, spans, &logs
+}
+
+// outcomes reads the idem.calls counter by outcome.
+func outcomes(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != "idem.calls" {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				v, _ := dp.Attributes.Value("idem.outcome")
+				got[v.AsString()] += dp.Value
+			}
+		}
+	}
+	return got
+}
+
+func TestObserverRecordsOutcomesSpansAndLogs(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	observer, reader, spans, logs := setupObserver(t, false)
+	with := idem.WithObserver(observer)
+	var calls atomic.Int64
+
+	run := func(key string, fp []byte) error {
+		_, err := idem.Run(ctx, pool, scope, key, fp, pay(scope, key, 1, &calls), with)
+		return err
+	}
+	_ = run("k1", fpA)                           // claimed
+	_ = run("k1", fpA)                           // replayed
+	_ = run("k1", fpB)                           // mismatch
+	_ = run("", fpA)                             // invalid
+	expire(t, pool, scope, "k1")                 //
+	_ = run("k1", fpB)                           // expired_reclaimed
+	_, _ = idem.Run(ctx, pool, scope, "k2", fpA, // failed
+		func(context.Context, pgx.Tx) (int, error) { return 0, errors.New("boom") }, with)
+
+	want := map[string]int64{"claimed": 1, "replayed": 1, "mismatch": 1, "invalid": 1, "expired_reclaimed": 1, "failed": 1}
+	got := outcomes(t, reader)
+	for outcome, n := range want {
+		if got[outcome] != n {
+			t.Errorf("outcome %s counted %d times, want %d (all: %v)", outcome, got[outcome], n, got)
+		}
+	}
+	if n := len(spans.Ended()); n != 6 {
+		t.Errorf("%d spans ended, want 6", n)
+	}
+	for _, s := range spans.Ended() {
+		if s.Name() != "idem.Run" {
+			t.Errorf("span named %q, want idem.Run", s.Name())
+		}
+	}
+	if !strings.Contains(logs.String(), "key reused with a different request") {
+		t.Errorf("no log line for the mismatch:\n%s", logs.String())
+	}
+	if strings.Contains(logs.String(), "key=k1") {
+		t.Errorf("the key was logged in full without LogKeys:\n%s", logs.String())
+	}
+}
+
+func TestObserverLogsFullKeysOnlyWhenAsked(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	observer, _, _, logs := setupObserver(t, true)
+	var calls atomic.Int64
+	_, _ = idem.Run(ctx, pool, scope, "visible-key", fpA, pay(scope, "k", 1, &calls), idem.WithObserver(observer))
+	_, _ = idem.Run(ctx, pool, scope, "visible-key", fpB, pay(scope, "k", 1, &calls), idem.WithObserver(observer))
+	if !strings.Contains(logs.String(), "key=visible-key") {
+		t.Fatalf("LogKeys did not log the key:\n%s", logs.String())
+	}
+}
+
+// reverseCodec stands in for encryption: what it stores is unreadable as
+// the value's JSON.
+type reverseCodec struct{ sealed, opened atomic.Int64 }
+
+func (c *reverseCodec) Seal(_ string, p []byte) ([]byte, error) {
+	c.sealed.Add(1)
+	out := make([]byte, len(p))
+	for i, b := range p {
+		out[len(p)-1-i] = b ^ 0x5a
+	}
+	return out, nil
+}
+
+func (c *reverseCodec) Open(scope string, s []byte) ([]byte, error) {
+	c.opened.Add(1)
+	c.sealed.Add(-1) // Seal is its own inverse; keep the count honest
+	return c.Seal(scope, s)
+}
+
+func TestCodecSealsStoredResponses(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	codec := &reverseCodec{}
+	var calls atomic.Int64
+	first, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 4200, &calls), idem.WithCodec(codec))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stored string
+	if err := pool.QueryRow(ctx, `SELECT response::text FROM idempotency_key WHERE scope = $1`, scope).Scan(&stored); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(stored, "4200") || strings.Contains(stored, "amount_cents") {
+		t.Fatalf("stored response is readable: %s", stored)
+	}
+	replay, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 4200, &calls), idem.WithCodec(codec))
+	if err != nil || !replay.Replayed || replay.Value != first.Value {
+		t.Fatalf("replay through the codec: %+v, %v; want %+v", replay, err, first.Value)
+	}
+	if codec.opened.Load() != 1 {
+		t.Fatalf("codec opened %d times, want 1", codec.opened.Load())
+	}
+	// Without the codec, the sealed record cannot be read as a value.
+	if _, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 4200, &calls)); err == nil {
+		t.Fatal("a sealed record replayed without its codec")
+	}
+}
