@@ -10,14 +10,14 @@ import (
 )
 
 const schemaTableExists = `-- name: SchemaTableExists :one
-SELECT to_regclass($1::text) IS NOT NULL AS exists
+SELECT (to_regclass($1::text) IS NOT NULL)::bool AS exists
 `
 
 // SchemaTableExists reports whether a table is visible on the search path,
 // so that tools can tell an unmigrated database without creating anything.
-func (q *Queries) SchemaTableExists(ctx context.Context, tableName string) (interface{}, error) {
+func (q *Queries) SchemaTableExists(ctx context.Context, tableName string) (bool, error) {
 	row := q.db.QueryRow(ctx, schemaTableExists, tableName)
-	var exists interface{}
+	var exists bool
 	err := row.Scan(&exists)
 	return exists, err
 }
