@@ -3,7 +3,10 @@
 -- that conflicts on (scope, key) is how a duplicate learns it is a duplicate.
 -- fillfactor leaves room on each page so that storing the response after the
 -- claim is a HOT update and writes no new index entries.
-CREATE TABLE idempotency_key (
+--
+-- IF NOT EXISTS lets a deployment create the table itself first, for example
+-- hash-partitioned by scope (see docs/partitioned-by-scope.sql).
+CREATE TABLE IF NOT EXISTS idempotency_key (
     scope       text        NOT NULL,
     key         text        NOT NULL,
     fingerprint bytea       NOT NULL,
@@ -18,7 +21,7 @@ CREATE TABLE idempotency_key (
 ) WITH (fillfactor = 90);
 
 -- Purging walks this index from the oldest expiry forward.
-CREATE INDEX idempotency_key_expires_at_idx ON idempotency_key (expires_at);
+CREATE INDEX IF NOT EXISTS idempotency_key_expires_at_idx ON idempotency_key (expires_at);
 
 -- +goose Down
 DROP TABLE idempotency_key;
