@@ -1,0 +1,97 @@
+package idemhttp_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+
+	"github.com/pgidem/idem/idemhttp"
+	"github.com/pgidem/idem/internal/testdb"
+)
+
+// createPayment is an ordinary handler: it writes on the request's
+// transaction and answers. The middleware makes it exactly-once.
+func createPayment(w http.ResponseWriter, r *http.Request) {
+	var req struct {
+		AmountCents int64 `json:"amount_cents"`
+	}
+	if err := json.NewDecoder(r.Body).Decode(&req); err != nil || req.AmountCents <= 0 {
+		http.Error(w, "amount_cents must be a positive integer", http.StatusBadRequest)
+		return
+	}
+	tenant, _, _ := r.BasicAuth()
+	_, err := idemhttp.Tx(r.Context()).Exec(r.Context(),
+		`INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`,
+		tenant, idemhttp.Key(r.Context()), req.AmountCents)
+	if err != nil {
+		// A 5xx rolls the transaction back: the client's retry runs again.
+		http.Error(w, "payment not recorded", http.StatusServiceUnavailable)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	fmt.Fprintf(w, `{"amount_cents":%d,"status":"paid"}`, req.AmountCents)
+}
+
+// A payments endpoint: a retry replays the first answer, byte for byte,
+// and charges nothing more.
+func ExampleNew() {
+	pool := env.ExamplePool()
+	mw := idemhttp.New(pool, idemhttp.Config{
+		// Keys are per caller. Here the caller is the basic-auth user; a
+		// real service checks the password, or a token, first.
+		Scope: func(r *http.Request) (string, error) {
+			user, _, ok := r.BasicAuth()
+			if !ok {
+				return "", errors.New("not authenticated")
+			}
+			return user, nil
+		},
+		Required: true,
+	})
+	mux := http.NewServeMux()
+	mux.Handle("POST /payments", mw(http.HandlerFunc(createPayment)))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+
+	tenant := testdb.Name("shop")
+	send := func(key, body string) {
+		req, _ := http.NewRequest(http.MethodPost, srv.URL+"/payments", strings.NewReader(body))
+		req.SetBasicAuth(tenant, "secret")
+		req.Header.Set("Content-Type", "application/json")
+		if key != "" {
+			req.Header.Set(idemhttp.DefaultHeader, key)
+		}
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			fmt.Println(err)
+			return
+		}
+		defer res.Body.Close()
+		answer, _ := io.ReadAll(res.Body)
+		fmt.Printf("%d replayed=%q %s\n", res.StatusCode, res.Header.Get(idemhttp.ReplayedHeader), strings.TrimSpace(string(answer)))
+	}
+
+	send(`"order-1001"`, `{"amount_cents": 2500}`)
+	// The answer was lost; the client retries with the same key.
+	send(`"order-1001"`, `{"amount_cents": 2500}`)
+	// A client bug: the same key for another payment.
+	send(`"order-1001"`, `{"amount_cents": 9900}`)
+	// No key at all.
+	send("", `{"amount_cents": 2500}`)
+
+	var payments int
+	_ = pool.QueryRow(context.Background(), `SELECT count(*) FROM payment WHERE scope = $1`, tenant).Scan(&payments)
+	fmt.Println("payments recorded:", payments)
+	// Output:
+	// 201 replayed="" {"amount_cents":2500,"status":"paid"}
+	// 201 replayed="true" {"amount_cents":2500,"status":"paid"}
+	// 422 replayed="" {"type":"about:blank","title":"Unprocessable Entity","status":422,"detail":"This Idempotency-Key was already used for a different request. Use a new key for a new request."}
+	// 400 replayed="" {"type":"about:blank","title":"Bad Request","status":400,"detail":"This request needs an Idempotency-Key header."}
+	// payments recorded: 1
+}

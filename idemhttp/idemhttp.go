@@ -1,0 +1,471 @@
+package idemhttp
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"runtime/debug"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem"
+)
+
+// Default values of the configuration.
+const (
+	// DefaultHeader is the header field that carries the key unless
+	// [Config.Header] says otherwise, as the IETF draft names it.
+	DefaultHeader = "Idempotency-Key"
+
+	// DefaultMaxBodyBytes is the largest request body accepted unless
+	// [Config.MaxBodyBytes] says otherwise.
+	DefaultMaxBodyBytes = 1 << 20
+
+	// DefaultMaxResponseBytes is the largest response body stored unless
+	// [Config.MaxResponseBytes] says otherwise.
+	DefaultMaxResponseBytes = 1 << 20
+)
+
+// ReplayedHeader is the header field set to "true" on every replayed
+// response, as Stripe names it. A first answer does not carry it.
+const ReplayedHeader = "Idempotent-Replayed"
+
+// Config configures the middleware that [New] returns. Only Scope is
+// required.
+type Config struct {
+	// Scope returns who is calling, such as the authenticated principal or
+	// tenant: keys are unique per scope, so that two clients who happen to
+	// pick the same key never see each other's responses. It is only called
+	// for requests that carry a key. When it returns an error the request
+	// gets 400 and the handler does not run; the error is not shown to the
+	// client. The scope must be 1 to 255 bytes of UTF-8: any other value is
+	// a server error (500).
+	//
+	// It is required, with no default: any default would let two tenants
+	// share keys. [New] panics when it is nil.
+	Scope func(r *http.Request) (string, error)
+
+	// Required makes a key mandatory: a request of a covered method without
+	// one gets 400 and the handler does not run. When false, such a request
+	// runs the handler in a transaction of its own, with nothing claimed or
+	// stored, so that the handler's code is the same either way. Defaults to
+	// false.
+	Required bool
+
+	// Methods lists the covered methods. Requests of other methods pass
+	// straight to the handler, outside any transaction, and their key is
+	// ignored. Defaults, when nil, to POST and PATCH.
+	Methods []string
+
+	// Header is the name of the header field that carries the key. Defaults
+	// to [DefaultHeader].
+	Header string
+
+	// Retention is how long a stored response answers retries of its key
+	// (see [idem.WithRetention]). Defaults to [idem.DefaultRetention], 24h.
+	Retention time.Duration
+
+	// Wait is how long a request waits for a concurrent request with the
+	// same key to finish before it gets 409 (see [idem.WithWait]). It
+	// bounds only that wait, not the handler. A negative value means not at
+	// all. Defaults to [idem.DefaultWait], 5s.
+	Wait time.Duration
+
+	// MaxBodyBytes is the largest request body accepted. The middleware
+	// reads the body of every covered request whole before the handler
+	// runs, to fingerprint it and to hand it again to a handler that runs
+	// twice (see [New]); a larger body gets 413 and the handler does not
+	// run. Defaults to [DefaultMaxBodyBytes], 1 MiB.
+	MaxBodyBytes int64
+
+	// MaxResponseBytes is the largest response body stored for replay. A
+	// handler that writes more is rolled back and the client gets 500.
+	// Defaults to [DefaultMaxResponseBytes], 1 MiB.
+	MaxResponseBytes int
+
+	// ReplayHeaders lists the response header fields stored with the
+	// response and replayed. Credentials (Set-Cookie, Authorization,
+	// WWW-Authenticate and their kin) and connection-specific fields are
+	// never stored, even when listed. An empty list stores none. Defaults,
+	// when nil, to Content-Type, Content-Language, Location and ETag.
+	ReplayHeaders []string
+
+	// Fingerprint chooses what makes two requests with the same key the
+	// same request; a retry whose fingerprint differs from the first
+	// request's gets 422. It is given the request and its whole body, and
+	// must not read r.Body. When it returns an error the request gets 400
+	// and the handler does not run. Defaults to [DefaultFingerprint]: method,
+	// target URI and body.
+	Fingerprint func(r *http.Request, body []byte) ([]byte, error)
+
+	// TxOptions are the options of the transaction the handler runs in;
+	// an empty IsoLevel means READ COMMITTED. Defaults to READ COMMITTED.
+	TxOptions pgx.TxOptions
+
+	// Logger receives the failures a client cannot be told about: handler
+	// panics and database errors. Defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// requestKey is the context key under which the handler finds its
+// requestValues.
+type requestKey struct{}
+
+type requestValues struct {
+	tx  pgx.Tx
+	key string
+}
+
+// Tx returns the transaction the middleware opened for the request whose
+// context is ctx, or nil outside a covered method. The handler does its
+// writes on it: they commit together with the key's claim and the stored
+// response, or not at all. The handler must not commit or roll it back.
+func Tx(ctx context.Context) pgx.Tx {
+	v, _ := ctx.Value(requestKey{}).(requestValues)
+	return v.tx
+}
+
+// Key returns the idempotency key of the request whose context is ctx,
+// unquoted, or "" when it has none or its method is not covered. A handler
+// that calls another service can derive that call's own idempotency key
+// from it, so that a run repeated after a rollback does not repeat the call.
+func Key(ctx context.Context) string {
+	v, _ := ctx.Value(requestKey{}).(requestValues)
+	return v.key
+}
+
+// New returns middleware that makes the handler it wraps exactly-once per
+// (scope, key) for the covered methods, on db. See the package
+// documentation for the answers it gives.
+//
+// The handler runs in a transaction that it finds with [Tx]. When the
+// middleware's own statements in that transaction, such as its COMMIT, fail
+// with a serialization failure or a deadlock, it runs the handler again in
+// a new transaction (see [idem.Run]), with the same request body: the
+// handler must do nothing that a rollback cannot undo.
+//
+// New panics when db or cfg.Scope is nil, or when cfg holds a value that
+// cannot work, such as a negative retention: a misconfigured server must
+// not start.
+func New(db idem.TxBeginner, cfg Config) func(http.Handler) http.Handler {
+	m, err := newMiddleware(db, cfg)
+	if err != nil {
+		panic(err.Error())
+	}
+	return func(next http.Handler) http.Handler {
+		return &handler{middleware: m, next: next}
+	}
+}
+
+// middleware is a Config with its defaults applied and its lists indexed.
+type middleware struct {
+	db               idem.TxBeginner
+	scope            func(*http.Request) (string, error)
+	required         bool
+	methods          map[string]bool
+	header           string
+	maxBodyBytes     int64
+	maxResponseBytes int
+	replayHeaders    map[string]bool
+	fingerprint      func(*http.Request, []byte) ([]byte, error)
+	txOptions        pgx.TxOptions
+	logger           *slog.Logger
+	opts             []idem.Option
+	// retryAfter is the Retry-After of a 409, in seconds: the wait budget,
+	// since the first request took at least that long already.
+	retryAfter string
+}
+
+func newMiddleware(db idem.TxBeginner, cfg Config) (*middleware, error) {
+	switch {
+	case db == nil:
+		return nil, errors.New("idemhttp: New needs a database, got nil")
+	case cfg.Scope == nil:
+		return nil, errors.New("idemhttp: Config.Scope is required: it keeps one tenant's keys from meeting another's")
+	case cfg.Retention < 0:
+		return nil, fmt.Errorf("idemhttp: Config.Retention must not be negative, got %s", cfg.Retention)
+	case cfg.MaxBodyBytes < 0:
+		return nil, fmt.Errorf("idemhttp: Config.MaxBodyBytes must not be negative, got %d", cfg.MaxBodyBytes)
+	case cfg.MaxResponseBytes < 0:
+		return nil, fmt.Errorf("idemhttp: Config.MaxResponseBytes must not be negative, got %d", cfg.MaxResponseBytes)
+	case cfg.Header != "" && !isToken(cfg.Header):
+		return nil, fmt.Errorf("idemhttp: Config.Header %q is not a valid header field name", cfg.Header)
+	}
+	m := &middleware{
+		db:               db,
+		scope:            cfg.Scope,
+		required:         cfg.Required,
+		methods:          make(map[string]bool),
+		header:           http.CanonicalHeaderKey(cmp.Or(cfg.Header, DefaultHeader)),
+		maxBodyBytes:     cmp.Or(cfg.MaxBodyBytes, DefaultMaxBodyBytes),
+		maxResponseBytes: cmp.Or(cfg.MaxResponseBytes, DefaultMaxResponseBytes),
+		replayHeaders:    make(map[string]bool),
+		fingerprint:      cfg.Fingerprint,
+		txOptions:        cfg.TxOptions,
+		logger:           cfg.Logger,
+	}
+	if m.txOptions.IsoLevel == "" {
+		m.txOptions.IsoLevel = pgx.ReadCommitted
+	}
+	if m.fingerprint == nil {
+		m.fingerprint = func(r *http.Request, body []byte) ([]byte, error) { return DefaultFingerprint(r, body), nil }
+	}
+
+	methods := cfg.Methods
+	if methods == nil {
+		methods = []string{http.MethodPost, http.MethodPatch}
+	}
+	for _, method := range methods {
+		if !isToken(method) {
+			return nil, fmt.Errorf("idemhttp: Config.Methods holds %q, which is not a method", method)
+		}
+		m.methods[method] = true
+	}
+	replayHeaders := cfg.ReplayHeaders
+	if replayHeaders == nil {
+		replayHeaders = []string{"Content-Type", "Content-Language", "Location", "ETag"}
+	}
+	for _, name := range replayHeaders {
+		m.replayHeaders[http.CanonicalHeaderKey(name)] = true
+	}
+
+	wait := cmp.Or(cfg.Wait, idem.DefaultWait)
+	wait = max(wait, 0)
+	m.retryAfter = strconv.FormatInt(max(int64((wait+time.Second-1)/time.Second), 1), 10)
+	// The stored value is JSON: the body in base64, plus the status and
+	// headers, for which a generous fixed allowance is made.
+	const headerAllowance = 1 << 20
+	m.opts = []idem.Option{
+		idem.WithRetention(cmp.Or(cfg.Retention, idem.DefaultRetention)),
+		idem.WithWait(wait),
+		idem.WithTxOptions(m.txOptions),
+		idem.WithMaxResponseSize(4*((m.maxResponseBytes+2)/3) + headerAllowance),
+	}
+	return m, nil
+}
+
+// isToken reports whether s is an RFC 9110 token, as header field names and
+// methods are.
+func isToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := range len(s) {
+		c := s[i]
+		isAlnum := c >= '0' && c <= '9' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z'
+		if !isAlnum && !strings.ContainsRune("!#$%&'*+-.^_`|~", rune(c)) {
+			return false
+		}
+	}
+	return true
+}
+
+// handler is the middleware around one handler.
+type handler struct {
+	*middleware
+	next http.Handler
+}
+
+func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if !h.methods[r.Method] {
+		h.next.ServeHTTP(w, r)
+		return
+	}
+	values := r.Header.Values(h.header)
+	if len(values) == 0 {
+		if h.required {
+			writeProblem(w, http.StatusBadRequest, "This request needs an "+h.header+" header.")
+			return
+		}
+		if body, ok := h.readBody(w, r); ok {
+			h.serveUnkeyed(w, r, body)
+		}
+		return
+	}
+	key, err := parseKey(values)
+	if err != nil {
+		writeProblem(w, http.StatusBadRequest, "The "+h.header+" header "+err.Error()+".")
+		return
+	}
+	scope, err := h.scope(r)
+	if err != nil {
+		// The error is the server's view of the caller, which the client
+		// has no business reading.
+		writeProblem(w, http.StatusBadRequest, "The request does not say who is calling, so its "+h.header+" cannot be scoped.")
+		return
+	}
+	body, ok := h.readBody(w, r)
+	if !ok {
+		return
+	}
+	fp, err := h.fingerprint(r, body)
+	if err != nil {
+		writeProblem(w, http.StatusBadRequest, "The request cannot be fingerprinted to check its "+h.header+".")
+		return
+	}
+	h.serveKeyed(w, r, scope, key, fp, body)
+}
+
+// readBody reads the whole request body, or answers the request itself and
+// reports false.
+func (h *handler) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
+	tooLarge := func() {
+		writeProblem(w, http.StatusRequestEntityTooLarge,
+			fmt.Sprintf("The request body is larger than %d bytes.", h.maxBodyBytes))
+	}
+	if r.ContentLength > h.maxBodyBytes {
+		tooLarge()
+		return nil, false
+	}
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil, true
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, h.maxBodyBytes+1))
+	var maxBytesErr *http.MaxBytesError
+	switch {
+	case errors.As(err, &maxBytesErr) || int64(len(body)) > h.maxBodyBytes:
+		tooLarge()
+		return nil, false
+	case err != nil:
+		writeProblem(w, http.StatusBadRequest, "The request body could not be read.")
+		return nil, false
+	}
+	return body, true
+}
+
+// serveKeyed runs the handler under the key's claim, or replays.
+func (h *handler) serveKeyed(w http.ResponseWriter, r *http.Request, scope, key string, fp, body []byte) {
+	var first *recorder
+	res, err := idem.Run(r.Context(), h.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (storedResponse, error) {
+		rec, err := h.run(ctx, requestValues{tx: tx, key: key}, r, body)
+		if err != nil {
+			return storedResponse{}, err
+		}
+		if rec.body.Len() > h.maxResponseBytes {
+			return storedResponse{}, fmt.Errorf("idemhttp: response body of %d bytes, more than the %d that may be stored: %w",
+				rec.body.Len(), h.maxResponseBytes, idem.ErrResponseTooLarge)
+		}
+		first = rec
+		return storedResponse{Status: rec.status, Header: filterHeader(rec.sent, h.replayHeaders), Body: rec.body.Bytes()}, nil
+	}, h.opts...)
+
+	switch {
+	case err == nil && res.Replayed:
+		stored := res.Value
+		header := filterHeader(stored.Header, h.replayHeaders)
+		if header == nil {
+			header = make(map[string][]string, 1)
+		}
+		header[ReplayedHeader] = []string{"true"}
+		writeResponse(w, header, stored.Status, stored.Body)
+	case err == nil:
+		writeResponse(w, first.sent, first.status, first.body.Bytes())
+	case errors.Is(err, idem.ErrFingerprintMismatch):
+		writeProblem(w, http.StatusUnprocessableEntity,
+			"This "+h.header+" was already used for a different request. Use a new key for a new request.")
+	case errors.Is(err, idem.ErrInProgress):
+		w.Header().Set("Retry-After", h.retryAfter)
+		writeProblem(w, http.StatusConflict,
+			"A request with this "+h.header+" is still being processed. Retry it later with the same key.")
+	default:
+		h.fail(w, r, err, "The request could not be completed. Retrying it with the same "+h.header+" is safe.")
+	}
+}
+
+// serveUnkeyed runs the handler in a transaction without a claim: what it
+// writes commits unless it answers 5xx or panics.
+func (h *handler) serveUnkeyed(w http.ResponseWriter, r *http.Request, body []byte) {
+	var rec *recorder
+	err := idem.WithTx(r.Context(), h.db, h.txOptions, func(ctx context.Context, tx pgx.Tx) error {
+		var err error
+		rec, err = h.run(ctx, requestValues{tx: tx}, r, body)
+		return err
+	})
+	if err != nil {
+		h.fail(w, r, err, "The request could not be completed.")
+		return
+	}
+	writeResponse(w, rec.sent, rec.status, rec.body.Bytes())
+}
+
+// serverError is a handler's own answer of 5xx, returned as an error so
+// that its transaction rolls back; the client still gets the answer.
+type serverError struct{ rec *recorder }
+
+func (e *serverError) Error() string {
+	return fmt.Sprintf("idemhttp: handler answered %d", e.rec.status)
+}
+
+// handlerPanic is a handler's panic, returned as an error so that its
+// transaction rolls back.
+type handlerPanic struct {
+	value any
+	stack []byte
+}
+
+func (e *handlerPanic) Error() string { return fmt.Sprintf("idemhttp: handler panicked: %v", e.value) }
+
+// run runs the handler once in the transaction of v, with a fresh copy of
+// the body, and records its answer. An answer of 5xx and a panic come back
+// as errors, for the caller to roll back.
+func (h *handler) run(ctx context.Context, v requestValues, r *http.Request, body []byte) (rec *recorder, err error) {
+	rec = newRecorder()
+	defer func() {
+		if p := recover(); p != nil {
+			err = &handlerPanic{value: p, stack: debug.Stack()}
+		}
+	}()
+	req := r.WithContext(context.WithValue(ctx, requestKey{}, v))
+	req.Body = io.NopCloser(bytes.NewReader(body))
+	req.ContentLength = int64(len(body))
+	h.next.ServeHTTP(rec, req)
+	rec.finish()
+	if rec.status >= 500 {
+		return rec, &serverError{rec: rec}
+	}
+	return rec, nil
+}
+
+// fail answers a request whose transaction did not commit, or may not have:
+// with the handler's own 5xx, or else with a 500 problem saying detail.
+func (h *handler) fail(w http.ResponseWriter, r *http.Request, err error, detail string) {
+	var failed *serverError
+	if errors.As(err, &failed) {
+		writeResponse(w, failed.rec.sent, failed.rec.status, failed.rec.body.Bytes())
+		return
+	}
+	var panicked *handlerPanic
+	switch {
+	case errors.As(err, &panicked):
+		if panicked.value == http.ErrAbortHandler {
+			// The handler asked net/http to cut the connection; do so, now
+			// that its transaction has rolled back.
+			panic(http.ErrAbortHandler)
+		}
+		h.log().LogAttrs(r.Context(), slog.LevelError, "idemhttp: handler panicked; its transaction was rolled back",
+			slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()),
+			slog.Any("panic", panicked.value), slog.String("stack", string(panicked.stack)))
+	case r.Context().Err() != nil:
+		// The client went away and so cancelled its own request: nothing
+		// went wrong that an operator must hear about.
+	default:
+		h.log().LogAttrs(r.Context(), slog.LevelError, "idemhttp: request failed; its transaction did not commit",
+			slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()), slog.Any("error", err))
+	}
+	writeProblem(w, http.StatusInternalServerError, detail)
+}
+
+func (h *handler) log() *slog.Logger {
+	if h.logger != nil {
+		return h.logger
+	}
+	return slog.Default()
+}

@@ -1,0 +1,78 @@
+package idemhttp
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/pgidem/idem"
+)
+
+// parseKey reads the key from the values of the key's header field.
+//
+// The draft specifies the value as an RFC 8941 sf-string: a DQUOTE, then
+// characters %x20-21 / %x23-5B / %x5D-7E or the escapes \" and \\, then a
+// DQUOTE. Stripe-style clients send the key bare instead, so a token of
+// visible ASCII (%x21-7E) is accepted too; a value that starts with a DQUOTE
+// is always read as an sf-string. The length bound applies to the key after
+// unquoting, since that is what is stored. Structured-field parameters are
+// not accepted: the draft defines none.
+//
+// The errors are phrased to complete "the <header> header ...".
+func parseKey(values []string) (string, error) {
+	if len(values) > 1 {
+		return "", errors.New("appears more than once")
+	}
+	// Callers only pass a present field, but an absent one must not pass.
+	if len(values) == 0 {
+		return "", errors.New("is missing")
+	}
+	v := strings.Trim(values[0], " \t")
+	var key string
+	if strings.HasPrefix(v, `"`) {
+		var err error
+		if key, err = unquote(v); err != nil {
+			return "", err
+		}
+	} else {
+		for i := range len(v) {
+			if v[i] < 0x21 || v[i] > 0x7e {
+				return "", fmt.Errorf("holds the byte %#02x at offset %d: a bare key must be visible ASCII, or else send an sf-string", v[i], i)
+			}
+		}
+		key = v
+	}
+	switch {
+	case key == "":
+		return "", errors.New("is empty")
+	case len(key) > idem.MaxKeyLength:
+		return "", fmt.Errorf("holds a key of %d bytes, more than %d", len(key), idem.MaxKeyLength)
+	}
+	return key, nil
+}
+
+// unquote parses v, which starts with a DQUOTE, as a whole sf-string.
+func unquote(v string) (string, error) {
+	var b strings.Builder
+	for i := 1; i < len(v); i++ {
+		c := v[i]
+		switch {
+		case c == '\\':
+			i++
+			if i == len(v) || (v[i] != '"' && v[i] != '\\') {
+				return "", fmt.Errorf(`holds an invalid escape at offset %d: an sf-string escapes only \" and \\`, i-1)
+			}
+			b.WriteByte(v[i])
+		case c == '"':
+			if i != len(v)-1 {
+				return "", fmt.Errorf("holds more after the closing quote at offset %d", i)
+			}
+			return b.String(), nil
+		case c < 0x20 || c > 0x7e:
+			return "", fmt.Errorf("holds the byte %#02x at offset %d: an sf-string is printable ASCII", c, i)
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return "", errors.New("holds an sf-string without its closing quote")
+}

@@ -1,0 +1,110 @@
+package idemhttp
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/pgidem/idem"
+)
+
+func TestParseKey(t *testing.T) {
+	t.Parallel()
+	valid := []struct {
+		name, header, key string
+	}{
+		{"sf-string", `"8e03978e-40d5-43e8-bc93-6894a57f9324"`, "8e03978e-40d5-43e8-bc93-6894a57f9324"},
+		{"sf-string with spaces inside", `"order 42, attempt 1"`, "order 42, attempt 1"},
+		{"escaped quote", `"say \"hi\""`, `say "hi"`},
+		{"escaped backslash", `"a\\b"`, `a\b`},
+		{"only escapes", `"\"\\"`, `"\`},
+		{"surrounding whitespace", " \t\"k\" \t", "k"},
+		{"bare token", "8e03978e-40d5", "8e03978e-40d5"},
+		{"bare token of every kind of visible ASCII", `a!#$%&'()*+,-./:;<=>?@[\]^_{|}~z`, `a!#$%&'()*+,-./:;<=>?@[\]^_{|}~z`},
+		{"bare token with a quote inside", `ab"c`, `ab"c`},
+		{"bare token that looks like an inner list", `("a")`, `("a")`},
+		{"bare token with whitespace around", "  k1\t", "k1"},
+		{"longest sf-string", `"` + strings.Repeat("a", idem.MaxKeyLength) + `"`, strings.Repeat("a", idem.MaxKeyLength)},
+		{"longest bare token", strings.Repeat("b", idem.MaxKeyLength), strings.Repeat("b", idem.MaxKeyLength)},
+		{"bound applies after unquoting", `"` + strings.Repeat(`\"`, idem.MaxKeyLength) + `"`, strings.Repeat(`"`, idem.MaxKeyLength)},
+	}
+	for _, c := range valid {
+		got, err := parseKey([]string{c.header})
+		if err != nil || got != c.key {
+			t.Errorf("%s: parseKey(%q) = %q, %v; want %q", c.name, c.header, got, err, c.key)
+		}
+	}
+
+	invalid := []struct {
+		name   string
+		values []string
+	}{
+		{"absent", nil},
+		{"empty", []string{""}},
+		{"only whitespace", []string{" \t "}},
+		{"empty sf-string", []string{`""`}},
+		{"lone quote", []string{`"`}},
+		{"unterminated", []string{`"abc`}},
+		{"escaped closing quote", []string{`"abc\"`}},
+		{"trailing backslash", []string{`"abc\`}},
+		{"escape of another character", []string{`"a\nb"`}},
+		{"text after the closing quote", []string{`"a"b`}},
+		{"parameters", []string{`"a";p=1`}},
+		{"two items", []string{`"a", "b"`}},
+		{"tab in sf-string", []string{"\"a\tb\""}},
+		{"DEL in sf-string", []string{"\"a\x7fb\""}},
+		{"non-ASCII in sf-string", []string{"\"caf\xc3\xa9\""}},
+		{"space in bare token", []string{"a b"}},
+		{"tab in bare token", []string{"a\tb"}},
+		{"control byte in bare token", []string{"a\x01b"}},
+		{"NUL in bare token", []string{"a\x00b"}},
+		{"non-ASCII bare token", []string{"caf\xc3\xa9"}},
+		{"sf-string over the bound", []string{`"` + strings.Repeat("a", idem.MaxKeyLength+1) + `"`}},
+		{"bare token over the bound", []string{strings.Repeat("a", idem.MaxKeyLength+1)}},
+		{"escapes over the bound", []string{`"` + strings.Repeat(`\\`, idem.MaxKeyLength+1) + `"`}},
+		{"two fields", []string{"a", "b"}},
+		{"two equal fields", []string{"a", "a"}},
+	}
+	for _, c := range invalid {
+		if got, err := parseKey(c.values); err == nil {
+			t.Errorf("%s: parseKey(%q) = %q, want an error", c.name, c.values, got)
+		}
+	}
+}
+
+// quote serializes key as an sf-string.
+func quote(key string) string {
+	return `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(key) + `"`
+}
+
+func FuzzParseKey(f *testing.F) {
+	for _, seed := range []string{
+		`"8e03978e-40d5-43e8-bc93-6894a57f9324"`, "8e03978e-40d5", `"a\"b\\c"`, `""`, `"`, `"a\`,
+		`"a"b`, `"a";p=1`, " \"k\" ", "a b", "caf\xc3\xa9", "\"\x00\"", `ab"c`,
+		`"` + strings.Repeat(`\\`, idem.MaxKeyLength) + `"`, strings.Repeat("x", idem.MaxKeyLength+1),
+	} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, header string) {
+		key, err := parseKey([]string{header})
+		if err != nil {
+			return
+		}
+		if key == "" || len(key) > idem.MaxKeyLength {
+			t.Fatalf("parseKey(%q) = %q: empty or over %d bytes", header, key, idem.MaxKeyLength)
+		}
+		for i := range len(key) {
+			if key[i] < 0x20 || key[i] > 0x7e {
+				t.Fatalf("parseKey(%q) = %q: byte %#02x is not printable ASCII", header, key, key[i])
+			}
+		}
+		// Every accepted key is a key the database accepts, and reads
+		// back as itself when sent as an sf-string.
+		if again, err := parseKey([]string{quote(key)}); err != nil || again != key {
+			t.Fatalf("key %q sent as %s parses as %q, %v", key, quote(key), again, err)
+		}
+		// A bare token is the key itself, apart from surrounding blanks.
+		if trimmed := strings.Trim(header, " \t"); !strings.HasPrefix(trimmed, `"`) && trimmed != key {
+			t.Fatalf("bare token %q parsed as %q", header, key)
+		}
+	})
+}
