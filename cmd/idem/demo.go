@@ -33,9 +33,9 @@ type demoPayment struct {
 }
 
 type demoStats struct {
-	requests, lostAfterCommit, abandoned, replays, mismatches, inProgress atomic.Int64
-	mu                                                                    sync.Mutex
-	latencies                                                             []time.Duration
+	requests, lostAfterCommit, abandoned, replays, mismatches atomic.Int64
+	mu                                                        sync.Mutex
+	latencies                                                 []time.Duration
 }
 
 func runDemo(ctx context.Context, args []string, stdout io.Writer) error {

@@ -1,0 +1,133 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/pgidem/idem/internal/testdb"
+)
+
+var env *testdb.Env
+
+func TestMain(m *testing.M) { os.Exit(testdb.Main(m, &env)) }
+
+// TestSoakLosesAndDoublesNothingUnderFaults runs a short soak with every
+// fault but a restart, each made frequent enough to hit a few hundred
+// payments many times.
+func TestSoakLosesAndDoublesNothingUnderFaults(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	defer cancel()
+
+	cfg := soakConfig{
+		DatabaseURL:     env.URL(t),
+		Payments:        500,
+		Clients:         8,
+		PaymentTimeout:  time.Minute,
+		TerminateEvery:  25 * time.Millisecond,
+		CutEvery:        50 * time.Millisecond,
+		CutBeforeCommit: 0.05,
+		CutAfterCommit:  0.05,
+		TimeoutRate:     0.1,
+	}
+	var out bytes.Buffer
+	rep, err := soak(ctx, cfg, &out)
+	t.Logf("soak output:\n%s", out.String())
+	if err != nil {
+		t.Fatalf("soak: %v", err)
+	}
+
+	if rep.Operations != cfg.Payments || rep.Answered != cfg.Payments {
+		t.Errorf("%d payments started and %d answered, want %d and %d", rep.Operations, rep.Answered, cfg.Payments, cfg.Payments)
+	}
+	if rep.Rows != int64(cfg.Payments) || rep.Lost != 0 || rep.Doubled != 0 {
+		t.Errorf("%d payment rows, %d lost, %d doubled; want %d, 0, 0", rep.Rows, rep.Lost, rep.Doubled, cfg.Payments)
+	}
+	if rep.WrongAnswers != 0 || rep.Stranded != 0 {
+		t.Errorf("%d wrong answers, %d claims in progress; want none", rep.WrongAnswers, rep.Stranded)
+	}
+	// A soak in which a fault never hit proves nothing about that fault.
+	for kind, n := range map[string]int64{
+		"backends terminated":     rep.Faults.Terminated,
+		"client timeouts":         rep.Faults.TimedOut,
+		"cuts before a COMMIT":    rep.Faults.CutBeforeCommit,
+		"cuts after a COMMIT":     rep.Faults.CutAfterCommit,
+		"cuts at a random moment": rep.Faults.CutRandom,
+	} {
+		if n == 0 {
+			t.Errorf("no %s: the soak did not exercise that fault", kind)
+		}
+	}
+	// Each cut after a COMMIT loses the answer of a payment that committed:
+	// its retry can only be a replay.
+	if rep.Replayed < rep.Faults.CutAfterCommit {
+		t.Errorf("%d replays for %d answers lost after COMMIT", rep.Replayed, rep.Faults.CutAfterCommit)
+	}
+}
+
+// TestProxyRecognizesCommit checks that the proxy finds a COMMIT however
+// the client sends it: as a simple query, or prepared (sqlc's text, with
+// its comment) and then bound by name.
+func TestProxyRecognizesCommit(t *testing.T) {
+	t.Parallel()
+	message := func(kind byte, fields ...string) []byte {
+		var body []byte
+		for _, f := range fields {
+			body = append(append(body, f...), 0)
+		}
+		msg := []byte{kind, 0, 0, 0, 0}
+		binary.BigEndian.PutUint32(msg[1:], uint32(4+len(body)))
+		return append(msg, body...)
+	}
+	statements := make(map[string]bool)
+	steps := []struct {
+		name string
+		msg  []byte
+		want bool
+	}{
+		{"simple commit", message('Q', "commit"), true},
+		{"simple commit with semicolon", message('Q', " COMMIT; "), true},
+		{"simple insert", message('Q', "INSERT INTO t VALUES (1)"), false},
+		{"prepare sqlc's commit", message('P', "stmt_1", "-- name: TxCommit :exec\nCOMMIT\n"), false},
+		{"prepare an update", message('P', "stmt_2", "UPDATE t SET a = 1"), false},
+		{"bind the commit", message('B', "", "stmt_1"), true},
+		{"bind the update", message('B', "", "stmt_2"), false},
+		{"reuse the commit's name for a select", message('P', "stmt_1", "SELECT 1"), false},
+		{"bind the reused name", message('B', "", "stmt_1"), false},
+		{"a comment that mentions commit", message('Q', "SELECT 1 -- then COMMIT"), false},
+	}
+	for _, step := range steps {
+		if got := isFrontendCommit(step.msg, statements); got != step.want {
+			t.Errorf("%s: isFrontendCommit = %v, want %v", step.name, got, step.want)
+		}
+	}
+}
+
+// TestSoakConfigRejectsOutOfBounds checks the bounds that keep a soak
+// finite and its chances meaningful.
+func TestSoakConfigRejectsOutOfBounds(t *testing.T) {
+	t.Parallel()
+	for name, change := range map[string]func(*soakConfig){
+		"no payments":            func(c *soakConfig) { c.Payments = 0 },
+		"too many payments":      func(c *soakConfig) { c.Payments = maxSoakPayments + 1 },
+		"no clients":             func(c *soakConfig) { c.Clients = 0 },
+		"negative duration":      func(c *soakConfig) { c.Duration = -time.Second },
+		"no payment timeout":     func(c *soakConfig) { c.PaymentTimeout = 0 },
+		"chance above one":       func(c *soakConfig) { c.CutAfterCommit = 1.5 },
+		"negative chance":        func(c *soakConfig) { c.TimeoutRate = -0.1 },
+		"restart without period": func(c *soakConfig) { c.RestartCommand = "true"; c.RestartEvery = 0 },
+	} {
+		cfg := defaultSoakConfig()
+		change(&cfg)
+		if err := cfg.validate(); err == nil {
+			t.Errorf("%s: validate accepted %+v", name, cfg)
+		}
+	}
+	if err := defaultSoakConfig().validate(); err != nil {
+		t.Errorf("the default configuration is invalid: %v", err)
+	}
+}
