@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 )
 
 // Fingerprint returns the SHA-256 digest of parts. Each part is prefixed with
@@ -39,12 +40,22 @@ func Fingerprint(parts ...[]byte) []byte {
 // spelled differently (1, 1.0 and 1e0 are one number). A [json.RawMessage] is
 // taken as the document itself, which suits a request body read off the wire.
 //
-// It returns an error when v cannot be encoded as JSON, or when a
-// json.RawMessage does not hold exactly one valid JSON value.
+// It returns an error when v cannot be encoded as JSON, when a non-nil
+// json.RawMessage does not hold exactly one valid JSON value (a nil one is
+// null), and when a json.RawMessage holds invalid UTF-8 or a lone UTF-16
+// surrogate escape: decoding would turn those into U+FFFD, so that distinct
+// documents would share a fingerprint. Go strings with invalid UTF-8 have
+// that problem already when they are encoded; pass valid strings.
 func FingerprintJSON(v any) ([]byte, error) {
 	raw, err := json.Marshal(v)
 	if err != nil {
 		return nil, fmt.Errorf("idem: fingerprint: %w", err)
+	}
+	if !utf8.Valid(raw) {
+		return nil, errors.New("idem: fingerprint: JSON holds invalid UTF-8")
+	}
+	if hasLoneSurrogate(raw) {
+		return nil, errors.New("idem: fingerprint: JSON holds a lone UTF-16 surrogate escape")
 	}
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.UseNumber()
@@ -60,6 +71,39 @@ func FingerprintJSON(v any) ([]byte, error) {
 		return nil, fmt.Errorf("idem: fingerprint: %w", err)
 	}
 	return h.Sum(nil), nil
+}
+
+// hasLoneSurrogate reports whether valid JSON holds a \uD800-\uDFFF escape
+// that is not half of a surrogate pair. Every backslash in valid JSON starts
+// an escape, so stepping over each escape whole keeps "\\ud800" (an escaped
+// backslash, then text) from counting.
+func hasLoneSurrogate(raw []byte) bool {
+	for i := 0; i < len(raw)-1; i++ {
+		if raw[i] != '\\' {
+			continue
+		}
+		if raw[i+1] != 'u' || i+6 > len(raw) {
+			i++
+			continue
+		}
+		r, err := strconv.ParseUint(string(raw[i+2:i+6]), 16, 16)
+		switch {
+		case err != nil || r < 0xD800 || r > 0xDFFF:
+		case r >= 0xDC00:
+			return true // a low half with no high half before it
+		default:
+			if i+12 > len(raw) || raw[i+6] != '\\' || raw[i+7] != 'u' {
+				return true
+			}
+			low, err := strconv.ParseUint(string(raw[i+8:i+12]), 16, 16)
+			if err != nil || low < 0xDC00 || low > 0xDFFF {
+				return true
+			}
+			i += 6 // the low half is part of this pair
+		}
+		i += 5
+	}
+	return false
 }
 
 // writeCanonical writes a decoded JSON tree with sorted object keys, no
