@@ -34,6 +34,20 @@ func FuzzFingerprintJSON(f *testing.F) {
 			}
 			return
 		}
+		if !utf8.Valid(doc) {
+			if err == nil {
+				t.Fatalf("FingerprintJSON accepted invalid UTF-8 %q", doc)
+			}
+			return
+		}
+		if err != nil && strings.Contains(err.Error(), "surrogate") {
+			// Decoding turns a lone surrogate into U+FFFD: the rejection is
+			// right only if the decoded value shows one.
+			if !strings.ContainsRune(fmt.Sprint(decodeJSON(t, doc)), utf8.RuneError) {
+				t.Fatalf("FingerprintJSON rejected %q for a lone surrogate it does not hold", doc)
+			}
+			return
+		}
 		if err != nil {
 			t.Fatalf("FingerprintJSON(%q): %v", doc, err)
 		}
