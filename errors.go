@@ -2,9 +2,8 @@ package idem
 
 import (
 	"errors"
-	"fmt"
 
-	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/pgidem/idem/internal/guard"
 )
 
 // ErrInvalidKey is returned when a key is empty, longer than 255 bytes, not
@@ -19,6 +18,10 @@ var ErrInvalidScope = errors.New("idem: invalid scope")
 // such as a negative retention. Nothing is sent to the database.
 var ErrInvalidOption = errors.New("idem: invalid option")
 
+// ErrInvalidVersion is returned by [Advance] when a version is negative.
+// Nothing is sent to the database.
+var ErrInvalidVersion = errors.New("idem: invalid version")
+
 // ErrFingerprintMismatch is returned when a key is reused, while its record
 // is live, with a request whose fingerprint differs from the one that claimed
 // it. The function is not run. It usually means a client bug: one key was
@@ -32,7 +35,7 @@ var ErrFingerprintMismatch = errors.New("idem: key reused with a different reque
 // The caller's transaction is unusable after ErrInProgress, because the
 // statement that waited failed inside it: roll it back. The client should
 // retry later with the same key.
-var ErrInProgress = errors.New("idem: key is in use by a concurrent attempt")
+var ErrInProgress = guard.ErrInProgress
 
 // ErrResponseTooLarge is returned when the function's value, encoded as JSON,
 // exceeds the limit set with [WithMaxResponseSize]. Nothing is stored and the
@@ -50,40 +53,8 @@ var ErrResponseNotStorable = errors.New("idem: response cannot be stored")
 // REPEATABLE READ and SERIALIZABLE it is how a claim learns that the key was
 // completed after the transaction's snapshot was taken. The whole transaction
 // must be retried; [Run] and [WithTx] do so on their own.
-var ErrSerialization = errors.New("idem: transaction must be retried")
-
-// SQLSTATE codes that the package translates into its own errors.
-const (
-	sqlstateSerializationFailure = "40001"
-	sqlstateDeadlockDetected     = "40P01"
-	sqlstateLockNotAvailable     = "55P03"
-)
+var ErrSerialization = guard.ErrSerialization
 
 // translate turns driver errors from the package's own statements into the
-// package's sentinel errors, keeping the original in the chain, so callers
-// never have to inspect SQLSTATE codes.
-func translate(op string, err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		switch pgErr.Code {
-		case sqlstateLockNotAvailable:
-			return fmt.Errorf("%s: %w (%w)", op, ErrInProgress, err)
-		case sqlstateSerializationFailure, sqlstateDeadlockDetected:
-			return fmt.Errorf("%s: %w (%w)", op, ErrSerialization, err)
-		}
-	}
-	return fmt.Errorf("%s: %w", op, err)
-}
-
-// isRetryable reports whether err means the whole transaction may succeed if
-// run again from the start.
-func isRetryable(err error) bool {
-	if errors.Is(err, ErrSerialization) {
-		return true
-	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return pgErr.Code == sqlstateSerializationFailure || pgErr.Code == sqlstateDeadlockDetected
-	}
-	return false
-}
+// package's sentinel errors (see [guard.Translate]).
+func translate(op string, err error) error { return guard.Translate(op, err) }

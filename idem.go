@@ -8,16 +8,16 @@ import (
 	"fmt"
 	"strconv"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/guard"
 )
 
 // MaxKeyLength is the longest key or scope accepted, in bytes.
-const MaxKeyLength = 255
+const MaxKeyLength = guard.MaxIdentifierLength
 
 // Default values of the options.
 const (
@@ -181,25 +181,11 @@ func (o *options) lockTimeout() string {
 // database: out-of-bounds input is rejected, never truncated, because
 // truncation turns distinct keys into collisions.
 func checkScopeAndKey(scope, key string) error {
-	if err := checkIdentifier(scope); err != nil {
+	if err := guard.CheckIdentifier(scope); err != nil {
 		return fmt.Errorf("%w: %s", ErrInvalidScope, err)
 	}
-	if err := checkIdentifier(key); err != nil {
+	if err := guard.CheckIdentifier(key); err != nil {
 		return fmt.Errorf("%w: %s", ErrInvalidKey, err)
-	}
-	return nil
-}
-
-func checkIdentifier(s string) error {
-	switch {
-	case s == "":
-		return errors.New("empty")
-	case len(s) > MaxKeyLength:
-		return fmt.Errorf("%d bytes, more than %d", len(s), MaxKeyLength)
-	case !utf8.ValidString(s):
-		return errors.New("not valid UTF-8")
-	case bytes.IndexByte([]byte(s), 0) >= 0:
-		return errors.New("contains a NUL byte")
 	}
 	return nil
 }

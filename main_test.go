@@ -48,30 +48,9 @@ func pay(scope, key string, amount int64, calls *atomic.Int64) func(context.Cont
 	}
 }
 
-func countPayments(t *testing.T, pool *pgxpool.Pool, scope string) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM payment WHERE scope = $1`, scope).Scan(&n); err != nil {
-		t.Fatalf("count payments: %v", err)
-	}
-	return n
-}
-
-func countRecords(t *testing.T, pool *pgxpool.Pool, scope string) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM idempotency_key WHERE scope = $1`, scope).Scan(&n); err != nil {
-		t.Fatalf("count records: %v", err)
-	}
-	return n
-}
-
-// expire moves a record's expiry into the past, as time would.
-func expire(t *testing.T, pool *pgxpool.Pool, scope, key string) {
-	t.Helper()
-	tag, err := pool.Exec(context.Background(),
-		`UPDATE idempotency_key SET expires_at = now() - interval '1 second' WHERE scope = $1 AND key = $2`, scope, key)
-	if err != nil || tag.RowsAffected() != 1 {
-		t.Fatalf("expire %s/%s: %v (%d rows)", scope, key, err, tag.RowsAffected())
-	}
-}
+// Shared helpers, under the names this package's tests use.
+var (
+	countPayments = testdb.CountPayments
+	countRecords  = testdb.CountRecords
+	expire        = testdb.Expire
+)

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/guard"
 )
 
 // TxBeginner begins transactions. *pgxpool.Pool, *pgxpool.Conn and
@@ -198,7 +199,7 @@ func commitWith(ctx context.Context, tx pgx.Tx, ownsConn bool, store *dbsqlc.Key
 func retry(ctx context.Context, attempt func() error) error {
 	for n := 1; ; n++ {
 		err := attempt()
-		if err == nil || !isRetryable(err) {
+		if err == nil || !guard.IsRetryable(err) {
 			return err
 		}
 		if n == MaxTxAttempts {

@@ -201,20 +201,5 @@ func sameAnswer(t *testing.T, got, want response, headers ...string) {
 	}
 }
 
-func countPayments(t *testing.T, pool *pgxpool.Pool, tenant string) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM payment WHERE scope = $1`, tenant).Scan(&n); err != nil {
-		t.Fatalf("count payments: %v", err)
-	}
-	return n
-}
-
-func countRecords(t *testing.T, pool *pgxpool.Pool, tenant string) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM idempotency_key WHERE scope = $1`, tenant).Scan(&n); err != nil {
-		t.Fatalf("count records: %v", err)
-	}
-	return n
-}
+var countPayments = testdb.CountPayments
+var countRecords = testdb.CountRecords

@@ -8,6 +8,13 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+type EntityVersion struct {
+	Scope     string
+	Entity    string
+	Version   int64
+	UpdatedAt pgtype.Timestamptz
+}
+
 type IdempotencyKey struct {
 	Scope       string
 	Key         string
@@ -16,4 +23,21 @@ type IdempotencyKey struct {
 	Response    []byte
 	CreatedAt   pgtype.Timestamptz
 	ExpiresAt   pgtype.Timestamptz
+}
+
+type OutboxMessage struct {
+	ID             int64
+	Scope          string
+	Key            string
+	Destination    string
+	Payload        []byte
+	IdempotencyKey string
+	OrderingKey    pgtype.Text
+	State          string
+	Attempts       int32
+	CreatedAt      pgtype.Timestamptz
+	NextAttemptAt  pgtype.Timestamptz
+	LeasedUntil    pgtype.Timestamptz
+	DeliveredAt    pgtype.Timestamptz
+	LastError      pgtype.Text
 }

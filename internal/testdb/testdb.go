@@ -153,7 +153,9 @@ func (e *Env) start(ctx context.Context) (func(), error) {
 		return nil, err
 	}
 	cfg.ConnConfig.Database = name
-	cfg.MaxConns = 60
+	// Packages test in parallel, each with its own pool, against a server
+	// that allows 100 connections in all.
+	cfg.MaxConns = 20
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		cleanup()
@@ -238,4 +240,35 @@ func redact(url string) string {
 		return "the test database"
 	}
 	return fmt.Sprintf("%s:%d", cfg.Host, cfg.Port)
+}
+
+// CountPayments counts the rows of the tests' payment table in scope.
+func CountPayments(t testing.TB, pool *pgxpool.Pool, scope string) int {
+	t.Helper()
+	return count(t, pool, `SELECT count(*) FROM payment WHERE scope = $1`, scope)
+}
+
+// CountRecords counts idem's records in scope.
+func CountRecords(t testing.TB, pool *pgxpool.Pool, scope string) int {
+	t.Helper()
+	return count(t, pool, `SELECT count(*) FROM idempotency_key WHERE scope = $1`, scope)
+}
+
+func count(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	return n
+}
+
+// Expire moves a record's expiry into the past, as time would.
+func Expire(t testing.TB, pool *pgxpool.Pool, scope, key string) {
+	t.Helper()
+	tag, err := pool.Exec(context.Background(),
+		`UPDATE idempotency_key SET expires_at = now() - interval '1 second' WHERE scope = $1 AND key = $2`, scope, key)
+	if err != nil || tag.RowsAffected() != 1 {
+		t.Fatalf("expire %s/%s: %v (%d rows)", scope, key, err, tag.RowsAffected())
+	}
 }

@@ -1,0 +1,78 @@
+// Package guard holds what idem and its subpackages share at their
+// boundaries: the errors that driver errors become, and the rules for the
+// identifiers they accept. The idem package re-exports the errors.
+package guard
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// MaxIdentifierLength is the longest scope, key or name accepted, in bytes.
+const MaxIdentifierLength = 255
+
+// Errors that driver errors are translated into; see idem's documentation
+// of ErrInProgress and ErrSerialization.
+var (
+	ErrInProgress    = errors.New("idem: key is in use by a concurrent attempt")
+	ErrSerialization = errors.New("idem: transaction must be retried")
+)
+
+// SQLSTATE codes that are translated.
+const (
+	sqlstateSerializationFailure = "40001"
+	sqlstateDeadlockDetected     = "40P01"
+	sqlstateLockNotAvailable     = "55P03"
+)
+
+// Translate turns a driver error from one of the module's own statements
+// into ErrInProgress or ErrSerialization where it means one of them,
+// keeping the original in the chain, so that callers never inspect SQLSTATE
+// codes. op says what was being done.
+func Translate(op string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case sqlstateLockNotAvailable:
+			return fmt.Errorf("%s: %w (%w)", op, ErrInProgress, err)
+		case sqlstateSerializationFailure, sqlstateDeadlockDetected:
+			return fmt.Errorf("%s: %w (%w)", op, ErrSerialization, err)
+		}
+	}
+	return fmt.Errorf("%s: %w", op, err)
+}
+
+// IsRetryable reports whether err means the whole transaction may succeed
+// if run again from the start.
+func IsRetryable(err error) bool {
+	if errors.Is(err, ErrSerialization) {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code == sqlstateSerializationFailure || pgErr.Code == sqlstateDeadlockDetected
+	}
+	return false
+}
+
+// CheckIdentifier applies the rules for scopes, keys and names: 1 to
+// MaxIdentifierLength bytes of valid UTF-8 without NUL. Out-of-bounds input
+// is rejected, never truncated, because truncation turns distinct
+// identifiers into one. The error says what is wrong, without the value.
+func CheckIdentifier(s string) error {
+	switch {
+	case s == "":
+		return errors.New("empty")
+	case len(s) > MaxIdentifierLength:
+		return fmt.Errorf("%d bytes, more than %d", len(s), MaxIdentifierLength)
+	case !utf8.ValidString(s):
+		return errors.New("not valid UTF-8")
+	case strings.IndexByte(s, 0) >= 0:
+		return errors.New("contains a NUL byte")
+	}
+	return nil
+}

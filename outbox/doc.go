@@ -1,0 +1,97 @@
+// Package outbox sends messages to systems outside the database (a card
+// processor, a mail service, a broker, a partner's API) for changes that
+// commit in it, without losing one and without the receiver acting on one
+// twice, provided the receiver deduplicates on the key it is given.
+//
+// A transaction cannot cover a call to another system: calling it before
+// the commit may act on a change that then rolls back, and calling it after
+// may never happen if the process dies in between. The outbox splits the
+// call in two. [Enqueue] writes the message in the transaction that makes
+// the change, so the two commit together or not at all. A [Relay] then
+// delivers committed messages to a [Handler] that makes the call, retrying
+// until it succeeds.
+//
+// # Enqueuing
+//
+// Enqueue in the transaction of the change, typically inside [idem.Do] or
+// [idem.Run] at the edge, with the same scope and key:
+//
+//	res, err := idem.Run(ctx, pool, tenant, key, fp, func(ctx context.Context, tx pgx.Tx) (Order, error) {
+//		order, err := insertOrder(ctx, tx, req)
+//		if err != nil {
+//			return Order{}, err
+//		}
+//		_, err = outbox.Enqueue(ctx, tx, outbox.Entry{
+//			Scope: tenant, Key: key, Destination: "payments.charge", Payload: chargeJSON(order),
+//		})
+//		return order, err
+//	})
+//
+// Each message carries an idempotency key derived from its scope, key and
+// destination ([IdempotencyKey]). It is the same on every attempt; the
+// handler passes it on (as Stripe's Idempotency-Key header, for example),
+// and the receiver uses it to recognise repeats.
+//
+// # Relaying
+//
+// Run relays where convenient, as many as needed:
+//
+//	relay, err := outbox.NewRelay(pool, func(ctx context.Context, msg outbox.Message) error {
+//		return payments.Charge(ctx, msg.IdempotencyKey, msg.Payload)
+//	}, &outbox.Config{Destinations: []string{"payments.charge"}})
+//	if err != nil {
+//		return err
+//	}
+//	go relay.Run(ctx) // returns once ctx ends
+//
+// A relay leases a batch of due messages in one short transaction (FOR
+// UPDATE SKIP LOCKED, so relays never wait for one another), commits it,
+// calls the handler with no transaction open, and records each outcome in
+// another short transaction. A leased message is hidden from other relays
+// until its lease runs out ([Config.LeaseDuration]); if the relay dies
+// before recording the outcome, the message is delivered again after that.
+//
+// A failed delivery is retried after a delay that doubles with each attempt
+// up to a cap ([Config.RetryDelay], [Config.MaxRetryDelay]). After
+// [Config.MaxAttempts] attempts, or at once when the handler wraps its
+// error with [Park], the message is parked: it stays in the table with state
+// 'parked' and its last error, and is never delivered or purged without
+// someone's decision. To list parked messages and send one again:
+//
+//	SELECT id, destination, attempts, last_error FROM outbox_message WHERE state = 'parked';
+//	UPDATE outbox_message SET state = 'pending', attempts = 0, next_attempt_at = now()
+//	WHERE id = $1 AND state = 'parked';
+//
+// Delivered messages are purged by the relays after
+// [Config.DeliveredRetention].
+//
+// Idle relays look for due messages every [Config.PollInterval]. Relays
+// given a *pgxpool.Pool also listen for [Notify], which a transaction calls
+// after Enqueue to have its messages delivered as soon as it commits.
+//
+// # Guarantees
+//
+// Every committed message is handed to a handler at least once, until a
+// handler succeeds or the message is parked. It may be handed over more
+// than once: when a handler succeeds but its relay dies, or loses its
+// connection, before recording it; when a handler outlives its lease and
+// another relay delivers the message meanwhile; when a handler's call
+// succeeds at the receiver but reports a failure (a timeout after the
+// receiver acted). The outbox does not deduplicate these; the receiver
+// must, on [Message.IdempotencyKey]. A receiver without that facility can
+// receive a message twice.
+//
+// Enqueue itself adds each message once: enqueuing the same scope, key and
+// destination again, with the same content, returns the existing message
+// as long as it has not been purged.
+//
+// Messages without an ordering key are delivered in no particular order.
+// Messages to one destination with the same [Entry.OrderingKey] are leased
+// one at a time, in the order of their ids, each only once the one before
+// it has been delivered or parked. That is the order in which they were
+// enqueued when their transactions committed one after another; messages
+// enqueued by concurrent transactions have no defined order. The order
+// holds as long as each delivery finishes within its lease: a handler that
+// overruns it may still be calling the receiver when the next message goes
+// out. A parked message no longer holds back the ones after it.
+package outbox

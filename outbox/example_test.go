@@ -1,0 +1,76 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
+	"github.com/pgidem/idem/outbox"
+)
+
+// Example follows one payment from the edge to the provider: the order,
+// its idempotency record and the charge message commit together, a retry
+// of the request enqueues nothing more, and a relay hands the message to
+// the code that calls the provider, with a key the provider can
+// deduplicate on.
+func Example() {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool := env.Pool(panicTB{})
+	tenant, destination := testdb.Name("tenant"), testdb.Name("payments.charge")
+
+	for range 2 { // the client sends the request, then retries it
+		res, err := idem.Run(ctx, pool, tenant, "order-42", nil, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, 'order-42', 1200)`, tenant)
+			if err != nil {
+				return 0, err
+			}
+			return outbox.Enqueue(ctx, tx, outbox.Entry{
+				Scope:       tenant,
+				Key:         "order-42",
+				Destination: destination,
+				Payload:     []byte(`{"amount_cents":1200}`),
+			})
+		})
+		if err != nil {
+			fmt.Println(err)
+			return
+		}
+		fmt.Println("replayed:", res.Replayed)
+	}
+
+	relayCtx, stopRelay := context.WithCancel(ctx)
+	relay, err := outbox.NewRelay(pool, func(ctx context.Context, msg outbox.Message) error {
+		// Here the handler would call the provider, passing
+		// msg.IdempotencyKey along.
+		fmt.Printf("charge %s, attempt %d, key derived from the order: %t\n", msg.Payload, msg.Attempt,
+			msg.IdempotencyKey == outbox.IdempotencyKey(tenant, "order-42", destination))
+		stopRelay() // the example has one message; a service's relay runs on
+		return nil
+	}, &outbox.Config{Destinations: []string{destination}})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	if err := relay.Run(relayCtx); err != nil {
+		fmt.Println(err)
+	}
+
+	// Output:
+	// replayed: false
+	// replayed: true
+	// charge {"amount_cents":1200}, attempt 1, key derived from the order: true
+}
+
+// panicTB lets the example take the tests' database, failing loudly where a
+// test would skip or fail.
+type panicTB struct{ testing.TB }
+
+func (panicTB) Helper()                        {}
+func (panicTB) Fatalf(format string, a ...any) { panic(fmt.Sprintf(format, a...)) }
+func (panicTB) Skipf(format string, a ...any)  { panic(fmt.Sprintf(format, a...)) }

@@ -1,0 +1,169 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
+	"github.com/pgidem/idem/outbox"
+)
+
+var env *testdb.Env
+
+func TestMain(m *testing.M) { os.Exit(testdb.Main(m, &env)) }
+
+// setup marks the test parallel and returns a context, the pool of the
+// throwaway database, a scope and a destination no other test uses. Relays
+// in the tests deliver only their test's destination, since every test
+// shares one outbox table.
+func setup(t *testing.T) (ctx context.Context, pool *pgxpool.Pool, scope, dest string) {
+	t.Helper()
+	t.Parallel()
+	pool = env.Pool(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return ctx, pool, testdb.Name("s"), testdb.Name("dest")
+}
+
+// testLogger shows the relay's warnings and errors in the test's output.
+func testLogger(t *testing.T) *slog.Logger {
+	return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn}))
+}
+
+// enqueue commits one transaction per entry and returns the ids in order.
+func enqueue(t *testing.T, ctx context.Context, pool *pgxpool.Pool, entries ...outbox.Entry) []int64 {
+	t.Helper()
+	ids := make([]int64, len(entries))
+	for i, e := range entries {
+		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			ids[i], err = outbox.Enqueue(ctx, tx, e)
+			return err
+		})
+		if err != nil {
+			t.Fatalf("enqueue %+v: %v", e, err)
+		}
+	}
+	return ids
+}
+
+// entries returns n entries for dest, with keys k0, k1, ... and payloads
+// naming them.
+func entries(scope, dest string, n int) []outbox.Entry {
+	out := make([]outbox.Entry, n)
+	for i := range out {
+		key := fmt.Sprintf("k%d", i)
+		out[i] = outbox.Entry{Scope: scope, Key: key, Destination: dest, Payload: []byte("payload of " + key)}
+	}
+	return out
+}
+
+// startRelay runs a relay until the returned stop is called (or the test
+// ends), and checks that Run returned nil.
+func startRelay(t *testing.T, ctx context.Context, db idem.TxBeginner, handler outbox.Handler, config outbox.Config) (stop func()) {
+	t.Helper()
+	if config.Logger == nil {
+		config.Logger = testLogger(t)
+	}
+	relay, err := outbox.NewRelay(db, handler, &config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+	var stopped atomic.Bool
+	stop = func() {
+		if !stopped.CompareAndSwap(false, true) {
+			return
+		}
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}
+	t.Cleanup(stop)
+	return stop
+}
+
+// waitFor polls cond until it holds, or fails the test after a minute.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// row is a message's bookkeeping, read straight from the table.
+type row struct {
+	ID             int64
+	State          string
+	Attempts       int32
+	IdempotencyKey string
+	Leased         bool
+	LastError      string
+}
+
+func rows(t *testing.T, pool *pgxpool.Pool, dest string) []row {
+	t.Helper()
+	rs, err := pool.Query(context.Background(), `
+		SELECT id, state, attempts, idempotency_key, leased_until IS NOT NULL, coalesce(last_error, '')
+		FROM outbox_message WHERE destination = $1 ORDER BY id`, dest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := pgx.CollectRows(rs, pgx.RowToStructByPos[row])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// countState counts dest's messages in state.
+func countState(t *testing.T, pool *pgxpool.Pool, dest, state string) int {
+	t.Helper()
+	var n int
+	err := pool.QueryRow(context.Background(),
+		`SELECT count(*) FROM outbox_message WHERE destination = $1 AND state = $2`, dest, state).Scan(&n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// crashable is a relay's database that dies on demand, as the relay's
+// process would: once crashed, nothing more the relay sends reaches the
+// database, so whatever it leased stays leased.
+type crashable struct {
+	pool *pgxpool.Pool
+	dead atomic.Bool
+}
+
+var errCrashed = errors.New("the relay's process has crashed")
+
+func (c *crashable) BeginTx(ctx context.Context, o pgx.TxOptions) (pgx.Tx, error) {
+	if c.dead.Load() {
+		return nil, errCrashed
+	}
+	return c.pool.BeginTx(ctx, o)
+}
+
+// panicTx is a transaction that fails the test on any use: passing it proves
+// that a call was rejected before it reached the database.
+type panicTx struct{ pgx.Tx }
+
+var countPayments = testdb.CountPayments

@@ -1,0 +1,193 @@
+package outbox
+
+import (
+	"bytes"
+	"context"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/guard"
+)
+
+// MaxNameLength is the longest scope, key, destination or ordering key
+// accepted, in bytes. It is the same as [idem.MaxKeyLength].
+const MaxNameLength = idem.MaxKeyLength
+
+// ErrInvalidEntry is returned by [Enqueue] when an entry cannot be stored:
+// its destination or ordering key is empty where required, longer than
+// [MaxNameLength] bytes, not valid UTF-8, or contains a NUL byte. An invalid
+// scope or key also matches [idem.ErrInvalidScope] or [idem.ErrInvalidKey].
+// Nothing is sent to the database.
+var ErrInvalidEntry = errors.New("outbox: invalid entry")
+
+// ErrEntryMismatch is returned by [Enqueue] when the outbox already holds a
+// message with the same idempotency key (the same scope, key and
+// destination) but another payload or ordering key. Sending it would make
+// the destination either drop it as a duplicate or reject the key's reuse,
+// so it is refused here instead. It usually means that one operation
+// enqueued two different messages for one destination: give each a key of
+// its own, such as the operation's key with a suffix.
+var ErrEntryMismatch = errors.New("outbox: another message with the same idempotency key is already enqueued")
+
+// Entry is a message to enqueue.
+type Entry struct {
+	// Scope and Key identify the operation that sends the message: pass the
+	// scope and key given to [idem.Do] or [idem.Once]. With Destination they
+	// make the message's idempotency key (see [IdempotencyKey]). Both are
+	// required and follow idem's rules for scopes and keys.
+	Scope string
+	Key   string
+
+	// Destination names where the message goes, for the relay's handler to
+	// route on: a topic, a provider, an endpoint. Required.
+	Destination string
+
+	// Payload is the message's body, opaque to the outbox. Nil is stored as
+	// empty.
+	Payload []byte
+
+	// OrderingKey, when set, asks for messages to one destination with the
+	// same ordering key to be delivered one at a time, in the order they
+	// were enqueued (see the package documentation for the exact promise).
+	// Defaults to empty: no ordering.
+	OrderingKey string
+}
+
+// Message is an enqueued message, as a relay hands it to its [Handler].
+type Message struct {
+	// ID is the message's row id in the outbox table.
+	ID int64
+
+	// Scope, Key, Destination, Payload and OrderingKey are the [Entry]'s.
+	Scope       string
+	Key         string
+	Destination string
+	Payload     []byte
+	OrderingKey string
+
+	// IdempotencyKey is the key to send to the destination with every
+	// attempt, so that it can recognise our retries: the same message
+	// always carries the same key. See [IdempotencyKey].
+	IdempotencyKey string
+
+	// Attempt is 1 on the first delivery of the message and grows by one
+	// with each later attempt.
+	Attempt int
+
+	// CreatedAt is when the message was enqueued, by the database's clock.
+	CreatedAt time.Time
+}
+
+// IdempotencyKey returns the idempotency key of the messages that the
+// operation (scope, key) sends to destination: the lower-case hex SHA-256
+// of the three, each prefixed with its length ([idem.Fingerprint]). It is
+// stable across retries and relays, and a provider's or a consumer's
+// records can be matched back to the operation by computing it again.
+func IdempotencyKey(scope, key, destination string) string {
+	return hex.EncodeToString(idem.Fingerprint([]byte(scope), []byte(key), []byte(destination)))
+}
+
+// Enqueue adds a message to the outbox in the caller's transaction tx and
+// returns its id. Put it in the transaction that makes the change the
+// message reports, beside idem.Do's claim, so that the change, the claim
+// and the message commit together or not at all: a rolled-back transaction
+// sends nothing, a committed one is delivered by a [Relay] at least once.
+//
+// Enqueue is idempotent: when the outbox already holds the same message
+// (same scope, key, destination, payload and ordering key), it adds nothing
+// and returns that message's id. The same idempotency key with another
+// payload or ordering key gives [ErrEntryMismatch]. A message purged after
+// delivery is forgotten: enqueuing it again sends it again, and the
+// destination, given the same idempotency key, should recognise it.
+//
+// Relays learn of the message at their next poll; call [Notify] in the same
+// transaction to wake the listening ones at commit instead.
+//
+// Invalid entries give [ErrInvalidEntry] before anything is sent to the
+// database. Under REPEATABLE READ or SERIALIZABLE, the same message
+// enqueued by a transaction that committed after tx's snapshot gives
+// [idem.ErrSerialization].
+func Enqueue(ctx context.Context, tx pgx.Tx, entry Entry) (id int64, err error) {
+	if err := entry.check(); err != nil {
+		return 0, err
+	}
+	params := dbsqlc.OutboxInsertParams{
+		Scope:          entry.Scope,
+		Key:            entry.Key,
+		Destination:    entry.Destination,
+		Payload:        entry.Payload,
+		IdempotencyKey: IdempotencyKey(entry.Scope, entry.Key, entry.Destination),
+		OrderingKey:    entry.OrderingKey,
+	}
+	if params.Payload == nil {
+		params.Payload = []byte{} // nil would be sent as NULL
+	}
+	q := dbsqlc.New(tx)
+	// A message can be purged between the insert that finds it and the read
+	// that compares it; the next round then inserts it. Three rounds are
+	// more than that race needs.
+	for range 3 {
+		id, err := q.OutboxInsert(ctx, params)
+		if err == nil {
+			return id, nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return 0, guard.Translate("outbox: enqueue", err)
+		}
+		// The statement found the key taken; a message committed while it
+		// waited is invisible to its snapshot, so read it with a new one.
+		got, err := q.OutboxGetByKey(ctx, params.IdempotencyKey)
+		if errors.Is(err, pgx.ErrNoRows) {
+			continue
+		}
+		if err != nil {
+			return 0, guard.Translate("outbox: enqueue: read the enqueued message", err)
+		}
+		if got.Scope != entry.Scope || got.Key != entry.Key || got.Destination != entry.Destination ||
+			!bytes.Equal(got.Payload, params.Payload) || got.OrderingKey != entry.OrderingKey {
+			return 0, fmt.Errorf("%w (message %d)", ErrEntryMismatch, got.ID)
+		}
+		return got.ID, nil
+	}
+	return 0, errors.New("outbox: enqueue: the message with this idempotency key kept changing")
+}
+
+// Notify wakes the relays that listen for new messages (those given a
+// *pgxpool.Pool) when tx commits, so that they deliver the transaction's
+// messages without waiting for their next poll. Call it once per
+// transaction, after [Enqueue]; several calls in one transaction send one
+// notification.
+//
+// It has a cost: PostgreSQL commits transactions that notify one at a time,
+// under a database-wide lock, so at high commit rates rely on polling
+// instead (see [Config.PollInterval]).
+func Notify(ctx context.Context, tx pgx.Tx) error {
+	if err := dbsqlc.New(tx).OutboxNotify(ctx); err != nil {
+		return guard.Translate("outbox: notify", err)
+	}
+	return nil
+}
+
+func (e *Entry) check() error {
+	if err := guard.CheckIdentifier(e.Scope); err != nil {
+		return fmt.Errorf("%w: %w: %s", ErrInvalidEntry, idem.ErrInvalidScope, err)
+	}
+	if err := guard.CheckIdentifier(e.Key); err != nil {
+		return fmt.Errorf("%w: %w: %s", ErrInvalidEntry, idem.ErrInvalidKey, err)
+	}
+	if err := guard.CheckIdentifier(e.Destination); err != nil {
+		return fmt.Errorf("%w: destination: %s", ErrInvalidEntry, err)
+	}
+	if e.OrderingKey != "" {
+		if err := guard.CheckIdentifier(e.OrderingKey); err != nil {
+			return fmt.Errorf("%w: ordering key: %s", ErrInvalidEntry, err)
+		}
+	}
+	return nil
+}
