@@ -379,8 +379,9 @@ func TestExpiredKeyConcurrentReclaimRunsOnce(t *testing.T) {
 }
 
 // holdKey claims key in a transaction of its own and keeps it open until
-// finish is called with true (commit) or false (rollback).
-func holdKey(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key string) (finish func(commit bool)) {
+// the test ends, or until after has passed, when it commits or rolls back.
+// The test does not end before the transaction has.
+func holdKey(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key string, after time.Duration, commit bool) {
 	t.Helper()
 	tx, err := pool.Begin(ctx)
 	if err != nil {
@@ -390,21 +391,34 @@ func holdKey(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key s
 	if _, err := idem.Do(ctx, tx, scope, key, fpA, pay(scope, key, 1, &calls)); err != nil {
 		t.Fatal(err)
 	}
-	return func(commit bool) {
-		if commit {
-			if err := tx.Commit(ctx); err != nil {
-				t.Error(err)
-			}
+	done := make(chan struct{})
+	// The test's own context ends with the test: finish on one that does not.
+	finishCtx := context.WithoutCancel(ctx)
+	release := make(chan struct{})
+	t.Cleanup(func() {
+		close(release)
+		<-done
+	})
+	go func() {
+		defer close(done)
+		select {
+		case <-time.After(after):
+		case <-release:
+			commit = false
+		}
+		if !commit {
+			_ = tx.Rollback(finishCtx)
 			return
 		}
-		_ = tx.Rollback(ctx)
-	}
+		if err := tx.Commit(finishCtx); err != nil {
+			t.Errorf("holder's commit: %v", err)
+		}
+	}()
 }
 
 func TestWaitBudgetExpires(t *testing.T) {
 	ctx, pool, scope := setup(t)
-	finish := holdKey(t, ctx, pool, scope, "k")
-	defer finish(false)
+	holdKey(t, ctx, pool, scope, "k", time.Hour, false)
 
 	var calls atomic.Int64
 	started := time.Now()
@@ -428,8 +442,7 @@ func TestWaitBudgetExpires(t *testing.T) {
 
 func TestWaitBudgetReplaysWhenFirstCommits(t *testing.T) {
 	ctx, pool, scope := setup(t)
-	finish := holdKey(t, ctx, pool, scope, "k")
-	time.AfterFunc(300*time.Millisecond, func() { finish(true) })
+	holdKey(t, ctx, pool, scope, "k", 300*time.Millisecond, true)
 
 	var calls atomic.Int64
 	res, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 1, &calls), idem.WithWait(10*time.Second))
@@ -443,8 +456,7 @@ func TestWaitBudgetReplaysWhenFirstCommits(t *testing.T) {
 
 func TestWaitBudgetClaimsWhenFirstRollsBack(t *testing.T) {
 	ctx, pool, scope := setup(t)
-	finish := holdKey(t, ctx, pool, scope, "k")
-	time.AfterFunc(300*time.Millisecond, func() { finish(false) })
+	holdKey(t, ctx, pool, scope, "k", 300*time.Millisecond, false)
 
 	var calls atomic.Int64
 	res, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 1, &calls), idem.WithWait(10*time.Second))
