@@ -83,34 +83,43 @@ func TestRunSimultaneousDuplicates(t *testing.T) {
 		return p, err
 	}
 
+	firsts := storm(t, clients, func() (idem.Result[payment], error) {
+		return idem.Run(ctx, pool, scope, "storm", fpA, slowPay, idem.WithWait(30*time.Second))
+	})
+	if firsts != 1 || calls.Load() != 1 || countPayments(t, pool, scope) != 1 {
+		t.Fatalf("%d non-replays, fn ran %d times, %d payments; want 1, 1, 1", firsts, calls.Load(), countPayments(t, pool, scope))
+	}
+}
+
+// storm makes n calls of call at once and returns how many were not
+// replays. It fails the test on any error, or when two calls got different
+// values.
+func storm(t *testing.T, n int, call func() (idem.Result[payment], error)) (firsts int) {
+	t.Helper()
 	start := make(chan struct{})
-	results := make([]idem.Result[payment], clients)
-	errs := make([]error, clients)
+	results := make([]idem.Result[payment], n)
+	errs := make([]error, n)
 	var wg sync.WaitGroup
-	for i := range clients {
+	for i := range n {
 		wg.Go(func() {
 			<-start
-			results[i], errs[i] = idem.Run(ctx, pool, scope, "storm", fpA, slowPay, idem.WithWait(30*time.Second))
+			results[i], errs[i] = call()
 		})
 	}
 	close(start)
 	wg.Wait()
-
-	firsts := 0
-	for i := range clients {
+	for i := range n {
 		if errs[i] != nil {
-			t.Fatalf("client %d: %v", i, errs[i])
+			t.Fatalf("call %d: %v", i, errs[i])
 		}
 		if !results[i].Replayed {
 			firsts++
 		}
 		if results[i].Value != results[0].Value {
-			t.Fatalf("client %d got %+v, client 0 got %+v", i, results[i].Value, results[0].Value)
+			t.Fatalf("call %d got %+v, call 0 got %+v", i, results[i].Value, results[0].Value)
 		}
 	}
-	if firsts != 1 || calls.Load() != 1 || countPayments(t, pool, scope) != 1 {
-		t.Fatalf("%d non-replays, fn ran %d times, %d payments; want 1, 1, 1", firsts, calls.Load(), countPayments(t, pool, scope))
-	}
+	return firsts
 }
 
 func TestRunFingerprintMismatch(t *testing.T) {
@@ -514,34 +523,13 @@ func TestRunSerializableStormReplays(t *testing.T) {
 	ctx, pool, scope := setup(t)
 	const clients = 20
 	var calls atomic.Int64
-	var wg sync.WaitGroup
-	start := make(chan struct{})
-	results := make([]idem.Result[payment], clients)
-	errs := make([]error, clients)
-	for i := range clients {
-		wg.Go(func() {
-			<-start
-			results[i], errs[i] = idem.Run(ctx, pool, scope, "k", fpA, func(ctx context.Context, tx pgx.Tx) (payment, error) {
-				p, err := pay(scope, "k", 700, &calls)(ctx, tx)
-				time.Sleep(10 * time.Millisecond)
-				return p, err
-			}, idem.WithTxOptions(pgx.TxOptions{IsoLevel: pgx.Serializable}), idem.WithWait(30*time.Second))
-		})
-	}
-	close(start)
-	wg.Wait()
-	firsts := 0
-	for i := range clients {
-		if errs[i] != nil {
-			t.Fatalf("client %d: %v", i, errs[i])
-		}
-		if !results[i].Replayed {
-			firsts++
-		}
-		if results[i].Value != results[0].Value {
-			t.Fatalf("client %d got %+v, client 0 got %+v", i, results[i].Value, results[0].Value)
-		}
-	}
+	firsts := storm(t, clients, func() (idem.Result[payment], error) {
+		return idem.Run(ctx, pool, scope, "k", fpA, func(ctx context.Context, tx pgx.Tx) (payment, error) {
+			p, err := pay(scope, "k", 700, &calls)(ctx, tx)
+			time.Sleep(10 * time.Millisecond)
+			return p, err
+		}, idem.WithTxOptions(pgx.TxOptions{IsoLevel: pgx.Serializable}), idem.WithWait(30*time.Second))
+	})
 	if firsts != 1 || countPayments(t, pool, scope) != 1 {
 		t.Fatalf("%d first executions, %d payments; want 1 and 1", firsts, countPayments(t, pool, scope))
 	}
