@@ -2,6 +2,9 @@ package idem
 
 import (
 	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/idem/internal/guard"
 )
@@ -58,3 +61,17 @@ var ErrSerialization = guard.ErrSerialization
 // translate turns driver errors from the package's own statements into the
 // package's sentinel errors (see [guard.Translate]).
 func translate(op string, err error) error { return guard.Translate(op, err) }
+
+// errClaimLost is what storing a response gives when the calling
+// transaction's claim is gone: only fn itself can have removed it.
+var errClaimLost = errors.New("idem: the claim was removed before its response was stored (did fn change the record?)")
+
+// translateStore is translate for the statement that stores a response,
+// whose division_by_zero means the claim was lost (see KeyStoreResponse).
+func translateStore(op string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "22012" {
+		return fmt.Errorf("%s: %w", op, errClaimLost)
+	}
+	return translate(op, err)
+}

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"hash"
 	"io"
-	"math/big"
 	"slices"
 	"strconv"
 	"strings"
@@ -54,7 +53,7 @@ func FingerprintJSON(v any) ([]byte, error) {
 	if !utf8.Valid(raw) {
 		return nil, errors.New("idem: fingerprint: JSON holds invalid UTF-8")
 	}
-	if hasLoneSurrogate(raw) {
+	if scanJSON(raw)&jsonbLoneSurrogate != 0 {
 		return nil, errors.New("idem: fingerprint: JSON holds a lone UTF-16 surrogate escape")
 	}
 	dec := json.NewDecoder(bytes.NewReader(raw))
@@ -71,39 +70,6 @@ func FingerprintJSON(v any) ([]byte, error) {
 		return nil, fmt.Errorf("idem: fingerprint: %w", err)
 	}
 	return h.Sum(nil), nil
-}
-
-// hasLoneSurrogate reports whether valid JSON holds a \uD800-\uDFFF escape
-// that is not half of a surrogate pair. Every backslash in valid JSON starts
-// an escape, so stepping over each escape whole keeps "\\ud800" (an escaped
-// backslash, then text) from counting.
-func hasLoneSurrogate(raw []byte) bool {
-	for i := 0; i < len(raw)-1; i++ {
-		if raw[i] != '\\' {
-			continue
-		}
-		if raw[i+1] != 'u' || i+6 > len(raw) {
-			i++
-			continue
-		}
-		r, err := strconv.ParseUint(string(raw[i+2:i+6]), 16, 16)
-		switch {
-		case err != nil || r < 0xD800 || r > 0xDFFF:
-		case r >= 0xDC00:
-			return true // a low half with no high half before it
-		default:
-			if i+12 > len(raw) || raw[i+6] != '\\' || raw[i+7] != 'u' {
-				return true
-			}
-			low, err := strconv.ParseUint(string(raw[i+8:i+12]), 16, 16)
-			if err != nil || low < 0xDC00 || low > 0xDFFF {
-				return true
-			}
-			i += 6 // the low half is part of this pair
-		}
-		i += 5
-	}
-	return false
 }
 
 // writeCanonical writes a decoded JSON tree with sorted object keys, no
@@ -160,24 +126,26 @@ func writeString(h hash.Hash, s string) {
 	h.Write(b)
 }
 
-// maxExactExponent bounds the exponents that are compared exactly. Past it a
-// number keeps its literal spelling (lower-cased), which is still
-// deterministic, without letting "1e999999999" allocate a huge integer.
-const maxExactExponent = 1000
-
-// canonicalNumber spells a JSON number as an exact fraction in lowest terms,
-// so that every spelling of one value hashes alike and distinct values never
-// collide (no rounding through float64).
+// canonicalNumber spells a JSON number exactly, in one form for every
+// spelling of its value: its significant digits without leading or trailing
+// zeros, then "e" and the exponent that makes them the value. 1, 1.0, 1e0
+// and 0.1e1 are all "1e0"; distinct values never meet, since nothing is
+// rounded. It takes linear time, whatever the digits or exponent. The rare
+// exponent longer than 18 digits keeps its literal spelling, marked so that
+// it never meets a canonical one.
 func canonicalNumber(lit string) string {
-	if i := strings.IndexAny(lit, "eE"); i >= 0 {
-		exp, err := strconv.Atoi(strings.TrimPrefix(lit[i+1:], "+"))
-		if err != nil || exp > maxExactExponent || exp < -maxExactExponent {
-			return strings.ToLower(lit)
-		}
-	}
-	r, ok := new(big.Rat).SetString(lit)
+	negative, digits, fracLen, exp, ok := numberParts(lit)
 	if !ok {
-		return lit
+		return "~" + strings.ToLower(lit)
 	}
-	return r.RatString()
+	if digits == "" {
+		return "0"
+	}
+	trimmed := strings.TrimRight(digits, "0")
+	exp += int64(len(digits)-len(trimmed)) - int64(fracLen)
+	sign := ""
+	if negative {
+		sign = "-"
+	}
+	return sign + trimmed + "e" + strconv.FormatInt(exp, 10)
 }

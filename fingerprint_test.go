@@ -27,6 +27,8 @@ func TestFingerprintJSONIsCanonical(t *testing.T) {
 		{`{"a":1,"b":[true,null,"x"]}`, ` { "b" : [ true , null , "\u0078" ] , "a" : 1.0 } `, `{"b":[true,null,"x"],"a":1e0}`},
 		{`{"s":"😀"}`, `{"s":"\ud83d\ude00"}`},
 		{`12345678901234567890`, `1234567890123456789.0e1`},
+		{`1e1001`, `10e1000`, `0.1e1002`},
+		{`0`, `-0`, `0.000e-5`, `0e99`},
 	}
 	for _, group := range same {
 		want := fp(t, group[0])
@@ -37,7 +39,7 @@ func TestFingerprintJSONIsCanonical(t *testing.T) {
 		}
 	}
 	different := []string{`{"a":1}`, `{"a":2}`, `{"a":"1"}`, `{"b":1}`, `[{"a":1}]`, `{"a":1.0000000000000000001}`,
-		`12345678901234567890`, `12345678901234567891`}
+		`12345678901234567890`, `12345678901234567891`, `1e1000000000000000000`, `1e100000000000000000`, `-1`}
 	seen := map[string]string{}
 	for _, doc := range different {
 		key := string(fp(t, doc))

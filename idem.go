@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 
@@ -90,13 +91,17 @@ func WithRetention(d time.Duration) Option {
 // runs the function itself; past the budget, the duplicate returns
 // [ErrInProgress]. Zero means not at all: PostgreSQL's own lock_timeout of 0
 // would wait forever, so zero is sent as the server's smallest budget, one
-// millisecond. Negative values are rejected. The budget applies only to the
-// claim: the function and the rest of the transaction keep the caller's own
-// lock_timeout. Defaults to 5s.
+// millisecond. Negative values, and values beyond lock_timeout's range
+// (about 24 days), are rejected. The budget applies to the claim's waits
+// for rows and transactions: the function and the rest of the transaction
+// keep the caller's own lock_timeout, and so does a wait for a table lock
+// (behind a migration, say), which happens before the budget is set. A
+// caller's statement_timeout shorter than the budget cuts the wait short
+// with the driver's own error. Defaults to 5s.
 func WithWait(d time.Duration) Option {
 	return optionFunc(func(o *options) {
-		if d < 0 {
-			o.fail(fmt.Errorf("%w: wait must not be negative, got %s", ErrInvalidOption, d))
+		if d < 0 || d > maxWait {
+			o.fail(fmt.Errorf("%w: wait must be between 0 and %s, got %s", ErrInvalidOption, maxWait, d))
 			return
 		}
 		o.wait = d
@@ -170,11 +175,18 @@ func newOptions(opts []Option) (*options, error) {
 	return o, o.err
 }
 
+// maxWait is the longest wait PostgreSQL's lock_timeout can express: its
+// largest value, in milliseconds, is the largest int32.
+const maxWait = math.MaxInt32 * time.Millisecond
+
 // lockTimeout spells the wait budget in whole milliseconds, rounded up, and
 // never zero, which PostgreSQL would read as "wait forever".
 func (o *options) lockTimeout() string {
-	ms := (o.wait + time.Millisecond - 1) / time.Millisecond
-	return strconv.FormatInt(max(int64(ms), 1), 10)
+	ms := int64(o.wait / time.Millisecond)
+	if o.wait%time.Millisecond != 0 {
+		ms++
+	}
+	return strconv.FormatInt(max(ms, 1), 10)
 }
 
 // checkScopeAndKey validates both identifiers before anything reaches the
@@ -231,7 +243,7 @@ func Do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 		return res, err
 	}
 	if err := dbsqlc.New(tx).KeyStoreResponse(ctx, *store); err != nil {
-		return Result[T]{}, releaseAfter(ctx, tx, scope, key, translate("idem: store response", err), o)
+		return Result[T]{}, releaseAfter(ctx, tx, scope, key, translateStore("idem: store response", err), o)
 	}
 	return res, nil
 }
@@ -405,26 +417,15 @@ func encodeResponse(v any, scope string, o *options) ([]byte, error) {
 	if len(encoded) > o.maxResponseSize {
 		return nil, fmt.Errorf("%w: %d bytes of JSON, limit %d", ErrResponseTooLarge, len(encoded), o.maxResponseSize)
 	}
-	if hasEscapedNUL(encoded) {
+	switch problems := scanJSON(encoded); {
+	case problems&jsonbNUL != 0:
 		return nil, fmt.Errorf("%w: a string holds a NUL character, which jsonb cannot store", ErrResponseNotStorable)
+	case problems&jsonbLoneSurrogate != 0:
+		return nil, fmt.Errorf("%w: a string holds a lone UTF-16 surrogate escape, which jsonb rejects", ErrResponseNotStorable)
+	case problems&jsonbNumberRange != 0:
+		return nil, fmt.Errorf("%w: a number is beyond the range of jsonb's numeric type", ErrResponseNotStorable)
 	}
 	return encoded, nil
-}
-
-// hasEscapedNUL reports whether valid JSON holds the escape \u0000. Every
-// backslash in valid JSON starts an escape, so skipping each escape as a
-// whole tells an escaped backslash followed by "u0000" from a real one.
-func hasEscapedNUL(encoded []byte) bool {
-	for i := 0; i < len(encoded)-1; i++ {
-		if encoded[i] != '\\' {
-			continue
-		}
-		if encoded[i+1] == 'u' && bytes.HasPrefix(encoded[i+2:], []byte("0000")) {
-			return true
-		}
-		i++
-	}
-	return false
 }
 
 // releaseAfter removes the calling transaction's claim after a failure, with
@@ -433,7 +434,9 @@ func hasEscapedNUL(encoded []byte) bool {
 // the release fails harmlessly: nothing in it can commit.
 func releaseAfter(ctx context.Context, tx pgx.Tx, scope, key string, cause error, o *options) error {
 	err := dbsqlc.New(tx).KeyRelease(context.WithoutCancel(ctx), dbsqlc.KeyReleaseParams{Scope: scope, Key: key})
-	if err != nil && tx.Conn() != nil && tx.Conn().PgConn().TxStatus() == 'T' {
+	// A connection closed by a cancelled context still reports 'T', but its
+	// transaction is gone with it: nothing can commit, nothing to report.
+	if err != nil && tx.Conn() != nil && !tx.Conn().IsClosed() && tx.Conn().PgConn().TxStatus() == 'T' {
 		o.observer.logRelease(ctx, scope, key, err)
 		return errors.Join(cause, fmt.Errorf("idem: release claim, roll back: %w", err))
 	}

@@ -1,6 +1,7 @@
 package idem_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -608,7 +609,10 @@ func TestInvalidScopesAndKeysNeverReachTheDatabase(t *testing.T) {
 func TestInvalidOptionsAreRejected(t *testing.T) {
 	ctx := context.Background()
 	fn := func(context.Context, pgx.Tx) (int, error) { return 1, nil }
-	for _, opt := range []idem.Option{idem.WithRetention(0), idem.WithWait(-time.Second), idem.WithMaxResponseSize(0)} {
+	for _, opt := range []idem.Option{
+		idem.WithRetention(0), idem.WithWait(-time.Second), idem.WithMaxResponseSize(0),
+		idem.WithWait(25 * 24 * time.Hour), idem.WithWait(time.Duration(math.MaxInt64)),
+	} {
 		if _, err := idem.Do(ctx, panicTx{}, "s", "k", nil, fn, opt); !errors.Is(err, idem.ErrInvalidOption) {
 			t.Errorf("err = %v, want ErrInvalidOption", err)
 		}
@@ -718,9 +722,13 @@ func TestStoredValuesReplayEqual(t *testing.T) {
 func TestUnstorableValuesFailTyped(t *testing.T) {
 	ctx, pool, scope := setup(t)
 	cases := map[string]any{
-		"NUL in a string": "a\x00b",
-		"NUL in a key":    map[string]int{"a\x00": 1},
-		"channel":         make(chan int),
+		"NUL in a string":                    "a\x00b",
+		"NUL in a key":                       map[string]int{"a\x00": 1},
+		"channel":                            make(chan int),
+		"lone surrogate":                     json.RawMessage(`"\ud800"`),
+		"number beyond numeric, integer":     json.RawMessage(`1e1000000`),
+		"number beyond numeric, fraction":    json.Number("1.5e-16383"),
+		"number beyond numeric, json.Number": json.Number("1e200000"),
 	}
 	for name, v := range cases {
 		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
@@ -868,5 +876,90 @@ func TestRunLookupFirst(t *testing.T) {
 	}
 	if calls.Load() != 2 || countPayments(t, pool, scope) != 2 {
 		t.Fatalf("fn ran %d times, want 2", calls.Load())
+	}
+}
+
+func TestNumbersAtJsonbsLimitsAreStored(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	for i, n := range []string{`1e131071`, `1e-16383`, `1.5e-16382`, `-0.0e131073`} {
+		key := fmt.Sprintf("n%d", i)
+		run := func() (idem.Result[json.RawMessage], error) {
+			return idem.Run(ctx, pool, scope, key, nil, func(context.Context, pgx.Tx) (json.RawMessage, error) {
+				return json.RawMessage(n), nil
+			})
+		}
+		if _, err := run(); err != nil {
+			t.Fatalf("%s: %v", n, err)
+		}
+		replay, err := run()
+		if err != nil || !replay.Replayed {
+			t.Fatalf("%s: replay %v", n, err)
+		}
+		if !bytes.Equal(fingerprintOf(t, replay.Value), fingerprintOf(t, json.RawMessage(n))) {
+			t.Fatalf("%s replayed as another number", n)
+		}
+	}
+}
+
+func fingerprintOf(t *testing.T, doc json.RawMessage) []byte {
+	t.Helper()
+	fp, err := idem.FingerprintJSON(doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fp
+}
+
+func TestRunInEveryQueryExecMode(t *testing.T) {
+	ctx, _, scope := setup(t)
+	for _, mode := range []string{"cache_statement", "cache_describe", "describe_exec", "exec", "simple_protocol"} {
+		url := env.URL(t)
+		sep := "?"
+		if strings.Contains(url, "?") {
+			sep = "&"
+		}
+		pool, err := pgxpool.New(ctx, url+sep+"default_query_exec_mode="+mode)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var calls atomic.Int64
+		key := "k-" + mode
+		first, err := idem.Run(ctx, pool, scope, key, fpA, pay(scope, key, 1, &calls))
+		if err != nil {
+			t.Fatalf("%s: first: %v", mode, err)
+		}
+		replay, err := idem.Run(ctx, pool, scope, key, fpA, pay(scope, key, 1, &calls))
+		if err != nil || !replay.Replayed || replay.Value != first.Value {
+			t.Fatalf("%s: replay %+v, %v", mode, replay, err)
+		}
+		err = idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := idem.Once(ctx, tx, scope, "once-"+mode, func(context.Context, pgx.Tx) error { return nil })
+			return err
+		})
+		if err != nil {
+			t.Fatalf("%s: Once: %v", mode, err)
+		}
+		pool.Close()
+	}
+}
+
+func TestClaimRemovedInsideFnCommitsNothing(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	var calls atomic.Int64
+	_, err := idem.Run(ctx, pool, scope, "k", fpA, func(ctx context.Context, tx pgx.Tx) (payment, error) {
+		p, err := pay(scope, "k", 1, &calls)(ctx, tx)
+		if err != nil {
+			return p, err
+		}
+		// Misuse: fn deletes its own claim. Run's COMMIT travels with the
+		// stored response; it must not keep the payment without a record.
+		_, err = tx.Exec(ctx, `DELETE FROM idempotency_key WHERE scope = $1 AND key = 'k'`, scope)
+		return p, err
+	})
+	if err == nil {
+		t.Fatal("Run succeeded although its claim was gone")
+	}
+	if countPayments(t, pool, scope) != 0 || countRecords(t, pool, scope) != 0 {
+		t.Fatalf("committed %d payments, %d records; want none", countPayments(t, pool, scope), countRecords(t, pool, scope))
 	}
 }

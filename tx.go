@@ -145,7 +145,13 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, scope, key string,
 		return res, nil // a replay: the deferred rollback ends the transaction
 	}
 	finished = true
-	if err := commitWith(ctx, lazy.tx, conn != nil, store); err != nil {
+	// A CommitQuery of the caller's must run as given, outside the pipeline.
+	pipelined := conn != nil && o.txOptions.CommitQuery == ""
+	err = commitWith(ctx, lazy.tx, pipelined, store)
+	// The transaction has ended, and with a pipelined COMMIT its connection
+	// may already serve someone else: nothing may touch lazy.tx again.
+	lazy.tx = nil
+	if err != nil {
 		return Result[T]{}, err
 	}
 	return res, nil
@@ -155,11 +161,11 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, scope, key string,
 // itself both go in one round trip; the pgx.Tx is then left unclosed, which
 // is harmless: the server's transaction ended with the batch, and the
 // connection goes back to its pool idle.
-func commitWith(ctx context.Context, tx pgx.Tx, ownsConn bool, store *dbsqlc.KeyStoreResponseParams) error {
-	if !ownsConn {
+func commitWith(ctx context.Context, tx pgx.Tx, pipelined bool, store *dbsqlc.KeyStoreResponseParams) error {
+	if !pipelined {
 		if err := dbsqlc.New(tx).KeyStoreResponse(ctx, *store); err != nil {
 			rollback(ctx, tx)
-			return translate("idem: store response", err)
+			return translateStore("idem: store response", err)
 		}
 		if err := tx.Commit(ctx); err != nil {
 			return translate("idem: commit", err)
@@ -189,7 +195,7 @@ func commitWith(ctx context.Context, tx pgx.Tx, ownsConn bool, store *dbsqlc.Key
 		if tx.Conn().PgConn().TxStatus() != 'I' {
 			rollback(ctx, tx)
 		}
-		return translate("idem: store response and commit", err)
+		return translateStore("idem: store response and commit", err)
 	}
 	return nil
 }

@@ -77,13 +77,23 @@ WHERE scope = @scope::text
   AND expires_at > now();
 
 -- name: KeyStoreResponse :exec
--- KeyStoreResponse completes a claim made by the same transaction.
-UPDATE idempotency_key
-SET state = 'done',
-    response = @response::jsonb
-WHERE scope = @scope::text
-  AND key = @key::text
-  AND state = 'in_progress';
+-- KeyStoreResponse completes a claim made by the same transaction. When the
+-- claim is gone (fn itself deleted or completed the record), it fails with
+-- division_by_zero instead of succeeding quietly: Run sends COMMIT in the
+-- same pipeline, and only a failure stops that COMMIT from keeping fn's
+-- writes without a record. It leaves expires_at alone, so that the update
+-- touches no indexed column and stays a HOT update: retention counts from
+-- the start of the claiming transaction.
+WITH stored AS (
+    UPDATE idempotency_key
+    SET state = 'done',
+        response = @response::jsonb
+    WHERE scope = @scope::text
+      AND key = @key::text
+      AND state = 'in_progress'
+    RETURNING 1
+)
+SELECT 1 / count(*) FROM stored;
 
 -- name: KeyRelease :exec
 -- KeyRelease removes a claim whose work failed, so that a committed record is

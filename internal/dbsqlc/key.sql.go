@@ -7,6 +7,7 @@ package dbsqlc
 
 import (
 	"context"
+	"encoding/json"
 
 	"github.com/jackc/pgx/v5/pgtype"
 )
@@ -55,7 +56,7 @@ type KeyClaimRow struct {
 	Claimed     bool
 	Fingerprint []byte
 	State       pgtype.Text
-	Response    []byte
+	Response    json.RawMessage
 	Expired     bool
 	Restored    string
 }
@@ -105,7 +106,7 @@ type KeyGetParams struct {
 type KeyGetRow struct {
 	Fingerprint []byte
 	State       string
-	Response    []byte
+	Response    json.RawMessage
 }
 
 // KeyGet reads the live record for (scope, key) with a fresh snapshot.
@@ -132,7 +133,7 @@ type KeyInspectParams struct {
 type KeyInspectRow struct {
 	Fingerprint []byte
 	State       string
-	Response    []byte
+	Response    json.RawMessage
 	CreatedAt   pgtype.Timestamptz
 	ExpiresAt   pgtype.Timestamptz
 	Expired     bool
@@ -290,21 +291,31 @@ func (q *Queries) KeyStats(ctx context.Context) (KeyStatsRow, error) {
 }
 
 const keyStoreResponse = `-- name: KeyStoreResponse :exec
-UPDATE idempotency_key
-SET state = 'done',
-    response = $1::jsonb
-WHERE scope = $2::text
-  AND key = $3::text
-  AND state = 'in_progress'
+WITH stored AS (
+    UPDATE idempotency_key
+    SET state = 'done',
+        response = $1::jsonb
+    WHERE scope = $2::text
+      AND key = $3::text
+      AND state = 'in_progress'
+    RETURNING 1
+)
+SELECT 1 / count(*) FROM stored
 `
 
 type KeyStoreResponseParams struct {
-	Response []byte
+	Response json.RawMessage
 	Scope    string
 	Key      string
 }
 
-// KeyStoreResponse completes a claim made by the same transaction.
+// KeyStoreResponse completes a claim made by the same transaction. When the
+// claim is gone (fn itself deleted or completed the record), it fails with
+// division_by_zero instead of succeeding quietly: Run sends COMMIT in the
+// same pipeline, and only a failure stops that COMMIT from keeping fn's
+// writes without a record. It leaves expires_at alone, so that the update
+// touches no indexed column and stays a HOT update: retention counts from
+// the start of the claiming transaction.
 func (q *Queries) KeyStoreResponse(ctx context.Context, arg KeyStoreResponseParams) error {
 	_, err := q.db.Exec(ctx, keyStoreResponse, arg.Response, arg.Scope, arg.Key)
 	return err

@@ -5,6 +5,8 @@
 package dbsqlc
 
 import (
+	"encoding/json"
+
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -20,7 +22,7 @@ type IdempotencyKey struct {
 	Key         string
 	Fingerprint []byte
 	State       string
-	Response    []byte
+	Response    json.RawMessage
 	CreatedAt   pgtype.Timestamptz
 	ExpiresAt   pgtype.Timestamptz
 }
