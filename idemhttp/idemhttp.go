@@ -106,6 +106,13 @@ type Config struct {
 	// target URI and body.
 	Fingerprint func(r *http.Request, body []byte) ([]byte, error)
 
+	// LookupFirst reads the key before the handler's transaction begins
+	// (see [idem.WithLookupFirst]): the retry of a completed request is then
+	// answered in one round trip with no transaction, while a first request
+	// costs one round trip more. It pays behind clients and proxies that
+	// retry a lot. Defaults to false.
+	LookupFirst bool
+
 	// TxOptions are the options of the transaction the handler runs in;
 	// an empty IsoLevel means READ COMMITTED. Defaults to READ COMMITTED.
 	TxOptions pgx.TxOptions
@@ -248,6 +255,9 @@ func newMiddleware(db idem.TxBeginner, cfg Config) (*middleware, error) {
 		idem.WithWait(wait),
 		idem.WithTxOptions(m.txOptions),
 		idem.WithMaxResponseSize(4*((m.maxResponseBytes+2)/3) + headerAllowance),
+	}
+	if cfg.LookupFirst {
+		m.opts = append(m.opts, idem.WithLookupFirst())
 	}
 	return m, nil
 }

@@ -805,3 +805,25 @@ func TestInvalidScopeIsServerError(t *testing.T) {
 		t.Fatalf("an empty scope ran the handler %d times", calls.Load())
 	}
 }
+
+func TestLookupFirstReplaysAndRejectsMismatches(t *testing.T) {
+	_, pool, tenant := setup(t)
+	var calls atomic.Int64
+	srv := serve(t, pool, idemhttp.Config{LookupFirst: true}, payHandler(&calls))
+
+	first := post(t, srv, "/payments", tenant, "lf-1", `{"amount_cents": 700}`)
+	if first.status != http.StatusCreated || first.replayed() {
+		t.Fatalf("first: %d %s", first.status, first.body)
+	}
+	retry := post(t, srv, "/payments", tenant, "lf-1", `{"amount_cents": 700}`)
+	if !retry.replayed() {
+		t.Fatal("the retry was not a replay")
+	}
+	sameAnswer(t, retry, first, "Content-Type")
+	if other := post(t, srv, "/payments", tenant, "lf-1", `{"amount_cents": 900}`); other.status != http.StatusUnprocessableEntity {
+		t.Fatalf("another body with the same key: %d, want 422", other.status)
+	}
+	if calls.Load() != 1 || countPayments(t, pool, tenant) != 1 {
+		t.Fatalf("handler ran %d times, want 1", calls.Load())
+	}
+}
