@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	metricnoop "go.opentelemetry.io/otel/metric/noop"
+	tracenoop "go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/pgidem/idem"
 
@@ -103,4 +105,44 @@ func BenchmarkBareTx(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// BenchmarkObserverCost compares, interleaved at 8 clients, Run replays
+// without an Observer, with one built from no providers, and with one on
+// OpenTelemetry's no-op providers, and reports each against the first.
+func BenchmarkObserverCost(b *testing.B) {
+	pool := env.Pool(b)
+	ctx := context.Background()
+	scope := testdb.Name("bench-observer")
+	fp := idem.Fingerprint([]byte("benchmark"))
+	fn := func(ctx context.Context, tx pgx.Tx) (bench.Payment, error) {
+		return bench.Insert(ctx, tx, scope, "k", 1)
+	}
+	if _, err := idem.Run(ctx, pool, scope, "k", fp, fn); err != nil {
+		b.Fatal(err)
+	}
+	empty, err := idem.NewObserver(idem.ObserverConfig{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	noops, err := idem.NewObserver(idem.ObserverConfig{MeterProvider: metricnoop.NewMeterProvider(), TracerProvider: tracenoop.NewTracerProvider()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	phase := func(name string, opts ...idem.Option) bench.Phase {
+		return bench.Phase{Name: name, Op: func(ctx context.Context, _ int64) error {
+			_, err := idem.Run(ctx, pool, scope, "k", fp, fn, opts...)
+			return err
+		}}
+	}
+	phases := []bench.Phase{phase("none"), phase("empty", idem.WithObserver(empty)), phase("noop", idem.WithObserver(noops))}
+	b.ResetTimer()
+	totals, err := bench.Interleave(ctx, phases, 8, b.N, 2000)
+	if err != nil {
+		b.Fatal(err)
+	}
+	none := totals["none"].Throughput()
+	b.ReportMetric(none, "replays/s")
+	b.ReportMetric(totals["empty"].Throughput()/none, "empty/none")
+	b.ReportMetric(totals["noop"].Throughput()/none, "noop/none")
 }
