@@ -279,14 +279,17 @@ func attempt[T any](ctx context.Context, db dbsqlc.DBTX, txOf func() pgx.Tx, sco
 	if err != nil {
 		return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, fmt.Errorf("idem: %w", err), o)
 	}
-	var encoded []byte
+	// Once stores no response: a SQL NULL, the zero pgtype.Text.
+	var response pgtype.Text
 	if !o.noResponse {
-		if encoded, err = encodeResponse(value, scope, o); err != nil {
+		encoded, err := encodeResponse(value, scope, o)
+		if err != nil {
 			return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, err, o)
 		}
+		response = pgtype.Text{String: string(encoded), Valid: true}
 	}
 	res.Value = value
-	return res, &dbsqlc.KeyStoreResponseParams{Scope: scope, Key: key, Response: encoded}, nil
+	return res, &dbsqlc.KeyStoreResponseParams{Scope: scope, Key: key, Response: response}, nil
 }
 
 // claim runs KeyClaim and interprets the answer: the calling transaction

@@ -87,7 +87,9 @@ WHERE scope = @scope::text
 WITH stored AS (
     UPDATE idempotency_key
     SET state = 'done',
-        response = @response::jsonb
+        -- Sent as text: pgx sends a []byte as bytea under the simple
+        -- protocol (PgBouncer set-ups), which jsonb would reject.
+        response = sqlc.narg(response)::text::jsonb
     WHERE scope = @scope::text
       AND key = @key::text
       AND state = 'in_progress'

@@ -7,7 +7,6 @@ package dbsqlc
 
 import (
 	"context"
-	"encoding/json"
 
 	"github.com/jackc/pgx/v5/pgtype"
 )
@@ -56,7 +55,7 @@ type KeyClaimRow struct {
 	Claimed     bool
 	Fingerprint []byte
 	State       pgtype.Text
-	Response    json.RawMessage
+	Response    []byte
 	Expired     bool
 	Restored    string
 }
@@ -106,7 +105,7 @@ type KeyGetParams struct {
 type KeyGetRow struct {
 	Fingerprint []byte
 	State       string
-	Response    json.RawMessage
+	Response    []byte
 }
 
 // KeyGet reads the live record for (scope, key) with a fresh snapshot.
@@ -133,7 +132,7 @@ type KeyInspectParams struct {
 type KeyInspectRow struct {
 	Fingerprint []byte
 	State       string
-	Response    json.RawMessage
+	Response    []byte
 	CreatedAt   pgtype.Timestamptz
 	ExpiresAt   pgtype.Timestamptz
 	Expired     bool
@@ -294,7 +293,9 @@ const keyStoreResponse = `-- name: KeyStoreResponse :exec
 WITH stored AS (
     UPDATE idempotency_key
     SET state = 'done',
-        response = $1::jsonb
+        -- Sent as text: pgx sends a []byte as bytea under the simple
+        -- protocol (PgBouncer set-ups), which jsonb would reject.
+        response = $1::text::jsonb
     WHERE scope = $2::text
       AND key = $3::text
       AND state = 'in_progress'
@@ -304,7 +305,7 @@ SELECT 1 / count(*) FROM stored
 `
 
 type KeyStoreResponseParams struct {
-	Response json.RawMessage
+	Response pgtype.Text
 	Scope    string
 	Key      string
 }

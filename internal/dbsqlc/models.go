@@ -5,8 +5,6 @@
 package dbsqlc
 
 import (
-	"encoding/json"
-
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -22,7 +20,7 @@ type IdempotencyKey struct {
 	Key         string
 	Fingerprint []byte
 	State       string
-	Response    json.RawMessage
+	Response    []byte
 	CreatedAt   pgtype.Timestamptz
 	ExpiresAt   pgtype.Timestamptz
 }
