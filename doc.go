@@ -40,10 +40,25 @@ serialization failures and deadlocks, and on a pool or a connection it drives
 itself it saves round trips: BEGIN travels with the claim and the stored value
 with COMMIT. [WithTx] is the same transaction runner for any function.
 
-# Consumers
+# Consumers and other boundaries
 
 [Once] is Do for a message consumer: it records a message's identity beside
-the consumer's own write, so a redelivered message is a no-op.
+the consumer's own write, so a redelivered message is a no-op. [Advance]
+guards updates that carry an entity's version: it applies a version only if
+it is newer than the last one applied, so redelivered and reordered
+messages are skipped.
+
+Two subpackages cover the other ends: idemhttp turns an HTTP handler into an
+exactly-once endpoint for the Idempotency-Key header, and outbox delivers
+messages to systems outside the database, at least once, each with an
+idempotency key the receiver can deduplicate on.
+
+# Operations
+
+[WithObserver] records metrics, spans and log lines through OpenTelemetry's
+API and log/slog. [WithCodec] seals stored responses, to encrypt or redact
+them. [StartPurger] keeps the table small in the background. The idem
+command (cmd/idem) migrates, purges, inspects and measures.
 
 # Set-up
 
@@ -51,7 +66,8 @@ The table lives in embedded goose migrations. [Migrate] applies them with
 their own version table and advisory lock, so they never meet an
 application's own goose migrations; [Migrations] returns the files for
 applications that run goose themselves. [Purge] deletes expired records in
-small batches.
+small batches; the table can also be created hash-partitioned by scope
+first (see docs/partitioned-by-scope.sql in the repository).
 
 # Errors
 
