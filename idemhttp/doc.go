@@ -80,7 +80,10 @@ A replay carries the stored status and body and only the headers listed in
 [Config.ReplayHeaders]. Credentials (Set-Cookie, Authorization,
 WWW-Authenticate and their kin) are never stored or replayed, whatever the
 configuration says: a first answer carries them, a replay does not. The
-first answer carries every header the handler set.
+first answer carries every header the handler set. Listed header values are
+replayed byte for byte, even when they are not UTF-8, and a listed field the
+handler set to nil, so that net/http would not add it, as it does a sniffed
+Content-Type, is left out of the replay too.
 
 # Writing handlers
 
@@ -94,6 +97,18 @@ at commit to resolve a serialization failure or a deadlock, the handler runs
 again in a new one, so it must do nothing a rollback cannot undo, such as
 calling another service without an idempotency key of its own ([Key] helps
 derive one).
+
+Only the middleware's own statements are retried that way. A serialization
+failure or a deadlock in one of the handler's own statements is the
+handler's error: it typically answers 5xx, the client gets that answer, and
+everything rolls back. The middleware does not run the handler again; the
+client's retry with the same key does.
+
+The response is buffered whole, and only then checked against
+[Config.MaxResponseBytes]: the limit bounds what is stored, not the memory
+a handler may use. Trailers are not stored or replayed. A handler must not
+write to the response, or use its transaction, from a goroutine after it
+returns: what it wrote by then is the whole response.
 
 When the client goes away mid-request, the request's context is cancelled,
 the transaction rolls back, and the client's retry runs the handler again.

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"runtime/debug"
 	"strconv"
@@ -32,6 +33,24 @@ const (
 	// DefaultMaxResponseBytes is the largest response body stored unless
 	// [Config.MaxResponseBytes] says otherwise.
 	DefaultMaxResponseBytes = 1 << 20
+)
+
+// Upper bounds of the configuration, on which [New] panics rather than
+// start a server whose every keyed request would fail.
+const (
+	// maxWait is the largest Config.Wait: PostgreSQL's lock_timeout, which
+	// carries the wait, counts milliseconds in an int32, and idem.WithWait
+	// rejects anything longer.
+	maxWait = math.MaxInt32 * time.Millisecond
+
+	// maxMaxResponseBytes is the largest Config.MaxResponseBytes: the size
+	// of the stored response, its body in base64 plus headerAllowance, must
+	// still fit in an int.
+	maxMaxResponseBytes = (math.MaxInt - headerAllowance) / 4 * 3
+
+	// headerAllowance is what a stored response may take beyond its body
+	// in base64: the status and the stored headers, generously.
+	headerAllowance = 1 << 20
 )
 
 // ReplayedHeader is the header field set to "true" on every replayed
@@ -76,19 +95,26 @@ type Config struct {
 	// Wait is how long a request waits for a concurrent request with the
 	// same key to finish before it gets 409 (see [idem.WithWait]). It
 	// bounds only that wait, not the handler. A negative value means not at
-	// all. Defaults to [idem.DefaultWait], 5s.
+	// all. It must not exceed math.MaxInt32 milliseconds (about 596h), the
+	// longest wait PostgreSQL's lock_timeout can express. Defaults to
+	// [idem.DefaultWait], 5s.
 	Wait time.Duration
 
 	// MaxBodyBytes is the largest request body accepted. The middleware
 	// reads the body of every covered request whole before the handler
 	// runs, to fingerprint it and to hand it again to a handler that runs
 	// twice (see [New]); a larger body gets 413 and the handler does not
-	// run. Defaults to [DefaultMaxBodyBytes], 1 MiB.
+	// run. math.MaxInt64 sets no limit at all. Defaults to
+	// [DefaultMaxBodyBytes], 1 MiB.
 	MaxBodyBytes int64
 
 	// MaxResponseBytes is the largest response body stored for replay. A
-	// handler that writes more is rolled back and the client gets 500.
-	// Defaults to [DefaultMaxResponseBytes], 1 MiB.
+	// handler that writes more is rolled back and the client gets 500. The
+	// whole response is buffered before it is checked, so this bounds what
+	// is stored, not what the handler may write. It must not exceed about
+	// three quarters of math.MaxInt, so that the size of the stored form,
+	// the body in base64 plus the headers, fits in an int. Defaults to
+	// [DefaultMaxResponseBytes], 1 MiB.
 	MaxResponseBytes int
 
 	// ReplayHeaders lists the response header fields stored with the
@@ -160,8 +186,9 @@ func Key(ctx context.Context) string {
 // handler must do nothing that a rollback cannot undo.
 //
 // New panics when db or cfg.Scope is nil, or when cfg holds a value that
-// cannot work, such as a negative retention: a misconfigured server must
-// not start.
+// cannot work, such as a negative retention or a wait longer than
+// PostgreSQL's lock_timeout can express: a misconfigured server must not
+// start.
 func New(db idem.TxBeginner, cfg Config) func(http.Handler) http.Handler {
 	m, err := newMiddleware(db, cfg)
 	if err != nil {
@@ -199,10 +226,16 @@ func newMiddleware(db idem.TxBeginner, cfg Config) (*middleware, error) {
 		return nil, errors.New("idemhttp: Config.Scope is required: it keeps one tenant's keys from meeting another's")
 	case cfg.Retention < 0:
 		return nil, fmt.Errorf("idemhttp: Config.Retention must not be negative, got %s", cfg.Retention)
+	case cfg.Wait > maxWait:
+		// idem would reject it on every request, each answered 500.
+		return nil, fmt.Errorf("idemhttp: Config.Wait must not exceed %s, the longest lock_timeout, got %s", maxWait, cfg.Wait)
 	case cfg.MaxBodyBytes < 0:
 		return nil, fmt.Errorf("idemhttp: Config.MaxBodyBytes must not be negative, got %d", cfg.MaxBodyBytes)
 	case cfg.MaxResponseBytes < 0:
 		return nil, fmt.Errorf("idemhttp: Config.MaxResponseBytes must not be negative, got %d", cfg.MaxResponseBytes)
+	case cfg.MaxResponseBytes > maxMaxResponseBytes:
+		// The size handed to idem would wrap around to a negative one.
+		return nil, fmt.Errorf("idemhttp: Config.MaxResponseBytes must not exceed %d, got %d", maxMaxResponseBytes, cfg.MaxResponseBytes)
 	case cfg.Header != "" && !isToken(cfg.Header):
 		return nil, fmt.Errorf("idemhttp: Config.Header %q is not a valid header field name", cfg.Header)
 	}
@@ -248,8 +281,8 @@ func newMiddleware(db idem.TxBeginner, cfg Config) (*middleware, error) {
 	wait = max(wait, 0)
 	m.retryAfter = strconv.FormatInt(max(int64((wait+time.Second-1)/time.Second), 1), 10)
 	// The stored value is JSON: the body in base64, plus the status and
-	// headers, for which a generous fixed allowance is made.
-	const headerAllowance = 1 << 20
+	// headers, for which a generous fixed allowance is made. The bound on
+	// MaxResponseBytes keeps this from wrapping.
 	m.opts = []idem.Option{
 		idem.WithRetention(cmp.Or(cfg.Retention, idem.DefaultRetention)),
 		idem.WithWait(wait),
@@ -338,7 +371,14 @@ func (h *handler) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool
 	if r.Body == nil || r.Body == http.NoBody {
 		return nil, true
 	}
-	body, err := io.ReadAll(io.LimitReader(r.Body, h.maxBodyBytes+1))
+	// One byte past the limit tells a body over it from one at it; at
+	// math.MaxInt64 that byte would wrap the limit negative and read nothing,
+	// and no body can be longer anyway.
+	limit := h.maxBodyBytes
+	if limit < math.MaxInt64 {
+		limit++
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, limit))
 	var maxBytesErr *http.MaxBytesError
 	switch {
 	case errors.As(err, &maxBytesErr) || int64(len(body)) > h.maxBodyBytes:
@@ -364,16 +404,13 @@ func (h *handler) serveKeyed(w http.ResponseWriter, r *http.Request, scope, key 
 				rec.body.Len(), h.maxResponseBytes, idem.ErrResponseTooLarge)
 		}
 		first = rec
-		return storedResponse{Status: rec.status, Header: filterHeader(rec.sent, h.replayHeaders), Body: rec.body.Bytes()}, nil
+		return storedResponse{Status: rec.status, Header: storeHeader(rec.sent, h.replayHeaders), Body: rec.body.Bytes()}, nil
 	}, h.opts...)
 
 	switch {
 	case err == nil && res.Replayed:
 		stored := res.Value
-		header := filterHeader(stored.Header, h.replayHeaders)
-		if header == nil {
-			header = make(map[string][]string, 1)
-		}
+		header := replayHeader(stored.Header, h.replayHeaders)
 		header[ReplayedHeader] = []string{"true"}
 		writeResponse(w, header, stored.Status, stored.Body)
 	case err == nil:

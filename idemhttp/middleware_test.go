@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -773,6 +774,13 @@ func TestNewRejectsConfigThatCannotWork(t *testing.T) {
 		"negative body":      {pool, idemhttp.Config{Scope: scope, MaxBodyBytes: -1}, "MaxBodyBytes"},
 		"bad header name":    {pool, idemhttp.Config{Scope: scope, Header: "Idempotency Key"}, "Header"},
 		"bad method":         {pool, idemhttp.Config{Scope: scope, Methods: []string{"POST "}}, "Methods"},
+		// idem rejects a wait that lock_timeout cannot express; without the
+		// check in New, every keyed request would answer 500.
+		"wait too long":     {pool, idemhttp.Config{Scope: scope, Wait: math.MaxInt32*time.Millisecond + time.Millisecond}, "Wait"},
+		"negative response": {pool, idemhttp.Config{Scope: scope, MaxResponseBytes: -1}, "MaxResponseBytes"},
+		// The stored size, base64 and an allowance for headers, would wrap.
+		"largest response":     {pool, idemhttp.Config{Scope: scope, MaxResponseBytes: math.MaxInt}, "MaxResponseBytes"},
+		"top quarter response": {pool, idemhttp.Config{Scope: scope, MaxResponseBytes: math.MaxInt/4*3 + 1}, "MaxResponseBytes"},
 	}
 	for name, c := range cases {
 		func() {
@@ -824,6 +832,98 @@ func TestLookupFirstReplaysAndRejectsMismatches(t *testing.T) {
 		t.Fatalf("another body with the same key: %d, want 422", other.status)
 	}
 	if calls.Load() != 1 || countPayments(t, pool, tenant) != 1 {
+		t.Fatalf("handler ran %d times, want 1", calls.Load())
+	}
+}
+
+func TestLargestAcceptedConfigWorks(t *testing.T) {
+	_, pool, tenant := setup(t)
+	var calls atomic.Int64
+	// The largest wait idem accepts, and a response limit far beyond any
+	// real one: New must not reject them, nor idem refuse them per request.
+	srv := serve(t, pool, idemhttp.Config{
+		Wait:             math.MaxInt32 * time.Millisecond,
+		MaxResponseBytes: math.MaxInt / 8,
+	}, payHandler(&calls))
+	first := post(t, srv, "/payments", tenant, "big-1", `{"amount_cents":100}`)
+	if first.status != http.StatusCreated {
+		t.Fatalf("first: %d %s, want 201", first.status, first.body)
+	}
+	retry := post(t, srv, "/payments", tenant, "big-1", `{"amount_cents":100}`)
+	if !retry.replayed() {
+		t.Fatalf("retry: %d %s, want a replay", retry.status, retry.body)
+	}
+	sameAnswer(t, retry, first, "Content-Type", "Location")
+}
+
+func TestUnlimitedBodyIsRead(t *testing.T) {
+	_, pool, tenant := setup(t)
+	var calls atomic.Int64
+	// MaxBodyBytes at its largest value once overflowed the read limit, so
+	// that every body read as empty and every body had one fingerprint.
+	srv := serve(t, pool, idemhttp.Config{MaxBodyBytes: math.MaxInt64}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		_, _ = io.Copy(w, r.Body)
+	}))
+	const body = `{"amount_cents":100}`
+	first := post(t, srv, "/payments", tenant, "unlimited-1", body)
+	if first.status != http.StatusOK || string(first.body) != body {
+		t.Fatalf("first: %d %q, want 200 echoing %q", first.status, first.body, body)
+	}
+	// Without a Content-Length the body is read to its end all the same.
+	chunked := newPost(t, srv, "/payments", tenant, "unlimited-2", "")
+	chunked.Body = io.NopCloser(strings.NewReader(body))
+	chunked.ContentLength = -1
+	if res := do(t, srv.Client(), chunked); res.status != http.StatusOK || string(res.body) != body {
+		t.Fatalf("chunked: %d %q, want 200 echoing %q", res.status, res.body, body)
+	}
+	other := post(t, srv, "/payments", tenant, "unlimited-1", `{"amount_cents":900}`)
+	other.problem(t, http.StatusUnprocessableEntity)
+	if calls.Load() != 2 {
+		t.Fatalf("handler ran %d times, want 2", calls.Load())
+	}
+}
+
+func TestReplayKeepsHeaderBytesAndNilFields(t *testing.T) {
+	_, pool, tenant := setup(t)
+	var calls atomic.Int64
+	// A body that net/http would sniff as HTML, were Content-Type absent.
+	const body = "<html><body>caf\xe9</body></html>"
+	srv := serve(t, pool, idemhttp.Config{
+		ReplayHeaders: []string{"Content-Type", "Location", "X-Empty", "X-Many"},
+	}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		h := w.Header()
+		// Not UTF-8: a JSON string would turn \xe9 into U+FFFD.
+		h.Set("Location", "/files/caf\xe9")
+		// nil is net/http's way to send no Content-Type and sniff none.
+		h["Content-Type"] = nil
+		h.Set("X-Empty", "")
+		h["X-Many"] = []string{"a", "", "\xff\xfe"}
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, body)
+	}))
+
+	first := post(t, srv, "/files", tenant, "bytes-1", `{}`)
+	if first.status != http.StatusCreated || string(first.body) != body {
+		t.Fatalf("first: %d %q", first.status, first.body)
+	}
+	if got := first.header.Get("Location"); got != "/files/caf\xe9" {
+		t.Fatalf("first Location %q, want the handler's bytes", got)
+	}
+	if ct, ok := first.header["Content-Type"]; ok {
+		t.Fatalf("first answer carries Content-Type %q, which the handler suppressed", ct)
+	}
+
+	replay := post(t, srv, "/files", tenant, "bytes-1", `{}`)
+	if !replay.replayed() {
+		t.Fatalf("second answer is not a replay: %d %v", replay.status, replay.header)
+	}
+	sameAnswer(t, replay, first, "Location", "X-Empty", "X-Many", "Content-Length")
+	if ct, ok := replay.header["Content-Type"]; ok {
+		t.Fatalf("replay carries Content-Type %q, which the first answer did not", ct)
+	}
+	if calls.Load() != 1 {
 		t.Fatalf("handler ran %d times, want 1", calls.Load())
 	}
 }

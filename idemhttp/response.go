@@ -8,13 +8,64 @@ import (
 	"strconv"
 )
 
-// storedResponse is the value idem stores for a key and replays. Body is a
-// []byte, which encoding/json writes as base64: it survives the jsonb column
-// byte for byte, whatever it holds.
+// storedResponse is the value idem stores for a key and replays. Body and
+// the header values are []byte, which encoding/json writes as base64: they
+// survive the jsonb column byte for byte, whatever they hold, where a JSON
+// string would turn bytes that are not UTF-8 into U+FFFD.
 type storedResponse struct {
-	Status int                 `json:"status"`
-	Header map[string][]string `json:"header,omitempty"`
+	Status int `json:"status"`
+	// Header holds the stored fields by canonical name. A field the handler
+	// set to nil, as net/http asks of a handler that wants no Content-Type
+	// sniffed, is stored as null, which decodes to a present nil entry
+	// again: the replay then suppresses what the first answer suppressed.
+	Header map[string][][]byte `json:"header,omitempty"`
 	Body   []byte              `json:"body"`
+}
+
+// storeHeader returns the fields of h that allowed lists, in their stored
+// form.
+func storeHeader(h http.Header, allowed map[string]bool) map[string][][]byte {
+	filtered := filterHeader(h, allowed)
+	if filtered == nil {
+		return nil
+	}
+	out := make(map[string][][]byte, len(filtered))
+	for name, values := range filtered {
+		if values == nil {
+			out[name] = nil
+			continue
+		}
+		stored := make([][]byte, len(values))
+		for i, v := range values {
+			stored[i] = []byte(v)
+		}
+		out[name] = stored
+	}
+	return out
+}
+
+// replayHeader returns the fields of a stored response that allowed still
+// lists, as the header of the replay. It is never nil.
+func replayHeader(stored map[string][][]byte, allowed map[string]bool) http.Header {
+	h := make(http.Header, len(stored))
+	for name, values := range stored {
+		if values == nil {
+			h[name] = nil
+			continue
+		}
+		strs := make([]string, len(values))
+		for i, v := range values {
+			strs[i] = string(v)
+		}
+		h[name] = strs
+	}
+	// Filtered again: the configuration may have changed since the
+	// response was stored.
+	out := filterHeader(h, allowed)
+	if out == nil {
+		out = make(http.Header, 1)
+	}
+	return out
 }
 
 // recorder is the http.ResponseWriter the handler writes to: nothing reaches
@@ -88,16 +139,23 @@ var neverReplayed = map[string]bool{
 }
 
 // filterHeader returns the fields of h that allowed lists, keyed by their
-// canonical names.
-func filterHeader(h http.Header, allowed map[string]bool) map[string][]string {
-	var out map[string][]string
+// canonical names. A field with no values is kept, as a nil entry: it tells
+// net/http not to add that field itself.
+func filterHeader(h http.Header, allowed map[string]bool) http.Header {
+	var out http.Header
 	for name, values := range h {
 		name = http.CanonicalHeaderKey(name)
-		if !allowed[name] || neverReplayed[name] || len(values) == 0 {
+		if !allowed[name] || neverReplayed[name] {
 			continue
 		}
 		if out == nil {
-			out = make(map[string][]string)
+			out = make(http.Header)
+		}
+		if len(values) == 0 {
+			if _, ok := out[name]; !ok {
+				out[name] = nil
+			}
+			continue
 		}
 		out[name] = append(out[name], values...)
 	}
@@ -107,7 +165,7 @@ func filterHeader(h http.Header, allowed map[string]bool) map[string][]string {
 // writeResponse sends a complete response. Its length is always stated, so
 // that a replay is framed as its first answer was, and a 204 or 304, which
 // may carry neither a body nor a length, gets neither.
-func writeResponse(w http.ResponseWriter, header map[string][]string, status int, body []byte) {
+func writeResponse(w http.ResponseWriter, header http.Header, status int, body []byte) {
 	dst := w.Header()
 	for name, values := range header {
 		dst[name] = values
