@@ -47,8 +47,10 @@
 // A relay leases a batch of due messages in one short transaction (FOR
 // UPDATE SKIP LOCKED, so relays never wait for one another), commits it,
 // calls the handler with no transaction open, and records each outcome in
-// another short transaction. A leased message is hidden from other relays
-// until its lease runs out ([Config.LeaseDuration]); if the relay dies
+// another short transaction as soon as its handler returns. A leased
+// message is hidden from other relays until its lease runs out
+// ([Config.LeaseDuration]); the handler's context ends a little earlier,
+// so that its outcome is recorded under the lease. If the relay dies
 // before recording the outcome, the message is delivered again after that.
 //
 // A failed delivery is retried after a delay that doubles with each attempt
@@ -67,7 +69,8 @@
 //
 // Idle relays look for due messages every [Config.PollInterval]. Relays
 // given a *pgxpool.Pool also listen for [Notify], which a transaction calls
-// after Enqueue to have its messages delivered as soon as it commits.
+// after Enqueue to have its messages delivered as soon as it commits; each
+// listens on one connection of its own, outside the pool.
 //
 // # Guarantees
 //
@@ -90,8 +93,20 @@
 // one at a time, in the order of their ids, each only once the one before
 // it has been delivered or parked. That is the order in which they were
 // enqueued when their transactions committed one after another; messages
-// enqueued by concurrent transactions have no defined order. The order
-// holds as long as each delivery finishes within its lease: a handler that
-// overruns it may still be calling the receiver when the next message goes
-// out. A parked message no longer holds back the ones after it.
+// enqueued by concurrent transactions have no defined order. When a later
+// message commits, and is leased, before an earlier one commits, the
+// earlier one waits until the later one is done. Only when the earlier one
+// commits in the very instant in which two relays lease can the two be
+// leased together, since neither relay sees the other's lease until it
+// commits. The order holds as long as each delivery finishes within its
+// lease: a handler that overruns it may still be calling the receiver when
+// the next message goes out. A parked message no longer holds back the
+// ones after it. A relay that delivers or parks an ordered message looks
+// for the next one at once, without waiting for its next poll.
+//
+// Every message waiting behind an earlier one with its ordering key is
+// still looked at each time a relay leases, and passed over. A long
+// backlog on one key thus costs every lease statement an index scan of
+// that backlog; keep backlogs on one key short, by delivering them as fast
+// as they arrive, or spread the messages over more keys.
 package outbox

@@ -31,8 +31,10 @@ import (
 // the messages of one batch and from every relay, so it must be safe for
 // concurrent use. It may be called more than once for one message (see
 // the package documentation): pass msg.IdempotencyKey to the destination
-// so that it can recognise the repeats. Its context ends when the
-// message's lease runs out, and when the relay stops.
+// so that it can recognise the repeats. Its context ends shortly before
+// the message's lease runs out, leaving the relay time to record the
+// outcome, and when the relay stops. A call cut short by the lease counts
+// as a failed attempt.
 type Handler func(ctx context.Context, msg Message) error
 
 // Park wraps err so that the relay parks the message at once instead of
@@ -54,8 +56,9 @@ func (e *parkError) Unwrap() error { return e.err }
 // default; negative values are rejected.
 type Config struct {
 	// BatchSize is the most messages one relay leases in one round. It
-	// delivers them concurrently and leases the next batch once all of them
-	// are done. Defaults to 10.
+	// delivers them concurrently, records each outcome as soon as its
+	// handler returns, and leases the next batch once all of them are done.
+	// Defaults to 10.
 	BatchSize int
 
 	// Destinations limits the relay to messages for these destinations, so
@@ -64,10 +67,13 @@ type Config struct {
 	Destinations []string
 
 	// LeaseDuration is how long a leased message is withheld from other
-	// relays. The handler's context ends when it runs out, and a relay that
-	// crashed leaves its messages to others once it has: choose it longer
-	// than a delivery takes, and short enough to wait out after a crash.
-	// Defaults to 1m.
+	// relays. The handler's context ends a tenth of it (at most 5s) before
+	// it runs out, so that the relay can record the outcome while the lease
+	// still holds, and a relay that crashed leaves its messages to others
+	// once it has: choose it longer than a delivery takes, and short enough
+	// to wait out after a crash. Every duration is accepted, up to
+	// math.MaxInt64 (about 292 years) for a lease that does not run out in
+	// practice. Defaults to 1m.
 	LeaseDuration time.Duration
 
 	// MaxAttempts is how many attempts a message gets before it is parked.
@@ -95,7 +101,8 @@ type Config struct {
 
 	// DeliveredRetention is how long delivered messages stay in the outbox
 	// before the relay purges them (only those to its Destinations, when
-	// set). Parked messages are never purged. Defaults to 24h.
+	// set). Parked messages are never purged. math.MaxInt64 keeps them for
+	// as long as a time.Duration reaches, about 292 years. Defaults to 24h.
 	DeliveredRetention time.Duration
 
 	// Logger receives the relay's failures: failed and parked deliveries,
@@ -118,7 +125,8 @@ const (
 const (
 	// recordTimeout bounds the statements that record outcomes after the
 	// relay's context ended, so that a stopping relay records what it knows
-	// but a dead database cannot hold it forever.
+	// but a dead database cannot hold it forever. It also caps the part of
+	// a lease kept back from the handler for recording its outcome.
 	recordTimeout = 5 * time.Second
 
 	// purgeInterval is how often a running relay purges delivered messages.
@@ -145,9 +153,12 @@ type Relay struct {
 // NewRelay returns a relay that leases messages through db and delivers
 // them to handler. A nil config means every default.
 //
-// When db is a *pgxpool.Pool, the relay also holds one of its connections
-// while it runs, to listen for [Notify], so the pool needs room for at
-// least one more; with any other TxBeginner the relay only polls.
+// When db is a *pgxpool.Pool, the relay also opens one connection of its
+// own while it runs, with the pool's connection settings but outside the
+// pool (so its hooks, such as AfterConnect, do not run on it), to listen
+// for [Notify]; it takes none of the pool's connections for that, and
+// closes it when Run returns. With any other TxBeginner the relay only
+// polls.
 //
 // An invalid config gives [idem.ErrInvalidOption].
 func NewRelay(db idem.TxBeginner, handler Handler, config *Config) (*Relay, error) {
@@ -170,6 +181,9 @@ func NewRelay(db idem.TxBeginner, handler Handler, config *Config) (*Relay, erro
 		{"PollInterval", &c.PollInterval, defaultPollInterval},
 		{"DeliveredRetention", &c.DeliveredRetention, defaultDeliveredRetention},
 	} {
+		// Every non-negative duration fits PostgreSQL's interval, whose
+		// microseconds are an int64 too, and keeps now() plus or minus it
+		// well within timestamptz's range: there is no upper bound to check.
 		if *field.value < 0 {
 			return nil, fmt.Errorf("%w: %s must not be negative, got %s", idem.ErrInvalidOption, field.name, *field.value)
 		}
@@ -232,7 +246,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	var listener sync.WaitGroup
 	defer listener.Wait()
 	if pool, ok := r.db.(*pgxpool.Pool); ok {
-		listener.Go(func() { r.listen(ctx, pool, wake) })
+		listener.Go(func() { r.listen(ctx, pool.Config().ConnConfig, wake) })
 	}
 
 	var nextPurge time.Time
@@ -241,14 +255,17 @@ func (r *Relay) Run(ctx context.Context) error {
 			r.purge(ctx)
 			nextPurge = now.Add(purgeInterval)
 		}
-		leased, err := r.deliverBatch(ctx)
+		leased, unblocked, err := r.deliverBatch(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
 		if err != nil {
 			r.logger.ErrorContext(ctx, "outbox: lease messages; trying again at the next poll", "error", err)
-		} else if leased == r.config.BatchSize {
-			continue // a full batch: more messages may be due right now
+		} else if leased == r.config.BatchSize || unblocked {
+			// A full batch: more messages may be due right now. An ordered
+			// message that is done: the next one with its key is due now,
+			// and no notification announces it.
+			continue
 		}
 		timer := time.NewTimer(r.config.PollInterval)
 		select {
@@ -263,12 +280,14 @@ func (r *Relay) Run(ctx context.Context) error {
 }
 
 // deliverBatch leases due messages in a short transaction, delivers them
-// with no transaction open, and records the outcomes in short transactions
-// again. It returns how many messages it leased.
-func (r *Relay) deliverBatch(ctx context.Context) (int, error) {
+// with no transaction open, and records each outcome in a short transaction
+// of its own as soon as its handler returns. It returns how many messages
+// it leased, and whether it delivered or parked one with an ordering key,
+// which makes the next message with that key due.
+func (r *Relay) deliverBatch(ctx context.Context) (leased int, unblocked bool, err error) {
 	leasedAt := time.Now()
 	var rows []dbsqlc.OutboxLeaseRow
-	err := idem.WithTx(ctx, r.db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
+	err = idem.WithTx(ctx, r.db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
 		var err error
 		rows, err = dbsqlc.New(tx).OutboxLease(ctx, dbsqlc.OutboxLeaseParams{
 			Lease:        interval(r.config.LeaseDuration),
@@ -281,19 +300,22 @@ func (r *Relay) deliverBatch(ctx context.Context) (int, error) {
 		return nil
 	})
 	if err != nil || len(rows) == 0 {
-		return 0, err
+		return 0, false, err
 	}
 
 	// The lease began by the server's clock after leasedAt, so a context
-	// that ends at leasedAt+lease ends before another relay can lease the
-	// message, whatever the two clocks say.
-	deliverCtx, cancel := context.WithDeadline(ctx, leasedAt.Add(r.config.LeaseDuration))
+	// that ends before leasedAt+lease ends before another relay can lease
+	// the message, whatever the two clocks say. The margin is the time
+	// left to record the outcome under the lease: recorded any later, the
+	// outcome may lose to another relay's lease, which delivers the message
+	// again.
+	margin := min(r.config.LeaseDuration/10, recordTimeout)
+	deliverCtx, cancel := context.WithDeadline(ctx, leasedAt.Add(r.config.LeaseDuration-margin))
 	defer cancel()
-	msgs := make([]Message, len(rows))
-	outcomes := make([]error, len(rows))
+	var done atomic.Bool
 	var wg sync.WaitGroup
-	for i, row := range rows {
-		msgs[i] = Message{
+	for _, row := range rows {
+		msg := Message{
 			ID:             row.ID,
 			Scope:          row.Scope,
 			Key:            row.Key,
@@ -304,15 +326,22 @@ func (r *Relay) deliverBatch(ctx context.Context) (int, error) {
 			Attempt:        int(row.Attempts),
 			CreatedAt:      row.CreatedAt.Time,
 		}
-		if msgs[i].Attempt > r.config.MaxAttempts {
-			outcomes[i] = Park(errors.New("no attempts left: the last one ended without an outcome, its lease ran out"))
-			continue
-		}
-		wg.Go(func() { outcomes[i] = r.deliver(deliverCtx, msgs[i]) })
+		// Each message is recorded on its own, so that a slow one does not
+		// keep the others leased until their leases run out too.
+		wg.Go(func() {
+			var outcome error
+			if msg.Attempt > r.config.MaxAttempts {
+				outcome = Park(errors.New("no attempts left: the last one ended without an outcome, its lease ran out"))
+			} else {
+				outcome = r.deliver(deliverCtx, msg)
+			}
+			if r.record(ctx, msg, outcome) && msg.OrderingKey != "" {
+				done.Store(true)
+			}
+		})
 	}
 	wg.Wait()
-	r.record(ctx, msgs, outcomes)
-	return len(rows), nil
+	return len(rows), done.Load(), nil
 }
 
 // deliver calls the handler, turning a panic into an error so that one bad
@@ -330,61 +359,56 @@ func (r *Relay) deliver(ctx context.Context, msg Message) (err error) {
 	return r.handler(ctx, msg)
 }
 
-// record stores the outcomes of a batch. It runs even when ctx has ended,
-// within recordTimeout, so that a stopping relay records what it knows.
-// When a statement fails, its messages stay leased and are delivered again
-// once the lease runs out.
-func (r *Relay) record(ctx context.Context, msgs []Message, outcomes []error) {
+// record stores the outcome of one message and reports whether the message
+// is now done: delivered or parked. It runs even when ctx has ended, within
+// recordTimeout, so that a stopping relay records what it knows. When the
+// statement fails, the message stays leased and is delivered again once the
+// lease runs out.
+func (r *Relay) record(ctx context.Context, msg Message, cause error) bool {
 	stopping := ctx.Err() != nil
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
 	defer cancel()
 
-	var delivered []int64
-	for i, msg := range msgs {
-		if outcomes[i] == nil {
-			delivered = append(delivered, msg.ID)
-		}
-	}
-	if len(delivered) > 0 {
-		err := r.exec(ctx, func(q *dbsqlc.Queries) (int64, error) { return q.OutboxMarkDelivered(ctx, delivered) })
+	if cause == nil {
+		err := r.exec(ctx, func(q *dbsqlc.Queries) (int64, error) { return q.OutboxMarkDelivered(ctx, []int64{msg.ID}) })
 		if err != nil {
-			r.logger.ErrorContext(ctx, "outbox: record deliveries; they will be made again after their lease",
-				"message_ids", delivered, "error", err)
+			r.logger.ErrorContext(ctx, "outbox: record delivery; it will be made again after its lease",
+				"message_id", msg.ID, "error", err)
+			return false
 		}
+		return true
 	}
 
-	for i, msg := range msgs {
-		cause := outcomes[i]
-		if cause == nil {
-			continue
-		}
-		var park *parkError
-		explicit := errors.As(cause, &park)
-		text := errorText(cause)
-		attrs := []any{"message_id", msg.ID, "destination", msg.Destination, "attempt", msg.Attempt, "error", cause}
-		var err error
-		switch {
-		case stopping && !explicit:
-			err = r.exec(ctx, func(q *dbsqlc.Queries) (int64, error) {
-				return q.OutboxRelease(ctx, dbsqlc.OutboxReleaseParams{ID: msg.ID, Attempt: int32(msg.Attempt), LastError: text})
-			})
-		case explicit || msg.Attempt >= r.config.MaxAttempts:
-			r.logger.ErrorContext(ctx, "outbox: delivery failed; message parked", attrs...)
-			err = r.exec(ctx, func(q *dbsqlc.Queries) (int64, error) {
-				return q.OutboxPark(ctx, dbsqlc.OutboxParkParams{ID: msg.ID, Attempt: int32(msg.Attempt), LastError: text})
-			})
-		default:
-			delay := retryDelay(msg.Attempt, r.config.RetryDelay, r.config.MaxRetryDelay)
-			r.logger.WarnContext(ctx, "outbox: delivery failed; will retry", append(attrs, "retry_in", delay)...)
-			err = r.exec(ctx, func(q *dbsqlc.Queries) (int64, error) {
-				return q.OutboxRetry(ctx, dbsqlc.OutboxRetryParams{ID: msg.ID, Attempt: int32(msg.Attempt), Delay: interval(delay), LastError: text})
-			})
-		}
-		if err != nil {
-			r.logger.ErrorContext(ctx, "outbox: record failed delivery; the message will be retried after its lease",
-				"message_id", msg.ID, "error", err)
-		}
+	var park *parkError
+	explicit := errors.As(cause, &park)
+	text := errorText(cause)
+	attrs := []any{"message_id", msg.ID, "destination", msg.Destination, "attempt", msg.Attempt, "error", cause}
+	var err error
+	parked := false
+	switch {
+	case stopping && !explicit:
+		err = r.exec(ctx, func(q *dbsqlc.Queries) (int64, error) {
+			return q.OutboxRelease(ctx, dbsqlc.OutboxReleaseParams{ID: msg.ID, Attempt: int32(msg.Attempt), LastError: text})
+		})
+	case explicit || msg.Attempt >= r.config.MaxAttempts:
+		parked = true
+		r.logger.ErrorContext(ctx, "outbox: delivery failed; message parked", attrs...)
+		err = r.exec(ctx, func(q *dbsqlc.Queries) (int64, error) {
+			return q.OutboxPark(ctx, dbsqlc.OutboxParkParams{ID: msg.ID, Attempt: int32(msg.Attempt), LastError: text})
+		})
+	default:
+		delay := retryDelay(msg.Attempt, r.config.RetryDelay, r.config.MaxRetryDelay)
+		r.logger.WarnContext(ctx, "outbox: delivery failed; will retry", append(attrs, "retry_in", delay)...)
+		err = r.exec(ctx, func(q *dbsqlc.Queries) (int64, error) {
+			return q.OutboxRetry(ctx, dbsqlc.OutboxRetryParams{ID: msg.ID, Attempt: int32(msg.Attempt), Delay: interval(delay), LastError: text})
+		})
 	}
+	if err != nil {
+		r.logger.ErrorContext(ctx, "outbox: record failed delivery; the message will be retried after its lease",
+			"message_id", msg.ID, "error", err)
+		return false
+	}
+	return parked
 }
 
 // exec runs one statement in a transaction of its own. Statements guarded by
@@ -429,9 +453,14 @@ func (r *Relay) purge(ctx context.Context) {
 
 // listen wakes the relay whenever a transaction that called Notify commits.
 // While it cannot listen, the relay still polls.
-func (r *Relay) listen(ctx context.Context, pool *pgxpool.Pool, wake chan<- struct{}) {
+//
+// It listens on a connection of its own rather than one of the pool's: a
+// connection held for as long as the relay runs would starve a small pool
+// (one of a single connection would deliver nothing), and would keep
+// pgxpool.Pool.Close waiting until the relay stopped.
+func (r *Relay) listen(ctx context.Context, connConfig *pgx.ConnConfig, wake chan<- struct{}) {
 	for {
-		err := r.listenOnce(ctx, pool, wake)
+		err := r.listenOnce(ctx, connConfig, wake)
 		if ctx.Err() != nil {
 			return
 		}
@@ -446,28 +475,28 @@ func (r *Relay) listen(ctx context.Context, pool *pgxpool.Pool, wake chan<- stru
 	}
 }
 
-func (r *Relay) listenOnce(ctx context.Context, pool *pgxpool.Pool, wake chan<- struct{}) error {
-	conn, err := pool.Acquire(ctx)
+// listenOnce opens a connection, listens on it until it fails or ctx ends,
+// and closes it.
+func (r *Relay) listenOnce(ctx context.Context, connConfig *pgx.ConnConfig, wake chan<- struct{}) error {
+	// ConnectConfig requires a config that it has not used before.
+	conn, err := pgx.ConnectConfig(ctx, connConfig.Copy())
 	if err != nil {
-		return err
+		return fmt.Errorf("outbox: connect to listen: %w", err)
 	}
-	// The connection is closed rather than given back subscribed, so that
-	// no later user of the pool receives the relay's notifications.
 	defer func() {
 		closeCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
 		defer cancel()
-		_ = conn.Conn().Close(closeCtx)
-		conn.Release()
+		_ = conn.Close(closeCtx)
 	}()
 	if err := dbsqlc.New(conn).OutboxListen(ctx); err != nil {
-		return err
+		return guard.Translate("outbox: listen", err)
 	}
 	// Messages committed before the subscription took effect were not
 	// announced to it: look once.
 	signal(wake)
 	for {
-		if _, err := conn.Conn().WaitForNotification(ctx); err != nil {
-			return err
+		if _, err := conn.WaitForNotification(ctx); err != nil {
+			return fmt.Errorf("outbox: wait for notification: %w", err)
 		}
 		signal(wake)
 	}
@@ -498,9 +527,14 @@ func retryDelay(attempt int, base, ceiling time.Duration) time.Duration {
 }
 
 // interval spells d for PostgreSQL in whole microseconds, rounded up, so
-// that a positive duration never becomes zero.
+// that a positive duration never becomes zero. It rounds after dividing,
+// because adding before would overflow for durations near the largest
+// (math.MaxInt64, "forever") and give a negative interval.
 func interval(d time.Duration) pgtype.Interval {
-	us := (d + time.Microsecond - 1) / time.Microsecond
+	us := d / time.Microsecond
+	if d%time.Microsecond > 0 {
+		us++
+	}
 	return pgtype.Interval{Microseconds: int64(us), Valid: true}
 }
 

@@ -49,3 +49,19 @@ func TestErrorTextIsStorable(t *testing.T) {
 		t.Errorf("plain error stored as %q", got)
 	}
 }
+
+func TestIntervalRoundsUpWithoutOverflow(t *testing.T) {
+	for d, want := range map[time.Duration]int64{
+		0:                                  0,
+		time.Nanosecond:                    1,
+		time.Microsecond:                   1,
+		time.Microsecond + 1:               2,
+		time.Second:                        1_000_000,
+		time.Duration(math.MaxInt64):       math.MaxInt64/1000 + 1,
+		time.Duration(math.MaxInt64) - 807: math.MaxInt64 / 1000,
+	} {
+		if got := interval(d); !got.Valid || got.Microseconds != want || got.Days != 0 || got.Months != 0 {
+			t.Errorf("interval(%d) = %+v, want %d microseconds", int64(d), got, want)
+		}
+	}
+}

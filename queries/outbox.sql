@@ -31,8 +31,12 @@ LISTEN idem_outbox;
 -- taken, because the lock rechecks the row's newest version.
 --
 -- A message with an ordering key is due only when no earlier message with
--- the same destination and ordering key is still pending, so at most one of
--- them is ever leased at a time.
+-- the same destination and ordering key is still pending, and no other
+-- pending one with them is leased: ids give the order, but a later message
+-- can commit, and be leased, before an earlier one commits, which must then
+-- wait for it. So at most one of them is leased at a time, except that two
+-- relays leasing in the same instant in which the earlier message commits
+-- can each lease one, since neither sees the other's uncommitted lease.
 WITH due AS MATERIALIZED (
     SELECT candidate.id
     FROM outbox_message AS candidate
@@ -41,13 +45,24 @@ WITH due AS MATERIALIZED (
       AND (candidate.leased_until IS NULL OR candidate.leased_until <= now())
       AND (coalesce(cardinality(@destinations::text[]), 0) = 0
            OR candidate.destination = ANY (@destinations::text[]))
-      AND (candidate.ordering_key IS NULL OR NOT EXISTS (
-          SELECT 1
-          FROM outbox_message AS earlier
-          WHERE earlier.destination = candidate.destination
-            AND earlier.ordering_key = candidate.ordering_key
-            AND earlier.state = 'pending'
-            AND earlier.id < candidate.id
+      AND (candidate.ordering_key IS NULL OR (
+          NOT EXISTS (
+              SELECT 1
+              FROM outbox_message AS earlier
+              WHERE earlier.destination = candidate.destination
+                AND earlier.ordering_key = candidate.ordering_key
+                AND earlier.state = 'pending'
+                AND earlier.id < candidate.id
+          )
+          AND NOT EXISTS (
+              SELECT 1
+              FROM outbox_message AS in_flight
+              WHERE in_flight.destination = candidate.destination
+                AND in_flight.ordering_key = candidate.ordering_key
+                AND in_flight.state = 'pending'
+                AND in_flight.id <> candidate.id
+                AND in_flight.leased_until > now()
+          )
       ))
     ORDER BY candidate.next_attempt_at, candidate.id
     LIMIT @max_messages::int
