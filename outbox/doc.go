@@ -58,11 +58,11 @@
 // [Config.MaxAttempts] attempts, or at once when the handler wraps its
 // error with [Park], the message is parked: it stays in the table with state
 // 'parked' and its last error, and is never delivered or purged without
-// someone's decision. To list parked messages and send one again:
+// someone's decision. To list parked messages:
 //
 //	SELECT id, destination, attempts, last_error FROM outbox_message WHERE state = 'parked';
-//	UPDATE outbox_message SET state = 'pending', attempts = 0, next_attempt_at = now()
-//	WHERE id = $1 AND state = 'parked';
+//
+// and, once the cause is dealt with, [Requeue] sends one again.
 //
 // Delivered messages are purged by the relays after
 // [Config.DeliveredRetention].

@@ -174,6 +174,21 @@ func Notify(ctx context.Context, tx pgx.Tx) error {
 	return nil
 }
 
+// Requeue sends a parked message again, in the caller's transaction tx:
+// once tx commits, relays deliver it as if it were new, from its first
+// attempt, with the same idempotency key, so a receiver that did act on an
+// earlier attempt still recognises it. It reports false, and changes
+// nothing, when the message is not parked. Requeue a message once the cause
+// of its parking is dealt with, and while the receiver still remembers its
+// key.
+func Requeue(ctx context.Context, tx pgx.Tx, id int64) (requeued bool, err error) {
+	n, err := dbsqlc.New(tx).OutboxRequeue(ctx, id)
+	if err != nil {
+		return false, guard.Translate("outbox: requeue", err)
+	}
+	return n == 1, nil
+}
+
 func (e *Entry) check() error {
 	if err := guard.CheckIdentifier(e.Scope); err != nil {
 		return fmt.Errorf("%w: %w: %s", ErrInvalidEntry, idem.ErrInvalidScope, err)

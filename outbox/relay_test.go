@@ -472,3 +472,43 @@ func TestRelayRunsOnceAtATime(t *testing.T) {
 		t.Fatalf("Run after a stop: %v", err)
 	}
 }
+
+func TestRequeueDeliversAParkedMessage(t *testing.T) {
+	ctx, pool, scope, dest := setup(t)
+	ids := enqueue(t, ctx, pool, outbox.Entry{Scope: scope, Key: "k", Destination: dest})
+	var fixed atomic.Bool
+	var delivered atomic.Int64
+	handler := func(ctx context.Context, msg outbox.Message) error {
+		if !fixed.Load() {
+			return outbox.Park(errors.New("400 unknown account"))
+		}
+		delivered.Add(1)
+		return nil
+	}
+	startRelay(t, ctx, pool, handler, outbox.Config{Destinations: []string{dest}, PollInterval: 10 * time.Millisecond})
+	waitFor(t, "the message parked", func() bool { return countState(t, pool, dest, "parked") == 1 })
+
+	requeue := func() bool {
+		var requeued bool
+		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			requeued, err = outbox.Requeue(ctx, tx, ids[0])
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return requeued
+	}
+	fixed.Store(true)
+	if !requeue() {
+		t.Fatal("Requeue of a parked message reported false")
+	}
+	waitFor(t, "the requeued message delivered", func() bool { return countState(t, pool, dest, "delivered") == 1 })
+	if delivered.Load() != 1 {
+		t.Fatalf("delivered %d times, want once", delivered.Load())
+	}
+	if requeue() {
+		t.Fatal("Requeue of a delivered message reported true")
+	}
+}

@@ -140,3 +140,14 @@ WHERE id IN (
     LIMIT @max_rows::int
     FOR UPDATE SKIP LOCKED
 );
+
+-- name: OutboxRequeue :execrows
+-- OutboxRequeue sends a parked message again, from its first attempt, as
+-- soon as a relay looks. It affects no row unless the message is parked.
+UPDATE outbox_message
+SET state = 'pending',
+    attempts = 0,
+    next_attempt_at = now(),
+    leased_until = NULL
+WHERE id = @id::bigint
+  AND state = 'parked';

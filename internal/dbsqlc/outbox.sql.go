@@ -306,6 +306,26 @@ func (q *Queries) OutboxRelease(ctx context.Context, arg OutboxReleaseParams) (i
 	return result.RowsAffected(), nil
 }
 
+const outboxRequeue = `-- name: OutboxRequeue :execrows
+UPDATE outbox_message
+SET state = 'pending',
+    attempts = 0,
+    next_attempt_at = now(),
+    leased_until = NULL
+WHERE id = $1::bigint
+  AND state = 'parked'
+`
+
+// OutboxRequeue sends a parked message again, from its first attempt, as
+// soon as a relay looks. It affects no row unless the message is parked.
+func (q *Queries) OutboxRequeue(ctx context.Context, id int64) (int64, error) {
+	result, err := q.db.Exec(ctx, outboxRequeue, id)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const outboxRetry = `-- name: OutboxRetry :execrows
 UPDATE outbox_message
 SET leased_until = NULL,
