@@ -151,3 +151,11 @@ SET state = 'pending',
     leased_until = NULL
 WHERE id = @id::bigint
   AND state = 'parked';
+
+-- name: OutboxStats :one
+-- OutboxStats counts messages by state, for operators. It reads every row.
+SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
+       count(*) FILTER (WHERE state = 'parked') AS parked,
+       count(*) FILTER (WHERE state = 'delivered') AS delivered,
+       min(created_at) FILTER (WHERE state = 'pending')::timestamptz AS oldest_pending
+FROM outbox_message;

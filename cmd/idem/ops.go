@@ -199,6 +199,17 @@ func runStats(ctx context.Context, args []string, stdout io.Writer) error {
 	fmt.Fprintf(w, "oldest live record\t%s\n", oldest)
 	fmt.Fprintf(w, "table size\t%s\n", bytesize(s.TableBytes))
 	fmt.Fprintf(w, "index size\t%s\n", bytesize(s.IndexBytes))
+	o, err := dbsqlc.New(pool).OutboxStats(ctx)
+	if err != nil {
+		return fmt.Errorf("stats: outbox: %w", err)
+	}
+	oldestPending := "-"
+	if o.OldestPending.Valid {
+		oldestPending = fmt.Sprintf("%s ago", time.Since(o.OldestPending.Time).Round(time.Second))
+	}
+	fmt.Fprintf(w, "outbox pending\t%d (oldest %s)\n", o.Pending, oldestPending)
+	fmt.Fprintf(w, "outbox parked, awaiting a decision\t%d\n", o.Parked)
+	fmt.Fprintf(w, "outbox delivered, awaiting purge\t%d\n", o.Delivered)
 	return w.Flush()
 }
 

@@ -357,3 +357,31 @@ func (q *Queries) OutboxRetry(ctx context.Context, arg OutboxRetryParams) (int64
 	}
 	return result.RowsAffected(), nil
 }
+
+const outboxStats = `-- name: OutboxStats :one
+SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
+       count(*) FILTER (WHERE state = 'parked') AS parked,
+       count(*) FILTER (WHERE state = 'delivered') AS delivered,
+       min(created_at) FILTER (WHERE state = 'pending')::timestamptz AS oldest_pending
+FROM outbox_message
+`
+
+type OutboxStatsRow struct {
+	Pending       int64
+	Parked        int64
+	Delivered     int64
+	OldestPending pgtype.Timestamptz
+}
+
+// OutboxStats counts messages by state, for operators. It reads every row.
+func (q *Queries) OutboxStats(ctx context.Context) (OutboxStatsRow, error) {
+	row := q.db.QueryRow(ctx, outboxStats)
+	var i OutboxStatsRow
+	err := row.Scan(
+		&i.Pending,
+		&i.Parked,
+		&i.Delivered,
+		&i.OldestPending,
+	)
+	return i, err
+}
