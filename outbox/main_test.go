@@ -167,3 +167,29 @@ func (c *crashable) BeginTx(ctx context.Context, o pgx.TxOptions) (pgx.Tx, error
 type panicTx struct{ pgx.Tx }
 
 var countPayments = testdb.CountPayments
+
+// enqueueAndAwait enqueues each entry in a transaction of its own that
+// notifies the relays, and waits up to timeout for delivered to report it
+// before the next; why says what a missing delivery means.
+func enqueueAndAwait(t *testing.T, ctx context.Context, pool *pgxpool.Pool, delivered <-chan string, all []outbox.Entry, timeout time.Duration, why string) {
+	t.Helper()
+	for _, e := range all {
+		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := outbox.Enqueue(ctx, tx, e); err != nil {
+				return err
+			}
+			return outbox.Notify(ctx, tx)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case key := <-delivered:
+			if key != e.Key {
+				t.Fatalf("delivered %s, want %s", key, e.Key)
+			}
+		case <-time.After(timeout):
+			t.Fatalf("%s not delivered: %s", e.Key, why)
+		}
+	}
+}

@@ -10,10 +10,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/outbox"
 )
 
@@ -261,25 +259,7 @@ func TestRelayOnSingleConnectionPool(t *testing.T) {
 		delivered <- msg.Key
 		return nil
 	}, outbox.Config{Destinations: []string{dest}, PollInterval: 10 * time.Millisecond})
-	for _, e := range entries(scope, dest, 3) {
-		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
-			if _, err := outbox.Enqueue(ctx, tx, e); err != nil {
-				return err
-			}
-			return outbox.Notify(ctx, tx)
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case key := <-delivered:
-			if key != e.Key {
-				t.Fatalf("delivered %s, want %s", key, e.Key)
-			}
-		case <-time.After(10 * time.Second):
-			t.Fatalf("%s not delivered by a relay on a pool of one connection", e.Key)
-		}
-	}
+	enqueueAndAwait(t, ctx, pool, delivered, entries(scope, dest, 3), 10*time.Second, "a relay on a pool of one connection never delivered it")
 	stop()
 
 	closed := make(chan struct{})

@@ -288,25 +288,7 @@ func TestNotifyWakesListeningRelays(t *testing.T) {
 		delivered <- msg.Key
 		return nil
 	}, outbox.Config{Destinations: []string{dest}, PollInterval: time.Hour})
-	for _, e := range entries(scope, dest, 3) {
-		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
-			if _, err := outbox.Enqueue(ctx, tx, e); err != nil {
-				return err
-			}
-			return outbox.Notify(ctx, tx)
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case key := <-delivered:
-			if key != e.Key {
-				t.Fatalf("delivered %s, want %s", key, e.Key)
-			}
-		case <-time.After(time.Minute):
-			t.Fatalf("%s not delivered: the notification did not wake the relay", e.Key)
-		}
-	}
+	enqueueAndAwait(t, ctx, pool, delivered, entries(scope, dest, 3), time.Minute, "the notification did not wake the relay")
 }
 
 func TestRelayStopsCleanlyOnCancel(t *testing.T) {
