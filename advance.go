@@ -40,7 +40,7 @@ import (
 //
 // The record never expires: an entity keeps one row per scope.
 func Advance(ctx context.Context, tx pgx.Tx, scope, entity string, version int64) (applied bool, err error) {
-	if err := checkScopeAndKey(scope, entity); err != nil {
+	if _, err := newKeyRef(scope, entity, nil); err != nil {
 		return false, err
 	}
 	if version < 0 {

@@ -2,9 +2,6 @@ package idem
 
 import (
 	"errors"
-	"fmt"
-
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/idem/internal/guard"
 )
@@ -26,52 +23,46 @@ var ErrInvalidOption = errors.New("idem: invalid option")
 var ErrInvalidVersion = errors.New("idem: invalid version")
 
 // ErrFingerprintMismatch is returned when a key is reused, while its record
-// is live, with a request whose fingerprint differs from the one that claimed
-// it. The function is not run. It usually means a client bug: one key was
-// given to two different operations.
+// is live, with a request whose fingerprint differs from the one that
+// recorded it. The function is not run, and the caller's transaction stays
+// usable. It usually means a client bug: one key was given to two different
+// operations.
 var ErrFingerprintMismatch = errors.New("idem: key reused with a different request")
 
 // ErrInProgress is returned when another transaction holds the key and did
 // not finish within the wait budget (see [WithWait]), or when the calling
-// transaction already holds the key itself. The function is not run.
+// transaction holds the key itself (a Do on a key inside that key's own
+// function). The function is not run.
 //
-// The caller's transaction is unusable after ErrInProgress, because the
-// statement that waited failed inside it: roll it back. The client should
-// retry later with the same key.
+// After a wait that ran out, the caller's transaction is aborted, because
+// the statement that waited failed inside it: roll it back. The client
+// should retry later with the same key.
 var ErrInProgress = guard.ErrInProgress
 
 // ErrResponseTooLarge is returned when the function's value, encoded as JSON,
-// exceeds the limit set with [WithMaxResponseSize]. Nothing is stored and the
-// claim is released; the caller should roll back.
+// exceeds the limit set with [WithMaxResponseSize]. Nothing is stored, and
+// the caller's transaction stays usable; roll it back, since fn's writes
+// have no record.
 var ErrResponseTooLarge = errors.New("idem: response too large to store")
 
 // ErrResponseNotStorable is returned when the function's value cannot be
-// stored for replay: it cannot be encoded as JSON, or its encoding holds a
-// NUL character (\u0000), which PostgreSQL's jsonb rejects. Nothing is stored
-// and the claim is released; the caller should roll back.
+// stored for replay: it cannot be encoded as JSON, or its encoding is
+// something PostgreSQL's jsonb rejects (a NUL character, a lone UTF-16
+// surrogate, invalid UTF-8, a number beyond numeric's range). Nothing is
+// sent, and the caller's transaction stays usable; roll it back, since fn's
+// writes have no record.
 var ErrResponseNotStorable = errors.New("idem: response cannot be stored")
 
 // ErrSerialization is returned when PostgreSQL aborted the transaction to
-// keep it serializable (SQLSTATE 40001) or to break a deadlock (40P01). Under
-// REPEATABLE READ and SERIALIZABLE it is how a claim learns that the key was
-// completed after the transaction's snapshot was taken. The whole transaction
-// must be retried; [Run] and [WithTx] do so on their own.
+// keep it serializable (SQLSTATE 40001) or to break a deadlock (40P01), or
+// when the key was completed while the function ran by a writer that does
+// not wait for the key's lock (an older idem, a hand-written statement).
+// Under REPEATABLE READ and SERIALIZABLE it is how a claim learns that the
+// key was completed after the transaction's snapshot was taken. The whole
+// transaction must be retried; [Run] and [WithTx] do so on their own, and
+// the retry replays the key's answer.
 var ErrSerialization = guard.ErrSerialization
 
 // translate turns driver errors from the package's own statements into the
 // package's sentinel errors (see [guard.Translate]).
 func translate(op string, err error) error { return guard.Translate(op, err) }
-
-// errClaimLost is what storing a response gives when the calling
-// transaction's claim is gone: only fn itself can have removed it.
-var errClaimLost = errors.New("idem: the claim was removed before its response was stored (did fn change the record?)")
-
-// translateStore is translate for the statement that stores a response,
-// whose division_by_zero means the claim was lost (see KeyStoreResponse).
-func translateStore(op string, err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "22012" {
-		return fmt.Errorf("%s: %w", op, errClaimLost)
-	}
-	return translate(op, err)
-}

@@ -195,6 +195,17 @@ func (tx *unreachableTx) QueryRow(context.Context, string, ...any) pgx.Row {
 	return unreachableRow{}
 }
 
+func (tx *unreachableTx) SendBatch(context.Context, *pgx.Batch) pgx.BatchResults {
+	tx.uses++
+	return unreachableResults{}
+}
+
+// unreachableResults are the results of a batch that never got through.
+type unreachableResults struct{ pgx.BatchResults }
+
+func (unreachableResults) Tx() pgx.Tx   { return nil }
+func (unreachableResults) Close() error { return errUnreachable }
+
 type unreachableRow struct{}
 
 func (unreachableRow) Scan(...any) error { return errUnreachable }

@@ -3,14 +3,12 @@ package idem
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"math"
-	"strconv"
-	"time"
+		"strconv"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
@@ -19,21 +17,6 @@ import (
 
 // MaxKeyLength is the longest key or scope accepted, in bytes.
 const MaxKeyLength = guard.MaxIdentifierLength
-
-// Default values of the options.
-const (
-	// DefaultRetention is how long a record blocks its key unless
-	// [WithRetention] says otherwise.
-	DefaultRetention = 24 * time.Hour
-
-	// DefaultWait is how long a duplicate waits for a concurrent attempt
-	// unless [WithWait] says otherwise.
-	DefaultWait = 5 * time.Second
-
-	// DefaultMaxResponseSize is the largest stored value, in bytes of JSON,
-	// unless [WithMaxResponseSize] says otherwise.
-	DefaultMaxResponseSize = 1 << 20
-)
 
 // Result is what [Do] and [Run] return on success.
 type Result[T any] struct {
@@ -48,184 +31,34 @@ type Result[T any] struct {
 	Replayed bool
 }
 
-// Option changes how [Do] and [Run] treat a key.
-type Option interface {
-	apply(*options)
-}
-
-type optionFunc func(*options)
-
-func (f optionFunc) apply(o *options) { f(o) }
-
-type options struct {
-	retention       time.Duration
-	wait            time.Duration
-	txOptions       pgx.TxOptions
-	maxResponseSize int
-	lookupFirst     bool
-	// noResponse stores no value: the key only records that fn ran.
-	noResponse bool
-	observer   *Observer
-	codec      Codec
-	err        error
-}
-
-// WithRetention sets how long a completed record blocks its key and answers
-// retries with the stored value. After that the record counts as absent and
-// the key can be claimed again. Choose it longer than the longest time in
-// which a client, or anything that stores and forwards its requests, may
-// retry. It must be positive. Defaults to 24h.
-func WithRetention(d time.Duration) Option {
-	return optionFunc(func(o *options) {
-		if d <= 0 {
-			o.fail(fmt.Errorf("%w: retention must be positive, got %s", ErrInvalidOption, d))
-			return
-		}
-		o.retention = d
-	})
-}
-
-// WithWait sets how long a duplicate waits for a concurrent attempt on the
-// same key to finish. When that attempt commits in time, the duplicate
-// replays its outcome; when it rolls back, the duplicate claims the key and
-// runs the function itself; past the budget, the duplicate returns
-// [ErrInProgress]. Zero means not at all: PostgreSQL's own lock_timeout of 0
-// would wait forever, so zero is sent as the server's smallest budget, one
-// millisecond. Negative values, and values beyond lock_timeout's range
-// (about 24 days), are rejected. The budget applies to the claim's waits
-// for rows and transactions: the function and the rest of the transaction
-// keep the caller's own lock_timeout, and so does a wait for a table lock
-// (behind a migration, say), which happens before the budget is set. A
-// caller's statement_timeout shorter than the budget cuts the wait short
-// with the driver's own error. Defaults to 5s.
-func WithWait(d time.Duration) Option {
-	return optionFunc(func(o *options) {
-		if d < 0 || d > maxWait {
-			o.fail(fmt.Errorf("%w: wait must be between 0 and %s, got %s", ErrInvalidOption, maxWait, d))
-			return
-		}
-		o.wait = d
-	})
-}
-
-// WithLookupFirst makes [Run] read the key before it begins a transaction.
-// A replay then costs one round trip and no transaction at all, instead of
-// two round trips; a first execution costs one round trip more. It pays
-// where retries are common: consumers of a queue that redelivers, endpoints
-// behind retrying proxies, or a service riding out a retry storm. [Do]
-// ignores it, as it does when Run is given a TxBeginner other than
-// *pgxpool.Pool, *pgxpool.Conn or *pgx.Conn. Defaults to off.
-func WithLookupFirst() Option { return optionFunc(func(o *options) { o.lookupFirst = true }) }
-
-// WithTxOptions sets the options of the transaction that [Run] begins, such
-// as its isolation level. [Do] ignores it: the caller owns that transaction.
-// Defaults to READ COMMITTED.
-func WithTxOptions(txOptions pgx.TxOptions) Option {
-	return optionFunc(func(o *options) { o.txOptions = txOptions })
-}
-
-// WithMaxResponseSize sets the largest value, in bytes of encoded JSON, that
-// is stored for replay. A larger value makes the call fail with
-// [ErrResponseTooLarge]. It must be positive. Defaults to 1 MiB.
-func WithMaxResponseSize(n int) Option {
-	return optionFunc(func(o *options) {
-		if n <= 0 {
-			o.fail(fmt.Errorf("%w: max response size must be positive, got %d", ErrInvalidOption, n))
-			return
-		}
-		o.maxResponseSize = n
-	})
-}
-
-// Codec seals a value's JSON encoding before it is stored and opens it when
-// a replay reads it back, so that stored responses, which may hold personal
-// data, can be encrypted or redacted. The scope is passed along for
-// per-tenant keys. Sealed bytes are stored as a JSON string.
-//
-// Records sealed with one codec open only with a codec that understands
-// them: when changing codecs, keep opening the old form until the
-// retention of the records sealed with it has passed.
-type Codec interface {
-	Seal(scope string, plaintext []byte) ([]byte, error)
-	Open(scope string, sealed []byte) ([]byte, error)
-}
-
-// WithCodec stores values sealed by codec, and opens them on replay.
-// Defaults to none: values are stored as plain JSON.
-func WithCodec(codec Codec) Option {
-	return optionFunc(func(o *options) { o.codec = codec })
-}
-
-func (o *options) fail(err error) {
-	if o.err == nil {
-		o.err = err
-	}
-}
-
-func newOptions(opts []Option) (*options, error) {
-	o := &options{
-		retention:       DefaultRetention,
-		wait:            DefaultWait,
-		txOptions:       pgx.TxOptions{IsoLevel: pgx.ReadCommitted},
-		maxResponseSize: DefaultMaxResponseSize,
-	}
-	for _, opt := range opts {
-		opt.apply(o)
-	}
-	return o, o.err
-}
-
-// maxWait is the longest wait PostgreSQL's lock_timeout can express: its
-// largest value, in milliseconds, is the largest int32.
-const maxWait = math.MaxInt32 * time.Millisecond
-
-// lockTimeout spells the wait budget in whole milliseconds, rounded up, and
-// never zero, which PostgreSQL would read as "wait forever".
-func (o *options) lockTimeout() string {
-	ms := int64(o.wait / time.Millisecond)
-	if o.wait%time.Millisecond != 0 {
-		ms++
-	}
-	return strconv.FormatInt(max(ms, 1), 10)
-}
-
-// checkScopeAndKey validates both identifiers before anything reaches the
-// database: out-of-bounds input is rejected, never truncated, because
-// truncation turns distinct keys into collisions.
-func checkScopeAndKey(scope, key string) error {
-	if err := guard.CheckIdentifier(scope); err != nil {
-		return fmt.Errorf("%w: %s", ErrInvalidScope, err)
-	}
-	if err := guard.CheckIdentifier(key); err != nil {
-		return fmt.Errorf("%w: %s", ErrInvalidKey, err)
-	}
-	return nil
-}
-
 // Do makes fn's effect happen once per (scope, key), inside the caller's
 // transaction tx.
 //
-// Do claims the key in tx, runs fn with tx, and stores fn's value (as JSON)
-// in tx, so that the claim, fn's writes and the stored value commit together
+// Do claims the key in tx, runs fn with tx, and records the key with fn's
+// value (as JSON) in tx, so that fn's writes and the record commit together
 // or not at all. A call for a key whose operation already committed does not
 // run fn: it returns the stored value with Replayed set. Scopes are separate
 // namespaces: pass the tenant or client identity, so that two tenants using
 // the same key never see each other's records.
 //
 // fp is the request's fingerprint (see [Fingerprint] and [FingerprintJSON]).
-// A live key claimed with another fingerprint gives [ErrFingerprintMismatch].
-// A nil fp matches only another nil or empty fp.
+// A live key recorded with another fingerprint gives
+// [ErrFingerprintMismatch]. A nil fp matches only another nil or empty fp.
 //
-// When fn returns an error, Do releases the claim and returns the error
-// wrapped (errors.Is works); the caller should roll back. A duplicate that
-// arrives while another transaction holds the key waits for it (see
-// [WithWait]) and may get [ErrInProgress], after which tx is unusable.
-// Under REPEATABLE READ or SERIALIZABLE, a key completed after tx's snapshot
-// gives [ErrSerialization]: retry the whole transaction, or use [Run], which
-// does.
+// A duplicate that arrives while another transaction holds the key waits
+// for it (see [WithWait]): it replays what that transaction committed, or
+// runs fn itself if it rolled back, or gives up with [ErrInProgress]. Under
+// REPEATABLE READ or SERIALIZABLE, a key completed after tx's snapshot gives
+// [ErrSerialization]: retry the whole transaction, or use [Run], which does.
 //
-// Invalid scopes and keys give [ErrInvalidScope] and [ErrInvalidKey] before
-// anything is sent to the database.
+// When fn returns an error, Do returns it wrapped (errors.Is works) and
+// records nothing; roll back. What each error leaves of tx: after
+// [ErrInProgress], [ErrSerialization] and database errors tx is aborted
+// and can only roll back; after [ErrInvalidScope], [ErrInvalidKey],
+// [ErrInvalidOption], [ErrFingerprintMismatch], [ErrResponseTooLarge],
+// [ErrResponseNotStorable] and fn's own errors, tx is as fn left it, and the
+// key stays held by tx until it ends. Invalid scopes, keys and options are
+// rejected before anything is sent to the database.
 func Do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...Option,
 ) (_ Result[T], err error) {
@@ -235,213 +68,272 @@ func Do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	if err != nil {
 		return Result[T]{}, err
 	}
-	if err := checkScopeAndKey(scope, key); err != nil {
+	return do(ctx, tx, scope, key, fp, fn, &o, obs)
+}
+
+func do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
+	fn func(ctx context.Context, tx pgx.Tx) (T, error), o *options, obs *observation,
+) (Result[T], error) {
+	k, err := newKeyRef(scope, key, fp)
+	if err != nil {
 		return Result[T]{}, err
 	}
-	res, store, err := attempt(ctx, tx, func() pgx.Tx { return tx }, scope, key, fp, fn, o, obs)
-	if err != nil || store == nil {
-		return res, err
+	c, _, err := claim(ctx, tx, tx, &pgx.Batch{}, k, o)
+	obs.claimDone(c.outcome)
+	if err != nil {
+		return Result[T]{}, err
 	}
-	if err := dbsqlc.New(tx).KeyStoreResponse(ctx, *store); err != nil {
-		return Result[T]{}, releaseAfter(ctx, tx, scope, key, translateStore("idem: store response", err), o)
+	if c.outcome == outcomeReplayed {
+		return replayed[T](c.stored, scope, o)
+	}
+	res, s, err := execute(ctx, tx, k, c, fn, o)
+	if err != nil {
+		return Result[T]{}, err
+	}
+	// A failed statement aborts tx: nothing of it can commit.
+	if err := s.queue(ctx, dbsqlc.New(tx)); err != nil {
+		return Result[T]{}, translateStore(err)
 	}
 	return res, nil
 }
 
-// attempt claims the key through db and runs fn in the transaction that
-// txOf returns once the claim is made, or replays. When fn ran, it returns
-// the parameters that store the value instead of storing it, so that [Run]
-// can send them in the same round trip as COMMIT.
-func attempt[T any](ctx context.Context, db dbsqlc.DBTX, txOf func() pgx.Tx, scope, key string, fp []byte,
-	fn func(ctx context.Context, tx pgx.Tx) (T, error), o *options, obs *observation,
-) (res Result[T], store *dbsqlc.KeyStoreResponseParams, err error) {
-	stored, outcome, err := claim(ctx, dbsqlc.New(db), scope, key, fp, o)
-	obs.claimDone(outcome)
-	if err != nil {
-		return res, nil, err
-	}
-	tx := txOf()
-	if outcome == OutcomeReplayed {
-		res, err := replayed[T](stored, scope, o)
-		return res, nil, err
-	}
-
-	// The claim must not survive a panic in fn either: a caller that
-	// recovers and commits would leave the key blocked in progress.
-	defer func() {
-		if p := recover(); p != nil {
-			_ = releaseAfter(ctx, tx, scope, key, nil, o)
-			panic(p)
-		}
-	}()
-
-	value, err := fn(ctx, tx)
-	if err != nil {
-		return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, fmt.Errorf("idem: %w", err), o)
-	}
-	// Once stores no response: a SQL NULL, the zero pgtype.Text.
-	var response pgtype.Text
-	if !o.noResponse {
-		encoded, err := encodeResponse(value, scope, o)
-		if err != nil {
-			return Result[T]{}, nil, releaseAfter(ctx, tx, scope, key, err, o)
-		}
-		response = pgtype.Text{String: string(encoded), Valid: true}
-	}
-	res.Value = value
-	return res, &dbsqlc.KeyStoreResponseParams{Scope: scope, Key: key, Response: response}, nil
+// keyRef is a validated (scope, key) with the fingerprint it is claimed
+// with and the id of its lock.
+type keyRef struct {
+	scope, key string
+	fp         []byte
+	lockID     int64
 }
 
-// claim runs KeyClaim and interprets the answer: the calling transaction
-// now owns the key (OutcomeClaimed, OutcomeReclaimed), or the key's stored
-// response is to be replayed (OutcomeReplayed), or an error says why not.
-func claim(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte, o *options) (stored []byte, _ Outcome, err error) {
-	params := dbsqlc.KeyClaimParams{
-		Scope:       scope,
-		Key:         key,
-		LockTimeout: o.lockTimeout(),
-		Fingerprint: fp,
-		Retention:   pgtype.Interval{Microseconds: o.retention.Microseconds(), Valid: true},
+// newKeyRef validates scope and key before anything reaches the database:
+// out-of-bounds input is rejected, never truncated, because truncation turns
+// distinct keys into collisions.
+func newKeyRef(scope, key string, fp []byte) (keyRef, error) {
+	if err := guard.CheckIdentifier(scope); err != nil {
+		return keyRef{}, fmt.Errorf("%w: %s", ErrInvalidScope, err)
 	}
-	if params.Fingerprint == nil {
-		params.Fingerprint = []byte{}
+	if err := guard.CheckIdentifier(key); err != nil {
+		return keyRef{}, fmt.Errorf("%w: %s", ErrInvalidKey, err)
 	}
-	// A record can vanish or change between one statement and the next
-	// (purged, or reclaimed once expired); the next round then claims the
-	// key or sees the new record. Three rounds are more than that race needs.
-	for range 3 {
-		row, err := q.KeyClaim(ctx, params)
-		if err != nil {
-			return nil, OutcomeFailed, translate("idem: claim key", err)
-		}
-		if row.Claimed {
-			return nil, OutcomeClaimed, nil
-		}
-		if row.State.Valid && row.Expired {
-			// An expired record counts as absent: take it over, whatever
-			// its fingerprint, unless a concurrent reclaimer got there first.
-			got, err := q.KeyReclaim(ctx, dbsqlc.KeyReclaimParams{
-				Scope: scope, Key: key, LockTimeout: params.LockTimeout,
-				Fingerprint: params.Fingerprint, Retention: params.Retention,
-			})
-			if err != nil {
-				return nil, OutcomeFailed, translate("idem: reclaim expired key", err)
-			}
-			if got.Claimed {
-				return nil, OutcomeReclaimed, nil
-			}
-			continue
-		}
-		if row.State.Valid {
-			return judge(row.State.String, row.Fingerprint, row.Response, fp)
-		}
-		// The record was committed while the claim waited for it, so the
-		// claim's snapshot cannot see it: read it with a new one.
-		got, err := q.KeyGet(ctx, dbsqlc.KeyGetParams{Scope: scope, Key: key})
-		if errors.Is(err, pgx.ErrNoRows) {
-			continue
-		}
-		if err != nil {
-			return nil, OutcomeFailed, translate("idem: read key", err)
-		}
-		return judge(got.State, got.Fingerprint, got.Response, fp)
+	if fp == nil {
+		fp = []byte{}
 	}
-	return nil, OutcomeInProgress, fmt.Errorf("%w: the record kept changing while it was claimed", ErrInProgress)
+	return keyRef{scope: scope, key: key, fp: fp, lockID: guard.LockID(scope, key)}, nil
 }
 
-// lookup reads the key's live record outside any transaction, and reports
-// found when it holds a completed operation to replay.
-func lookup(ctx context.Context, q *dbsqlc.Queries, scope, key string, fp []byte) (stored []byte, found bool, err error) {
-	got, err := q.KeyGet(ctx, dbsqlc.KeyGetParams{Scope: scope, Key: key})
-	if errors.Is(err, pgx.ErrNoRows) || (err == nil && got.State != stateDone) {
-		return nil, false, nil
-	}
-	if err != nil {
-		return nil, false, translate("idem: look up key", err)
-	}
-	stored, _, err = judge(got.State, got.Fingerprint, got.Response, fp)
-	return stored, err == nil, err
+// mark is the key's entry in the transaction's list of held keys (see
+// KeyLock).
+func (k keyRef) mark() string { return "[" + strconv.FormatInt(k.lockID, 36) + "]" }
+
+// The outcomes of a call, as the idem.outcome attribute of an [Observer]'s
+// metrics and spans spells them.
+const (
+	outcomeClaimed    = "claimed"           // the key was free; fn ran and its value was stored
+	outcomeReclaimed  = "expired_reclaimed" // the key's record had expired; fn ran and replaced it
+	outcomeReplayed   = "replayed"          // the key's operation had completed; its value was returned
+	outcomeMismatch   = "mismatch"          // the key is live with another fingerprint
+	outcomeInProgress = "in_progress"       // another attempt held the key past the wait budget
+	outcomeInvalid    = "invalid"           // the scope, key or an option was rejected
+	outcomeFailed     = "failed"            // fn, the database or the stored value failed
+)
+
+// claimed is what the claim found: the key is this transaction's to run
+// (claimed, reclaimed), or its stored value is to be replayed.
+type claimed struct {
+	outcome string
+	stored  []byte
+	// expired: the record in the way had expired; fn's record replaces it.
+	expired bool
+	// early: the transaction is not READ COMMITTED, so the claim wrote a
+	// record in progress before fn (KeyClaim), to be completed after it.
+	early bool
 }
 
-// replayed decodes a stored response into the result of a replay.
-func replayed[T any](stored []byte, scope string, o *options) (Result[T], error) {
-	res := Result[T]{Replayed: true}
-	if stored == nil {
-		return res, nil // the key recorded only that its operation ran (Once)
+// sender sends batches: a pgx.Tx, or the *pgx.Conn that Run drives.
+type sender interface {
+	SendBatch(context.Context, *pgx.Batch) pgx.BatchResults
+}
+
+// claim takes the key's lock and reads its record in one round trip on db,
+// the transaction tx or, when tx is nil, the connection on which b begins
+// one (Run's BEGIN, queued first, in the same round trip). It returns the
+// transaction b began, if it began one, also on error. A duplicate that
+// finds the lock taken and no record to replay waits for the lock under the
+// wait budget, then reads again.
+func claim(ctx context.Context, db sender, tx pgx.Tx, b *pgx.Batch, k keyRef, o *options) (claimed, pgx.Tx, error) {
+	var lock dbsqlc.KeyLockRow
+	var rec dbsqlc.KeyGetRow
+	var found bool
+	dbsqlc.QueueKeyLock(b, dbsqlc.KeyLockParams{LockID: k.lockID, Mark: k.mark()}, &lock)
+	dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
+	results := db.SendBatch(ctx, b)
+	began := results.Tx()
+	if err := results.Close(); err != nil {
+		return claimed{outcome: outcomeFailed}, began, translate("idem: claim key", err)
 	}
-	if o.codec != nil {
-		var sealed []byte
-		if err := json.Unmarshal(stored, &sealed); err != nil {
-			return Result[T]{}, fmt.Errorf("idem: stored response is not sealed by a codec: %w", err)
+	if tx == nil {
+		tx = began
+	}
+
+	if found && !rec.Expired {
+		c, err := judge(rec, k.fp)
+		return c, began, err
+	}
+	if lock.Nested {
+		// Advisory locks are reentrant: only the list of held keys tells
+		// that fn's own transaction is running this key.
+		return claimed{outcome: outcomeInProgress}, began, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
+	}
+	if !lock.Locked {
+		wait := &pgx.Batch{}
+		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: o.lockTimeout(), LockID: k.lockID})
+		dbsqlc.QueueKeyGet(wait, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
+		if err := tx.SendBatch(ctx, wait).Close(); err != nil {
+			return claimed{outcome: outcomeFailed}, began, translate("idem: wait for key", err)
 		}
-		opened, err := o.codec.Open(scope, sealed)
+		if found && !rec.Expired {
+			c, err := judge(rec, k.fp)
+			return c, began, err
+		}
+	}
+
+	c := claimed{outcome: outcomeClaimed, expired: found}
+	if found {
+		c.outcome = outcomeReclaimed
+	}
+	if !lock.ReadCommitted {
+		c.early = true
+		ok, err := dbsqlc.New(tx).KeyClaim(ctx, dbsqlc.KeyClaimParams{
+			Scope: k.scope, Key: k.key, Fingerprint: k.fp, Retention: o.retentionInterval(),
+		})
 		if err != nil {
-			return Result[T]{}, fmt.Errorf("idem: open stored response: %w", err)
+			return claimed{outcome: outcomeFailed}, began, translate("idem: claim key", err)
 		}
-		stored = opened
+		if !ok {
+			// Only a writer that took no lock can have put a live record
+			// in the way since KeyGet read none.
+			return claimed{outcome: outcomeFailed}, began, fmt.Errorf("idem: claim key: %w: the record changed while the key was locked", ErrSerialization)
+		}
 	}
-	if err := json.Unmarshal(stored, &res.Value); err != nil {
-		return Result[T]{}, fmt.Errorf("idem: decode stored response: %w", err)
-	}
-	return res, nil
+	return c, began, nil
 }
 
-// judge decides what a duplicate gets from the live record that blocked it.
-func judge(state string, storedFP, response, fp []byte) ([]byte, Outcome, error) {
+// judge decides what a duplicate gets from the live record in its way.
+func judge(rec dbsqlc.KeyGetRow, fp []byte) (claimed, error) {
 	switch {
-	case !bytes.Equal(storedFP, fp):
-		return nil, OutcomeMismatch, ErrFingerprintMismatch
-	case state != stateDone:
-		// Only the calling transaction's own open claim can be seen in
-		// progress: another transaction's would have been waited for.
-		return nil, OutcomeInProgress, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
+	case !bytes.Equal(rec.Fingerprint, fp):
+		return claimed{outcome: outcomeMismatch}, ErrFingerprintMismatch
+	case rec.State != stateDone:
+		// Another transaction's claim in progress cannot be seen: only the
+		// calling transaction's own (written before fn at REPEATABLE READ).
+		return claimed{outcome: outcomeInProgress}, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
 	}
-	return response, OutcomeReplayed, nil
+	return claimed{outcome: outcomeReplayed, stored: rec.Response}, nil
 }
 
-// stateDone marks a record whose operation committed with a stored response.
+// stateDone marks a record whose operation committed with its answer.
 const stateDone = "done"
 
-// encodeResponse encodes v for the jsonb column, refusing what the column
-// would reject so that the failure is typed and the transaction stays usable.
-// With a codec, the sealed bytes are stored as a JSON string.
-func encodeResponse(v any, scope string, o *options) ([]byte, error) {
-	encoded, err := json.Marshal(v)
+// execute runs fn in tx, which holds the key, and returns its value with the
+// statement that records it, for the caller to send: on its own (Do) or
+// with COMMIT (Run).
+func execute[T any](ctx context.Context, tx pgx.Tx, k keyRef, c claimed,
+	fn func(ctx context.Context, tx pgx.Tx) (T, error), o *options,
+) (res Result[T], s store, err error) {
+	if c.early {
+		// A claim written before fn must not survive a panic in fn either:
+		// a caller that recovers and commits would leave the key blocked.
+		defer func() {
+			if p := recover(); p != nil {
+				_ = c.failed(ctx, tx, k, o, nil)
+				panic(p)
+			}
+		}()
+	}
+	value, err := fn(ctx, tx)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrResponseNotStorable, err)
+		return res, s, c.failed(ctx, tx, k, o, fmt.Errorf("idem: %w", err))
 	}
-	if o.codec != nil {
-		sealed, err := o.codec.Seal(scope, encoded)
+	s = store{k: k, c: c, retention: o.retentionInterval()}
+	// Once stores no response: a SQL NULL, the zero pgtype.Text.
+	if !o.noResponse {
+		encoded, err := encodeResponse(value, k.scope, o)
 		if err != nil {
-			return nil, fmt.Errorf("%w: seal: %w", ErrResponseNotStorable, err)
+			return res, s, c.failed(ctx, tx, k, o, err)
 		}
-		encoded, _ = json.Marshal(sealed) // a []byte always encodes
+		s.response = pgtype.Text{String: string(encoded), Valid: true}
 	}
-	if len(encoded) > o.maxResponseSize {
-		return nil, fmt.Errorf("%w: %d bytes of JSON, limit %d", ErrResponseTooLarge, len(encoded), o.maxResponseSize)
-	}
-	switch problems := scanJSON(encoded); {
-	case problems&jsonbNUL != 0:
-		return nil, fmt.Errorf("%w: a string holds a NUL character, which jsonb cannot store", ErrResponseNotStorable)
-	case problems&jsonbLoneSurrogate != 0:
-		return nil, fmt.Errorf("%w: a string holds a lone UTF-16 surrogate escape, which jsonb rejects", ErrResponseNotStorable)
-	case problems&jsonbNumberRange != 0:
-		return nil, fmt.Errorf("%w: a number is beyond the range of jsonb's numeric type", ErrResponseNotStorable)
-	}
-	return encoded, nil
+	res.Value = value
+	return res, s, nil
 }
 
-// releaseAfter removes the calling transaction's claim after a failure, with
-// a context that is not cancelled, so that a caller who commits anyway never
-// commits a record stuck in progress. If the transaction is already aborted
-// the release fails harmlessly: nothing in it can commit.
-func releaseAfter(ctx context.Context, tx pgx.Tx, scope, key string, cause error, o *options) error {
-	err := dbsqlc.New(tx).KeyRelease(context.WithoutCancel(ctx), dbsqlc.KeyReleaseParams{Scope: scope, Key: key})
+// store is the statement that records a key's completed operation.
+type store struct {
+	k         keyRef
+	c         claimed
+	response  pgtype.Text
+	retention pgtype.Interval
+}
+
+// queue runs, or with a queue as q's DBTX queues, the statement that records
+// the operation: the record written once, complete (KeyInsert, or
+// KeyReplace over an expired record), or the early claim completed
+// (KeyStoreResponse).
+func (s store) queue(ctx context.Context, q *dbsqlc.Queries) error {
+	switch {
+	case s.c.early:
+		return q.KeyStoreResponse(ctx, dbsqlc.KeyStoreResponseParams{Scope: s.k.scope, Key: s.k.key, Response: s.response})
+	case s.c.expired:
+		return q.KeyReplace(ctx, dbsqlc.KeyReplaceParams{
+			Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
+		})
+	}
+	return q.KeyInsert(ctx, dbsqlc.KeyInsertParams{
+		Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
+	})
+}
+
+// errRecordChanged is what recording the operation gives when the key's
+// record changed while fn ran although the transaction held its lock: fn
+// itself wrote to it, or a writer that takes no lock (an older idem, a
+// hand-written statement) completed the key.
+var errRecordChanged = errors.New("idem: the key's record changed while its function ran (did fn write to it?)")
+
+// translateStore translates the errors of the statements that record an
+// operation. A unique violation (KeyInsert) or division_by_zero (KeyReplace,
+// KeyStoreResponse) means the record changed under the key's lock; the
+// transaction is aborted, so nothing of fn's commits. A retry of the whole
+// transaction (ErrSerialization) then finds the record and replays it.
+func translateStore(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Code == "23505" || pgErr.Code == "22012") {
+		return fmt.Errorf("idem: store response: %w: %w", ErrSerialization, errRecordChanged)
+	}
+	return translate("idem: store response", err)
+}
+
+// failed ends a claim whose operation failed with cause. At READ COMMITTED
+// nothing was written: the transaction holds only the key's lock, which
+// ends with it. A record written early is removed, so that a caller who
+// commits anyway never commits a record stuck in progress; the removal is
+// bounded by cleanupTimeout even when ctx has ended or the connection is
+// dead, and if it fails the transaction cannot commit anything.
+func (c claimed) failed(ctx context.Context, tx pgx.Tx, k keyRef, o *options, cause error) error {
+	if !c.early {
+		return cause
+	}
+	ctx, cancel := cleanupContext(ctx)
+	defer cancel()
+	err := dbsqlc.New(tx).KeyRelease(ctx, dbsqlc.KeyReleaseParams{Scope: k.scope, Key: k.key})
 	// A connection closed by a cancelled context still reports 'T', but its
 	// transaction is gone with it: nothing can commit, nothing to report.
 	if err != nil && tx.Conn() != nil && !tx.Conn().IsClosed() && tx.Conn().PgConn().TxStatus() == 'T' {
-		o.observer.logRelease(ctx, scope, key, err)
+		o.observer.logRelease(ctx, k.scope, k.key, err)
 		return errors.Join(cause, fmt.Errorf("idem: release claim, roll back: %w", err))
 	}
 	return cause
+}
+
+func (o *options) retentionInterval() pgtype.Interval {
+	return pgtype.Interval{Microseconds: o.retention.Microseconds(), Valid: true}
 }

@@ -943,21 +943,32 @@ func TestRunInEveryQueryExecMode(t *testing.T) {
 	}
 }
 
-func TestClaimRemovedInsideFnCommitsNothing(t *testing.T) {
+// TestRecordChangedInsideFnCommitsNothing misuses fn to write the key's
+// own record: at READ COMMITTED the record Run writes at the end collides
+// with it, at REPEATABLE READ fn deletes the claim written before it. Run's
+// COMMIT travels with the record; in neither case may it keep the payment
+// without a record of its own.
+func TestRecordChangedInsideFnCommitsNothing(t *testing.T) {
 	ctx, pool, scope := setup(t)
-	var calls atomic.Int64
-	_, err := idem.Run(ctx, pool, scope, "k", fpA, func(ctx context.Context, tx pgx.Tx) (payment, error) {
-		p, err := pay(scope, "k", 1, &calls)(ctx, tx)
-		if err != nil {
+	misuse := map[pgx.TxIsoLevel]string{
+		pgx.ReadCommitted: `INSERT INTO idempotency_key (scope, key, fingerprint, state, expires_at)
+			VALUES ($1, $2, '', 'done', now() + interval '1 hour')`,
+		pgx.RepeatableRead: `DELETE FROM idempotency_key WHERE scope = $1 AND key = $2`,
+	}
+	for iso, stmt := range misuse {
+		key := "k-" + string(iso)
+		var calls atomic.Int64
+		_, err := idem.Run(ctx, pool, scope, key, fpA, func(ctx context.Context, tx pgx.Tx) (payment, error) {
+			p, err := pay(scope, key, 1, &calls)(ctx, tx)
+			if err != nil {
+				return p, err
+			}
+			_, err = tx.Exec(ctx, stmt, scope, key)
 			return p, err
+		}, idem.WithTxOptions(pgx.TxOptions{IsoLevel: iso}))
+		if err == nil {
+			t.Fatalf("%s: Run succeeded although fn changed its record", iso)
 		}
-		// Misuse: fn deletes its own claim. Run's COMMIT travels with the
-		// stored response; it must not keep the payment without a record.
-		_, err = tx.Exec(ctx, `DELETE FROM idempotency_key WHERE scope = $1 AND key = 'k'`, scope)
-		return p, err
-	})
-	if err == nil {
-		t.Fatal("Run succeeded although its claim was gone")
 	}
 	if countPayments(t, pool, scope) != 0 || countRecords(t, pool, scope) != 0 {
 		t.Fatalf("committed %d payments, %d records; want none", countPayments(t, pool, scope), countRecords(t, pool, scope))

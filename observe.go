@@ -15,32 +15,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// Outcome says what a call to [Do], [Run] or [Once] did with its key. It is
-// the value of the idem.outcome attribute on the metrics and spans an
-// [Observer] records.
-type Outcome string
-
-// The outcomes a call can have.
-const (
-	// OutcomeClaimed: the key was free; fn ran and its value was stored.
-	OutcomeClaimed Outcome = "claimed"
-	// OutcomeReclaimed: the key's record had expired; it was taken over and
-	// fn ran.
-	OutcomeReclaimed Outcome = "expired_reclaimed"
-	// OutcomeReplayed: the key's operation had completed; its stored value
-	// was returned and fn did not run.
-	OutcomeReplayed Outcome = "replayed"
-	// OutcomeMismatch: the key is live with another fingerprint.
-	OutcomeMismatch Outcome = "mismatch"
-	// OutcomeInProgress: another attempt held the key past the wait budget.
-	OutcomeInProgress Outcome = "in_progress"
-	// OutcomeInvalid: the scope, key or an option was rejected before any
-	// database call.
-	OutcomeInvalid Outcome = "invalid"
-	// OutcomeFailed: fn, the database or the stored value failed.
-	OutcomeFailed Outcome = "failed"
-)
-
 // ObserverConfig configures [NewObserver]. The zero value records nothing.
 type ObserverConfig struct {
 	// MeterProvider receives the idem.calls counter and the
@@ -104,12 +78,6 @@ func NewObserver(cfg ObserverConfig) (*Observer, error) {
 	return o, nil
 }
 
-// WithObserver records the call's outcome, claim duration and span with
-// observer. Defaults to none.
-func WithObserver(observer *Observer) Option {
-	return optionFunc(func(o *options) { o.observer = observer })
-}
-
 // observation is one call being observed. Its methods do nothing on a nil
 // receiver, which is what a call without an Observer gets.
 type observation struct {
@@ -117,7 +85,7 @@ type observation struct {
 	span     trace.Span
 	start    time.Time
 	claimed  time.Duration
-	outcome  Outcome
+	outcome  string
 }
 
 // observe starts observing a call named name; ctx carries its span.
@@ -133,7 +101,7 @@ func (o *Observer) observe(ctx context.Context, name string) (context.Context, *
 }
 
 // claimDone notes the claim's outcome and how long it took.
-func (obs *observation) claimDone(outcome Outcome) {
+func (obs *observation) claimDone(outcome string) {
 	if obs == nil {
 		return
 	}
@@ -149,15 +117,15 @@ func (obs *observation) end(ctx context.Context, scope, key string, err error) {
 	outcome := obs.outcome
 	switch {
 	case errors.Is(err, ErrInvalidKey), errors.Is(err, ErrInvalidScope), errors.Is(err, ErrInvalidOption):
-		outcome = OutcomeInvalid
+		outcome = outcomeInvalid
 	case errors.Is(err, ErrFingerprintMismatch):
-		outcome = OutcomeMismatch
+		outcome = outcomeMismatch
 	case errors.Is(err, ErrInProgress):
-		outcome = OutcomeInProgress
+		outcome = outcomeInProgress
 	case err != nil:
-		outcome = OutcomeFailed
+		outcome = outcomeFailed
 	}
-	attrs := attribute.NewSet(attribute.String("idem.outcome", string(outcome)))
+	attrs := attribute.NewSet(attribute.String("idem.outcome", outcome))
 	o := obs.observer
 	if o.calls != nil {
 		o.calls.Add(ctx, 1, metric.WithAttributeSet(attrs))
@@ -166,8 +134,8 @@ func (obs *observation) end(ctx context.Context, scope, key string, err error) {
 		}
 	}
 	if obs.span != nil {
-		obs.span.SetAttributes(attribute.String("idem.outcome", string(outcome)))
-		if err != nil && outcome == OutcomeFailed {
+		obs.span.SetAttributes(attribute.String("idem.outcome", outcome))
+		if err != nil && outcome == outcomeFailed {
 			obs.span.RecordError(err)
 			obs.span.SetStatus(codes.Error, err.Error())
 		}
@@ -175,10 +143,10 @@ func (obs *observation) end(ctx context.Context, scope, key string, err error) {
 	}
 	if o.logger != nil {
 		switch outcome {
-		case OutcomeMismatch:
+		case outcomeMismatch:
 			o.logger.LogAttrs(ctx, slog.LevelWarn, "idem: key reused with a different request",
 				slog.String("scope", scope), slog.String("key", o.loggedKey(key)))
-		case OutcomeInProgress:
+		case outcomeInProgress:
 			o.logger.LogAttrs(ctx, slog.LevelInfo, "idem: duplicate gave up waiting for a concurrent attempt",
 				slog.String("scope", scope), slog.String("key", o.loggedKey(key)))
 		}

@@ -25,9 +25,16 @@ import (
 // or an entity id and version) rather than a broker offset, which changes
 // when a topic is rebuilt.
 func Once(ctx context.Context, tx pgx.Tx, scope, id string, fn func(ctx context.Context, tx pgx.Tx) error, opts ...Option) (ran bool, err error) {
-	res, err := Do(ctx, tx, scope, id, nil, func(ctx context.Context, tx pgx.Tx) (struct{}, error) {
+	o, err := newOptions(opts)
+	ctx, obs := o.observer.observe(ctx, "idem.Once")
+	defer func() { obs.end(ctx, scope, id, err) }()
+	if err != nil {
+		return false, err
+	}
+	o.noResponse = true
+	res, err := do(ctx, tx, scope, id, nil, func(ctx context.Context, tx pgx.Tx) (struct{}, error) {
 		return struct{}{}, fn(ctx, tx)
-	}, append(opts, optionFunc(func(o *options) { o.noResponse = true }))...)
+	}, &o, obs)
 	if err != nil {
 		return false, err
 	}

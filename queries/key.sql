@@ -1,94 +1,110 @@
--- name: KeyClaim :one
--- KeyClaim claims (scope, key) for the calling transaction in one
--- statement: it sets the wait budget, inserts the claim, restores the
--- caller's lock_timeout, and returns the record that blocked the claim, if
--- the statement's snapshot can see it.
+-- name: KeyLock :one
+-- KeyLock takes the key's lock, a transaction-scoped advisory lock on a hash
+-- of (scope, key), if it is free, without waiting: a duplicate waits on it
+-- (KeyLockWait) while the first attempt runs, and no record is written
+-- until that attempt stores its answer. The lock only keeps duplicates
+-- waiting; the primary key still decides which write wins.
 --
--- A record committed by another transaction while this statement waited on
--- it is invisible to this statement's snapshot: the caller then gets neither
--- claimed nor a record, and reads it again with KeyGet. An expired record
--- comes back with expired set; the caller takes it over with KeyReclaim.
-WITH budget AS (
+-- Advisory locks are reentrant, so the lock alone cannot tell a second Do
+-- on the same key inside its own fn from a free key: the transaction keeps
+-- a list of the keys it locked in the transaction-local setting idem.held,
+-- and nested says whether this key was on it already.
+SELECT pg_try_advisory_xact_lock(@lock_id::bigint) AS locked,
+       strpos(held.ids, @mark::text) > 0 AS nested,
+       set_config('idem.held', held.ids || @mark::text, true) <> '' AS marked,
+       current_setting('transaction_isolation') = 'read committed' AS read_committed
+FROM (SELECT coalesce(current_setting('idem.held', true), '') AS ids) AS held;
+
+-- name: KeyLockWait :exec
+-- KeyLockWait waits for the key's lock under the wait budget, then restores
+-- the caller's lock_timeout, all in one statement. Reading waited runs the
+-- wait before the restore.
+WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
            set_config('lock_timeout', @lock_timeout::text, true) AS applied
 ),
-inserted AS (
-    INSERT INTO idempotency_key (scope, key, fingerprint, state, expires_at)
-    SELECT @scope::text, @key::text, @fingerprint::bytea, 'in_progress',
-           now() + @retention::interval
+waited AS MATERIALIZED (
+    SELECT pg_advisory_xact_lock(@lock_id::bigint)::text AS done
     FROM budget
     WHERE budget.applied IS NOT NULL
-    ON CONFLICT (scope, key) DO NOTHING
-    RETURNING 1
-),
-outcome AS (
-    SELECT count(*) > 0 AS claimed FROM inserted
 )
-SELECT outcome.claimed::bool AS claimed,
-       existing.fingerprint,
-       existing.state,
-       existing.response,
-       coalesce(existing.expires_at <= now(), false)::bool AS expired,
-       -- Reading outcome runs the insert, and with it any wait, before the
-       -- caller's lock_timeout comes back.
-       set_config('lock_timeout', budget.saved, outcome.claimed IS NOT NULL) AS restored
+SELECT set_config('lock_timeout', budget.saved, waited.done IS NOT NULL)
 FROM budget
-CROSS JOIN outcome
-LEFT JOIN idempotency_key AS existing
-    ON existing.scope = @scope::text
-   AND existing.key = @key::text;
-
--- name: KeyReclaim :one
--- KeyReclaim takes over an expired record for the calling transaction, with
--- the same wait budget as KeyClaim. Two concurrent reclaimers queue on the
--- row lock; the second finds the record live again and takes nothing.
-WITH budget AS (
-    SELECT current_setting('lock_timeout') AS saved,
-           set_config('lock_timeout', @lock_timeout::text, true) AS applied
-),
-reclaimed AS (
-    UPDATE idempotency_key
-    SET fingerprint = @fingerprint::bytea,
-        state = 'in_progress',
-        response = NULL,
-        created_at = now(),
-        expires_at = now() + @retention::interval
-    FROM budget
-    WHERE idempotency_key.scope = @scope::text
-      AND idempotency_key.key = @key::text
-      AND idempotency_key.expires_at <= now()
-      AND budget.applied IS NOT NULL
-    RETURNING 1
-),
-outcome AS (
-    SELECT count(*) > 0 AS claimed FROM reclaimed
-)
-SELECT outcome.claimed::bool AS claimed,
-       set_config('lock_timeout', budget.saved, outcome.claimed IS NOT NULL) AS restored
-FROM budget
-CROSS JOIN outcome;
+CROSS JOIN waited;
 
 -- name: KeyGet :one
--- KeyGet reads the live record for (scope, key) with a fresh snapshot.
-SELECT fingerprint, state, response
+-- KeyGet reads the key's record, live or expired, with a snapshot taken
+-- after KeyLock, so that a record committed by the lock's previous holder is
+-- seen (under READ COMMITTED).
+SELECT fingerprint, state, response, (expires_at <= now())::bool AS expired
 FROM idempotency_key
 WHERE scope = @scope::text
-  AND key = @key::text
-  AND expires_at > now();
+  AND key = @key::text;
+
+-- name: KeyInsert :exec
+-- KeyInsert writes the record of a completed operation, once, with its
+-- answer, in the transaction that ran it: one heap tuple and its index
+-- entries, nothing updated. Its transaction holds the key's lock, so a
+-- conflict means a writer that did not take it (an older idem during a
+-- rolling upgrade, or a hand-written statement): the unique violation aborts
+-- the transaction, fn's writes with it, and Run retries into a replay.
+INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
+VALUES (@scope::text, @key::text, @fingerprint::bytea, 'done',
+        -- Sent as text: pgx sends a []byte as bytea under the simple
+        -- protocol (PgBouncer set-ups), which jsonb would reject.
+        sqlc.narg(response)::text::jsonb,
+        now() + @retention::interval);
+
+-- name: KeyReplace :exec
+-- KeyReplace is KeyInsert for a key whose record has expired: it takes the
+-- expired record over. When the record is live again (a writer that did not
+-- take the key's lock), it fails with division_by_zero instead of
+-- succeeding quietly, so that a COMMIT pipelined behind it keeps nothing.
+WITH stored AS (
+    INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, response, expires_at)
+    VALUES (@scope::text, @key::text, @fingerprint::bytea, 'done',
+            sqlc.narg(response)::text::jsonb, now() + @retention::interval)
+    ON CONFLICT (scope, key) DO UPDATE
+    SET fingerprint = excluded.fingerprint,
+        state = excluded.state,
+        response = excluded.response,
+        created_at = excluded.created_at,
+        expires_at = excluded.expires_at
+    WHERE existing.expires_at <= now()
+    RETURNING 1
+)
+SELECT 1 / count(*) FROM stored;
+
+-- name: KeyClaim :one
+-- KeyClaim writes a claim in progress before fn runs, for transactions at
+-- REPEATABLE READ or SERIALIZABLE. Their snapshot may predate the commit of
+-- the key's previous holder, so KeyGet cannot see its record; an INSERT can:
+-- a conflict with a row the snapshot cannot see aborts with a serialization
+-- failure, and Run retries into a replay, before fn is ever called. An
+-- expired record is taken over. claimed is false only when a live record
+-- the snapshot can see is in the way.
+WITH claimed AS (
+    INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, expires_at)
+    VALUES (@scope::text, @key::text, @fingerprint::bytea, 'in_progress',
+            now() + @retention::interval)
+    ON CONFLICT (scope, key) DO UPDATE
+    SET fingerprint = excluded.fingerprint,
+        state = excluded.state,
+        response = NULL,
+        created_at = excluded.created_at,
+        expires_at = excluded.expires_at
+    WHERE existing.expires_at <= now()
+    RETURNING 1
+)
+SELECT (count(*) > 0)::bool AS claimed FROM claimed;
 
 -- name: KeyStoreResponse :exec
--- KeyStoreResponse completes a claim made by the same transaction. When the
--- claim is gone (fn itself deleted or completed the record), it fails with
--- division_by_zero instead of succeeding quietly: Run sends COMMIT in the
--- same pipeline, and only a failure stops that COMMIT from keeping fn's
--- writes without a record. It leaves expires_at alone, so that the update
--- touches no indexed column and stays a HOT update: retention counts from
--- the start of the claiming transaction.
+-- KeyStoreResponse completes a claim that KeyClaim wrote in the same
+-- transaction. When the claim is gone (fn itself deleted or completed the
+-- record), it fails with division_by_zero instead of succeeding quietly.
 WITH stored AS (
     UPDATE idempotency_key
     SET state = 'done',
-        -- Sent as text: pgx sends a []byte as bytea under the simple
-        -- protocol (PgBouncer set-ups), which jsonb would reject.
         response = sqlc.narg(response)::text::jsonb
     WHERE scope = @scope::text
       AND key = @key::text

@@ -12,89 +12,53 @@ import (
 )
 
 const keyClaim = `-- name: KeyClaim :one
-WITH budget AS (
-    SELECT current_setting('lock_timeout') AS saved,
-           set_config('lock_timeout', $3::text, true) AS applied
-),
-inserted AS (
-    INSERT INTO idempotency_key (scope, key, fingerprint, state, expires_at)
-    SELECT $1::text, $2::text, $4::bytea, 'in_progress',
-           now() + $5::interval
-    FROM budget
-    WHERE budget.applied IS NOT NULL
-    ON CONFLICT (scope, key) DO NOTHING
+WITH claimed AS (
+    INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, expires_at)
+    VALUES ($1::text, $2::text, $3::bytea, 'in_progress',
+            now() + $4::interval)
+    ON CONFLICT (scope, key) DO UPDATE
+    SET fingerprint = excluded.fingerprint,
+        state = excluded.state,
+        response = NULL,
+        created_at = excluded.created_at,
+        expires_at = excluded.expires_at
+    WHERE existing.expires_at <= now()
     RETURNING 1
-),
-outcome AS (
-    SELECT count(*) > 0 AS claimed FROM inserted
 )
-SELECT outcome.claimed::bool AS claimed,
-       existing.fingerprint,
-       existing.state,
-       existing.response,
-       coalesce(existing.expires_at <= now(), false)::bool AS expired,
-       -- Reading outcome runs the insert, and with it any wait, before the
-       -- caller's lock_timeout comes back.
-       set_config('lock_timeout', budget.saved, outcome.claimed IS NOT NULL) AS restored
-FROM budget
-CROSS JOIN outcome
-LEFT JOIN idempotency_key AS existing
-    ON existing.scope = $1::text
-   AND existing.key = $2::text
+SELECT (count(*) > 0)::bool AS claimed FROM claimed
 `
 
 type KeyClaimParams struct {
 	Scope       string
 	Key         string
-	LockTimeout string
 	Fingerprint []byte
 	Retention   pgtype.Interval
 }
 
-type KeyClaimRow struct {
-	Claimed     bool
-	Fingerprint []byte
-	State       pgtype.Text
-	Response    []byte
-	Expired     bool
-	Restored    string
-}
-
-// KeyClaim claims (scope, key) for the calling transaction in one
-// statement: it sets the wait budget, inserts the claim, restores the
-// caller's lock_timeout, and returns the record that blocked the claim, if
-// the statement's snapshot can see it.
-//
-// A record committed by another transaction while this statement waited on
-// it is invisible to this statement's snapshot: the caller then gets neither
-// claimed nor a record, and reads it again with KeyGet. An expired record
-// comes back with expired set; the caller takes it over with KeyReclaim.
-func (q *Queries) KeyClaim(ctx context.Context, arg KeyClaimParams) (KeyClaimRow, error) {
+// KeyClaim writes a claim in progress before fn runs, for transactions at
+// REPEATABLE READ or SERIALIZABLE. Their snapshot may predate the commit of
+// the key's previous holder, so KeyGet cannot see its record; an INSERT can:
+// a conflict with a row the snapshot cannot see aborts with a serialization
+// failure, and Run retries into a replay, before fn is ever called. An
+// expired record is taken over. claimed is false only when a live record
+// the snapshot can see is in the way.
+func (q *Queries) KeyClaim(ctx context.Context, arg KeyClaimParams) (bool, error) {
 	row := q.db.QueryRow(ctx, keyClaim,
 		arg.Scope,
 		arg.Key,
-		arg.LockTimeout,
 		arg.Fingerprint,
 		arg.Retention,
 	)
-	var i KeyClaimRow
-	err := row.Scan(
-		&i.Claimed,
-		&i.Fingerprint,
-		&i.State,
-		&i.Response,
-		&i.Expired,
-		&i.Restored,
-	)
-	return i, err
+	var claimed bool
+	err := row.Scan(&claimed)
+	return claimed, err
 }
 
 const keyGet = `-- name: KeyGet :one
-SELECT fingerprint, state, response
+SELECT fingerprint, state, response, (expires_at <= now())::bool AS expired
 FROM idempotency_key
 WHERE scope = $1::text
   AND key = $2::text
-  AND expires_at > now()
 `
 
 type KeyGetParams struct {
@@ -106,14 +70,56 @@ type KeyGetRow struct {
 	Fingerprint []byte
 	State       string
 	Response    []byte
+	Expired     bool
 }
 
-// KeyGet reads the live record for (scope, key) with a fresh snapshot.
+// KeyGet reads the key's record, live or expired, with a snapshot taken
+// after KeyLock, so that a record committed by the lock's previous holder is
+// seen (under READ COMMITTED).
 func (q *Queries) KeyGet(ctx context.Context, arg KeyGetParams) (KeyGetRow, error) {
 	row := q.db.QueryRow(ctx, keyGet, arg.Scope, arg.Key)
 	var i KeyGetRow
-	err := row.Scan(&i.Fingerprint, &i.State, &i.Response)
+	err := row.Scan(
+		&i.Fingerprint,
+		&i.State,
+		&i.Response,
+		&i.Expired,
+	)
 	return i, err
+}
+
+const keyInsert = `-- name: KeyInsert :exec
+INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
+VALUES ($1::text, $2::text, $3::bytea, 'done',
+        -- Sent as text: pgx sends a []byte as bytea under the simple
+        -- protocol (PgBouncer set-ups), which jsonb would reject.
+        $4::text::jsonb,
+        now() + $5::interval)
+`
+
+type KeyInsertParams struct {
+	Scope       string
+	Key         string
+	Fingerprint []byte
+	Response    pgtype.Text
+	Retention   pgtype.Interval
+}
+
+// KeyInsert writes the record of a completed operation, once, with its
+// answer, in the transaction that ran it: one heap tuple and its index
+// entries, nothing updated. Its transaction holds the key's lock, so a
+// conflict means a writer that did not take it (an older idem during a
+// rolling upgrade, or a hand-written statement): the unique violation aborts
+// the transaction, fn's writes with it, and Run retries into a replay.
+func (q *Queries) KeyInsert(ctx context.Context, arg KeyInsertParams) error {
+	_, err := q.db.Exec(ctx, keyInsert,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.Response,
+		arg.Retention,
+	)
+	return err
 }
 
 const keyInspect = `-- name: KeyInspect :one
@@ -153,6 +159,76 @@ func (q *Queries) KeyInspect(ctx context.Context, arg KeyInspectParams) (KeyInsp
 	return i, err
 }
 
+const keyLock = `-- name: KeyLock :one
+SELECT pg_try_advisory_xact_lock($1::bigint) AS locked,
+       strpos(held.ids, $2::text) > 0 AS nested,
+       set_config('idem.held', held.ids || $2::text, true) <> '' AS marked,
+       current_setting('transaction_isolation') = 'read committed' AS read_committed
+FROM (SELECT coalesce(current_setting('idem.held', true), '') AS ids) AS held
+`
+
+type KeyLockParams struct {
+	LockID int64
+	Mark   string
+}
+
+type KeyLockRow struct {
+	Locked        bool
+	Nested        bool
+	Marked        bool
+	ReadCommitted bool
+}
+
+// KeyLock takes the key's lock, a transaction-scoped advisory lock on a hash
+// of (scope, key), if it is free, without waiting: a duplicate waits on it
+// (KeyLockWait) while the first attempt runs, and no record is written
+// until that attempt stores its answer. The lock only keeps duplicates
+// waiting; the primary key still decides which write wins.
+//
+// Advisory locks are reentrant, so the lock alone cannot tell a second Do
+// on the same key inside its own fn from a free key: the transaction keeps
+// a list of the keys it locked in the transaction-local setting idem.held,
+// and nested says whether this key was on it already.
+func (q *Queries) KeyLock(ctx context.Context, arg KeyLockParams) (KeyLockRow, error) {
+	row := q.db.QueryRow(ctx, keyLock, arg.LockID, arg.Mark)
+	var i KeyLockRow
+	err := row.Scan(
+		&i.Locked,
+		&i.Nested,
+		&i.Marked,
+		&i.ReadCommitted,
+	)
+	return i, err
+}
+
+const keyLockWait = `-- name: KeyLockWait :exec
+WITH budget AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', $1::text, true) AS applied
+),
+waited AS MATERIALIZED (
+    SELECT pg_advisory_xact_lock($2::bigint)::text AS done
+    FROM budget
+    WHERE budget.applied IS NOT NULL
+)
+SELECT set_config('lock_timeout', budget.saved, waited.done IS NOT NULL)
+FROM budget
+CROSS JOIN waited
+`
+
+type KeyLockWaitParams struct {
+	LockTimeout string
+	LockID      int64
+}
+
+// KeyLockWait waits for the key's lock under the wait budget, then restores
+// the caller's lock_timeout, all in one statement. Reading waited runs the
+// wait before the restore.
+func (q *Queries) KeyLockWait(ctx context.Context, arg KeyLockWaitParams) error {
+	_, err := q.db.Exec(ctx, keyLockWait, arg.LockTimeout, arg.LockID)
+	return err
+}
+
 const keyPurgeExpired = `-- name: KeyPurgeExpired :execrows
 DELETE FROM idempotency_key
 WHERE (scope, key) IN (
@@ -175,63 +251,6 @@ func (q *Queries) KeyPurgeExpired(ctx context.Context, maxRows int32) (int64, er
 	return result.RowsAffected(), nil
 }
 
-const keyReclaim = `-- name: KeyReclaim :one
-WITH budget AS (
-    SELECT current_setting('lock_timeout') AS saved,
-           set_config('lock_timeout', $1::text, true) AS applied
-),
-reclaimed AS (
-    UPDATE idempotency_key
-    SET fingerprint = $2::bytea,
-        state = 'in_progress',
-        response = NULL,
-        created_at = now(),
-        expires_at = now() + $3::interval
-    FROM budget
-    WHERE idempotency_key.scope = $4::text
-      AND idempotency_key.key = $5::text
-      AND idempotency_key.expires_at <= now()
-      AND budget.applied IS NOT NULL
-    RETURNING 1
-),
-outcome AS (
-    SELECT count(*) > 0 AS claimed FROM reclaimed
-)
-SELECT outcome.claimed::bool AS claimed,
-       set_config('lock_timeout', budget.saved, outcome.claimed IS NOT NULL) AS restored
-FROM budget
-CROSS JOIN outcome
-`
-
-type KeyReclaimParams struct {
-	LockTimeout string
-	Fingerprint []byte
-	Retention   pgtype.Interval
-	Scope       string
-	Key         string
-}
-
-type KeyReclaimRow struct {
-	Claimed  bool
-	Restored string
-}
-
-// KeyReclaim takes over an expired record for the calling transaction, with
-// the same wait budget as KeyClaim. Two concurrent reclaimers queue on the
-// row lock; the second finds the record live again and takes nothing.
-func (q *Queries) KeyReclaim(ctx context.Context, arg KeyReclaimParams) (KeyReclaimRow, error) {
-	row := q.db.QueryRow(ctx, keyReclaim,
-		arg.LockTimeout,
-		arg.Fingerprint,
-		arg.Retention,
-		arg.Scope,
-		arg.Key,
-	)
-	var i KeyReclaimRow
-	err := row.Scan(&i.Claimed, &i.Restored)
-	return i, err
-}
-
 const keyRelease = `-- name: KeyRelease :exec
 DELETE FROM idempotency_key
 WHERE scope = $1::text
@@ -248,6 +267,46 @@ type KeyReleaseParams struct {
 // never left in progress.
 func (q *Queries) KeyRelease(ctx context.Context, arg KeyReleaseParams) error {
 	_, err := q.db.Exec(ctx, keyRelease, arg.Scope, arg.Key)
+	return err
+}
+
+const keyReplace = `-- name: KeyReplace :exec
+WITH stored AS (
+    INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, response, expires_at)
+    VALUES ($1::text, $2::text, $3::bytea, 'done',
+            $4::text::jsonb, now() + $5::interval)
+    ON CONFLICT (scope, key) DO UPDATE
+    SET fingerprint = excluded.fingerprint,
+        state = excluded.state,
+        response = excluded.response,
+        created_at = excluded.created_at,
+        expires_at = excluded.expires_at
+    WHERE existing.expires_at <= now()
+    RETURNING 1
+)
+SELECT 1 / count(*) FROM stored
+`
+
+type KeyReplaceParams struct {
+	Scope       string
+	Key         string
+	Fingerprint []byte
+	Response    pgtype.Text
+	Retention   pgtype.Interval
+}
+
+// KeyReplace is KeyInsert for a key whose record has expired: it takes the
+// expired record over. When the record is live again (a writer that did not
+// take the key's lock), it fails with division_by_zero instead of
+// succeeding quietly, so that a COMMIT pipelined behind it keeps nothing.
+func (q *Queries) KeyReplace(ctx context.Context, arg KeyReplaceParams) error {
+	_, err := q.db.Exec(ctx, keyReplace,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.Response,
+		arg.Retention,
+	)
 	return err
 }
 
@@ -293,8 +352,6 @@ const keyStoreResponse = `-- name: KeyStoreResponse :exec
 WITH stored AS (
     UPDATE idempotency_key
     SET state = 'done',
-        -- Sent as text: pgx sends a []byte as bytea under the simple
-        -- protocol (PgBouncer set-ups), which jsonb would reject.
         response = $1::text::jsonb
     WHERE scope = $2::text
       AND key = $3::text
@@ -310,13 +367,9 @@ type KeyStoreResponseParams struct {
 	Key      string
 }
 
-// KeyStoreResponse completes a claim made by the same transaction. When the
-// claim is gone (fn itself deleted or completed the record), it fails with
-// division_by_zero instead of succeeding quietly: Run sends COMMIT in the
-// same pipeline, and only a failure stops that COMMIT from keeping fn's
-// writes without a record. It leaves expires_at alone, so that the update
-// touches no indexed column and stays a HOT update: retention counts from
-// the start of the claiming transaction.
+// KeyStoreResponse completes a claim that KeyClaim wrote in the same
+// transaction. When the claim is gone (fn itself deleted or completed the
+// record), it fails with division_by_zero instead of succeeding quietly.
 func (q *Queries) KeyStoreResponse(ctx context.Context, arg KeyStoreResponseParams) error {
 	_, err := q.db.Exec(ctx, keyStoreResponse, arg.Response, arg.Scope, arg.Key)
 	return err

@@ -76,3 +76,27 @@ func CheckIdentifier(s string) error {
 	}
 	return nil
 }
+
+// LockTag fills the top 16 bits of every key's lock id, so that idem's
+// advisory locks can be told from an application's in pg_locks, where the
+// top half of a bigint lock id is classid: classid >> 16 is LockTag.
+const LockTag = 0x1de0
+
+// LockID is the id of the transaction-scoped advisory lock that a call
+// holds on (scope, key) from its claim until its transaction ends. pg_locks
+// shows it as locktype advisory, objsubid 1, classid its top 32 bits and
+// objid its bottom 32. Below LockTag, it is a 48-bit FNV-1a hash of scope
+// and key: two keys with the same hash only wait for each other, and the
+// primary key, not the lock, keeps their records apart.
+func LockID(scope, key string) int64 {
+	const offset, prime = 14695981039346656037, 1099511628211
+	h := uint64(offset)
+	for i := range len(scope) {
+		h = (h ^ uint64(scope[i])) * prime
+	}
+	h *= prime // a NUL byte between them: no identifier holds one
+	for i := range len(key) {
+		h = (h ^ uint64(key[i])) * prime
+	}
+	return LockTag<<48 | int64(h&(1<<48-1))
+}

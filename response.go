@@ -1,9 +1,70 @@
 package idem
 
 import (
+	"encoding/json"
+	"fmt"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 )
+
+// encodeResponse encodes v for the jsonb column, refusing what the column
+// would reject, so that the failure is typed, nothing is sent, and the
+// caller's transaction stays usable. With a codec, the sealed bytes are
+// stored as a JSON string.
+func encodeResponse(v any, scope string, o *options) ([]byte, error) {
+	encoded, err := json.Marshal(v)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrResponseNotStorable, err)
+	}
+	// encoding/json checks the syntax of a json.RawMessage or a Marshaler's
+	// output, not its encoding; PostgreSQL rejects invalid UTF-8 in text.
+	if !utf8.Valid(encoded) {
+		return nil, fmt.Errorf("%w: the JSON is not valid UTF-8", ErrResponseNotStorable)
+	}
+	if o.codec != nil {
+		sealed, err := o.codec.Seal(scope, encoded)
+		if err != nil {
+			return nil, fmt.Errorf("%w: seal: %w", ErrResponseNotStorable, err)
+		}
+		encoded, _ = json.Marshal(sealed) // a []byte always encodes
+	}
+	if len(encoded) > o.maxResponseSize {
+		return nil, fmt.Errorf("%w: %d bytes of JSON, limit %d", ErrResponseTooLarge, len(encoded), o.maxResponseSize)
+	}
+	switch problems := scanJSON(encoded); {
+	case problems&jsonbNUL != 0:
+		return nil, fmt.Errorf("%w: a string holds a NUL character, which jsonb cannot store", ErrResponseNotStorable)
+	case problems&jsonbLoneSurrogate != 0:
+		return nil, fmt.Errorf("%w: a string holds a lone UTF-16 surrogate escape, which jsonb rejects", ErrResponseNotStorable)
+	case problems&jsonbNumberRange != 0:
+		return nil, fmt.Errorf("%w: a number is beyond the range of jsonb's numeric type", ErrResponseNotStorable)
+	}
+	return encoded, nil
+}
+
+// replayed decodes a stored response into the result of a replay.
+func replayed[T any](stored []byte, scope string, o *options) (Result[T], error) {
+	res := Result[T]{Replayed: true}
+	if stored == nil {
+		return res, nil // the key recorded only that its operation ran (Once)
+	}
+	if o.codec != nil {
+		var sealed []byte
+		if err := json.Unmarshal(stored, &sealed); err != nil {
+			return Result[T]{}, fmt.Errorf("idem: stored response is not sealed by a codec: %w", err)
+		}
+		opened, err := o.codec.Open(scope, sealed)
+		if err != nil {
+			return Result[T]{}, fmt.Errorf("idem: open stored response: %w", err)
+		}
+		stored = opened
+	}
+	if err := json.Unmarshal(stored, &res.Value); err != nil {
+		return Result[T]{}, fmt.Errorf("idem: decode stored response: %w", err)
+	}
+	return res, nil
+}
 
 // jsonbProblem flags what PostgreSQL's jsonb rejects in valid JSON.
 type jsonbProblem uint8
@@ -23,6 +84,9 @@ const (
 const (
 	numericMaxIntegerDigits  = 131072
 	numericMaxFractionDigits = 16383
+	// numericMaxExponent bounds the exponent PostgreSQL's numeric input
+	// accepts at all, whatever the digits, zero included: INT_MAX / 2.
+	numericMaxExponent = 1<<30 - 1
 )
 
 // scanJSON returns every problem that valid JSON b has for jsonb, in one
@@ -114,7 +178,7 @@ func numberParts(lit string) (negative bool, digits string, fracLen int, exp int
 // toward the weight.
 func numericFits(lit string) bool {
 	_, digits, fracLen, exp, ok := numberParts(lit)
-	if !ok {
+	if !ok || exp >= numericMaxExponent || exp <= -numericMaxExponent {
 		return false
 	}
 	if scale := int64(fracLen) - exp; scale > numericMaxFractionDigits {

@@ -1,0 +1,171 @@
+package idem
+
+import (
+	"fmt"
+	"math"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Default values of the options.
+const (
+	// DefaultRetention is how long a record blocks its key unless
+	// [WithRetention] says otherwise.
+	DefaultRetention = 24 * time.Hour
+
+	// DefaultWait is how long a duplicate waits for a concurrent attempt
+	// unless [WithWait] says otherwise.
+	DefaultWait = 5 * time.Second
+
+	// DefaultMaxResponseSize is the largest stored value, in bytes of JSON,
+	// unless [WithMaxResponseSize] says otherwise.
+	DefaultMaxResponseSize = 1 << 20
+)
+
+// Option changes how [Do], [Run] and [Once] treat a key. Each option checks
+// its value when it is made: an option made from a value that cannot work
+// makes every call it is given to fail with [ErrInvalidOption], before
+// anything is sent to the database.
+type Option interface {
+	apply(*options) error
+}
+
+// optionFunc is a valid option.
+type optionFunc func(*options)
+
+func (f optionFunc) apply(o *options) error { f(o); return nil }
+
+// invalidOption is an option whose value was rejected when it was made.
+type invalidOption struct{ err error }
+
+func (i invalidOption) apply(*options) error { return i.err }
+
+func invalid(format string, args ...any) Option {
+	return invalidOption{fmt.Errorf("%w: "+format, append([]any{ErrInvalidOption}, args...)...)}
+}
+
+// options is what a call's options add up to.
+type options struct {
+	retention       time.Duration
+	wait            time.Duration
+	txOptions       pgx.TxOptions
+	maxResponseSize int
+	lookupFirst     bool
+	// noResponse stores no value: the key only records that fn ran (Once).
+	noResponse bool
+	observer   *Observer
+	codec      Codec
+}
+
+// newOptions applies opts over the defaults.
+func newOptions(opts []Option) (options, error) {
+	o := options{
+		retention:       DefaultRetention,
+		wait:            DefaultWait,
+		txOptions:       pgx.TxOptions{IsoLevel: pgx.ReadCommitted},
+		maxResponseSize: DefaultMaxResponseSize,
+	}
+	for _, opt := range opts {
+		if err := opt.apply(&o); err != nil {
+			return o, err
+		}
+	}
+	return o, nil
+}
+
+// WithRetention sets how long a completed record blocks its key and answers
+// retries with the stored value. After that the record counts as absent and
+// the key can be claimed again. Choose it longer than the longest time in
+// which a client, or anything that stores and forwards its requests, may
+// retry. It must be positive. Defaults to 24h.
+func WithRetention(d time.Duration) Option {
+	if d <= 0 {
+		return invalid("retention must be positive, got %s", d)
+	}
+	return optionFunc(func(o *options) { o.retention = d })
+}
+
+// WithWait sets how long a duplicate waits for a concurrent attempt on the
+// same key to finish. When that attempt commits in time, the duplicate
+// replays its outcome; when it rolls back, the duplicate runs the function
+// itself; past the budget, the duplicate returns [ErrInProgress]. Zero means
+// not at all (PostgreSQL's own lock_timeout of 0 would wait forever, so zero
+// is sent as the server's smallest budget, one millisecond). Negative
+// values, and values beyond lock_timeout's range (about 24 days), are
+// rejected. The budget covers only the wait for the key: the function and
+// the rest of the transaction keep the caller's own lock_timeout. A caller's
+// statement_timeout shorter than the budget cuts the wait short with the
+// driver's own error. Defaults to 5s.
+func WithWait(d time.Duration) Option {
+	if d < 0 || d > maxWait {
+		return invalid("wait must be between 0 and %s, got %s", maxWait, d)
+	}
+	return optionFunc(func(o *options) { o.wait = d })
+}
+
+// maxWait is the longest wait PostgreSQL's lock_timeout can express: its
+// largest value, in milliseconds, is the largest int32.
+const maxWait = math.MaxInt32 * time.Millisecond
+
+// lockTimeout spells the wait budget in whole milliseconds, rounded up, and
+// never zero, which PostgreSQL would read as "wait forever".
+func (o *options) lockTimeout() string {
+	ms := int64(o.wait / time.Millisecond)
+	if o.wait%time.Millisecond != 0 {
+		ms++
+	}
+	return strconv.FormatInt(max(ms, 1), 10)
+}
+
+// WithLookupFirst makes [Run] read the key before it begins a transaction.
+// A replay then costs one round trip and no transaction at all, instead of
+// two round trips; a first execution costs one round trip more. It pays
+// where retries are common: consumers of a queue that redelivers, endpoints
+// behind retrying proxies, or a service riding out a retry storm. [Do]
+// ignores it, as it does when Run is given a TxBeginner other than
+// *pgxpool.Pool, *pgxpool.Conn or *pgx.Conn. Defaults to off.
+func WithLookupFirst() Option { return optionFunc(func(o *options) { o.lookupFirst = true }) }
+
+// WithTxOptions sets the options of the transaction that [Run] begins, such
+// as its isolation level. [Do] ignores it: the caller owns that transaction.
+// Defaults to READ COMMITTED.
+func WithTxOptions(txOptions pgx.TxOptions) Option {
+	return optionFunc(func(o *options) { o.txOptions = txOptions })
+}
+
+// WithMaxResponseSize sets the largest value, in bytes of encoded JSON, that
+// is stored for replay. A larger value makes the call fail with
+// [ErrResponseTooLarge]. It must be positive. Defaults to 1 MiB.
+func WithMaxResponseSize(n int) Option {
+	if n <= 0 {
+		return invalid("max response size must be positive, got %d", n)
+	}
+	return optionFunc(func(o *options) { o.maxResponseSize = n })
+}
+
+// Codec seals a value's JSON encoding before it is stored and opens it when
+// a replay reads it back, so that stored responses, which may hold personal
+// data, can be encrypted or redacted. The scope is passed along for
+// per-tenant keys. Sealed bytes are stored as a JSON string.
+//
+// Records sealed with one codec open only with a codec that understands
+// them: when changing codecs, keep opening the old form until the
+// retention of the records sealed with it has passed.
+type Codec interface {
+	Seal(scope string, plaintext []byte) ([]byte, error)
+	Open(scope string, sealed []byte) ([]byte, error)
+}
+
+// WithCodec stores values sealed by codec, and opens them on replay.
+// Defaults to none: values are stored as plain JSON.
+func WithCodec(codec Codec) Option {
+	return optionFunc(func(o *options) { o.codec = codec })
+}
+
+// WithObserver records the call's outcome, claim duration and span with
+// observer (see [NewObserver]). Defaults to none.
+func WithObserver(observer *Observer) Option {
+	return optionFunc(func(o *options) { o.observer = observer })
+}

@@ -1,0 +1,201 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem/internal/dbsqlc"
+)
+
+// Run begins a transaction on db, runs [Do] in it with the same arguments,
+// and commits: the usual way to make one write exactly-once when the caller
+// has no transaction of its own. Like [WithTx], it retries the whole
+// transaction on serialization failures and deadlocks, so that under
+// SERIALIZABLE a duplicate that loses the race sees a replay, not an error.
+// A replay rolls its transaction back: it wrote nothing.
+//
+// The transaction is READ COMMITTED unless [WithTxOptions] says otherwise.
+// Given a *pgxpool.Pool, *pgxpool.Conn or *pgx.Conn, Run sends BEGIN in the
+// same round trip as the claim, and the record in the same round trip as
+// COMMIT: a first execution costs as many round trips as fn's own
+// statements in a transaction of their own, and a replay two. A
+// [pgx.TxOptions] BeginQuery or CommitQuery is run as given, in a round
+// trip of its own.
+func Run[T any](ctx context.Context, db TxBeginner, scope, key string, fp []byte,
+	fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...Option,
+) (_ Result[T], err error) {
+	o, err := newOptions(opts)
+	ctx, obs := o.observer.observe(ctx, "idem.Run")
+	defer func() { obs.end(ctx, scope, key, err) }()
+	if err != nil {
+		return Result[T]{}, err
+	}
+	k, err := newKeyRef(scope, key, fp)
+	if err != nil {
+		return Result[T]{}, err
+	}
+	var res Result[T]
+	err = retry(ctx, func() error {
+		var err error
+		res, err = runOnce(ctx, db, k, fn, &o, obs)
+		return err
+	})
+	if err != nil {
+		return Result[T]{}, err
+	}
+	return res, nil
+}
+
+// runOnce is one attempt of Run: lookup (WithLookupFirst), BEGIN and claim,
+// fn, then the record and COMMIT.
+func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
+	fn func(ctx context.Context, tx pgx.Tx) (T, error), o *options, obs *observation,
+) (Result[T], error) {
+	conn, release, err := ownConn(ctx, beginner)
+	if err != nil {
+		return Result[T]{}, fmt.Errorf("idem: acquire connection: %w", err)
+	}
+	defer release()
+
+	if conn != nil && o.lookupFirst {
+		stored, found, err := lookup(ctx, dbsqlc.New(conn), k)
+		if err != nil {
+			return Result[T]{}, err
+		}
+		if found {
+			obs.claimDone(outcomeReplayed)
+			return replayed[T](stored, k.scope, o)
+		}
+	}
+
+	// BEGIN travels with the claim, unless the caller's BeginQuery must run
+	// as given: a batch sends each query as one statement, and a BeginQuery
+	// may hold several.
+	b := &pgx.Batch{}
+	var tx pgx.Tx
+	var db sender = conn
+	switch {
+	case conn != nil && o.txOptions.BeginQuery == "":
+		b.BeginTx(o.txOptions)
+	case conn != nil:
+		tx, err = conn.BeginTx(ctx, o.txOptions)
+	default:
+		tx, err = beginner.BeginTx(ctx, o.txOptions)
+	}
+	if err != nil {
+		return Result[T]{}, translate("idem: begin", err)
+	}
+	if tx != nil {
+		db = tx
+	}
+	c, began, err := claim(ctx, db, tx, b, k, o)
+	if tx == nil {
+		tx = began
+	}
+	finished := false
+	defer func() {
+		if !finished && tx != nil {
+			rollback(ctx, tx)
+		}
+	}()
+	obs.claimDone(c.outcome)
+	if err != nil {
+		return Result[T]{}, err
+	}
+	if c.outcome == outcomeReplayed {
+		return replayed[T](c.stored, k.scope, o) // the deferred rollback ends tx
+	}
+
+	res, s, err := execute(ctx, tx, k, c, fn, o)
+	if err != nil {
+		return Result[T]{}, err
+	}
+	finished = true
+	// A CommitQuery of the caller's must run as given, outside the pipeline.
+	if err := commitWith(ctx, tx, conn != nil && o.txOptions.CommitQuery == "", s); err != nil {
+		return Result[T]{}, err
+	}
+	return res, nil
+}
+
+// commitWith records the operation and commits. On a connection Run drives
+// itself both go in one round trip; the pgx.Tx is then left unclosed, which
+// is harmless: the server's transaction ended with the batch, and the
+// connection goes back to its pool idle. Nothing may touch tx afterwards:
+// the connection may already serve someone else.
+func commitWith(ctx context.Context, tx pgx.Tx, pipelined bool, s store) error {
+	if !pipelined {
+		if err := s.queue(ctx, dbsqlc.New(tx)); err != nil {
+			rollback(ctx, tx)
+			return translateStore(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return translate("idem: commit", err)
+		}
+		return nil
+	}
+
+	batch := &pgx.Batch{}
+	q := dbsqlc.Queue(batch)
+	_ = s.queue(ctx, q) // queuing cannot fail
+	_ = q.TxCommit(ctx)
+	results := tx.SendBatch(ctx, batch)
+	var tag pgconn.CommandTag
+	var err error
+	for range batch.Len() {
+		if tag, err = results.Exec(); err != nil {
+			break
+		}
+	}
+	if closeErr := results.Close(); err == nil {
+		err = closeErr
+	}
+	if err == nil && tag.String() == "ROLLBACK" {
+		err = pgx.ErrTxCommitRollback
+	}
+	if err != nil {
+		if tx.Conn().PgConn().TxStatus() != 'I' {
+			rollback(ctx, tx)
+		}
+		return translateStore(err)
+	}
+	return nil
+}
+
+// lookup reads the key's live record outside any transaction, and reports
+// found when it holds a completed operation to replay.
+func lookup(ctx context.Context, q *dbsqlc.Queries, k keyRef) (stored []byte, found bool, err error) {
+	rec, err := q.KeyGet(ctx, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key})
+	if errors.Is(err, pgx.ErrNoRows) || (err == nil && (rec.Expired || rec.State != stateDone)) {
+		return nil, false, nil
+	}
+	if err != nil {
+		return nil, false, translate("idem: look up key", err)
+	}
+	c, err := judge(rec, k.fp)
+	return c.stored, err == nil, err
+}
+
+// ownConn returns the connection under beginner when it is one Run may
+// drive directly, with the function that gives it back. For any other
+// TxBeginner it returns a nil connection.
+func ownConn(ctx context.Context, beginner TxBeginner) (*pgx.Conn, func(), error) {
+	switch b := beginner.(type) {
+	case *pgxpool.Pool:
+		pc, err := b.Acquire(ctx)
+		if err != nil {
+			return nil, func() {}, err
+		}
+		return pc.Conn(), pc.Release, nil
+	case *pgxpool.Conn:
+		return b.Conn(), func() {}, nil
+	case *pgx.Conn:
+		return b, func() {}, nil
+	}
+	return nil, func() {}, nil
+}
