@@ -5,7 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-		"strconv"
+	"strconv"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
