@@ -719,16 +719,26 @@ func TestStoredValuesReplayEqual(t *testing.T) {
 	}
 }
 
+// rawMarshaler is a Marshaler that answers its own bytes, as a hand-written
+// MarshalJSON may.
+type rawMarshaler string
+
+func (m rawMarshaler) MarshalJSON() ([]byte, error) { return []byte(m), nil }
+
 func TestUnstorableValuesFailTyped(t *testing.T) {
 	ctx, pool, scope := setup(t)
 	cases := map[string]any{
-		"NUL in a string":                    "a\x00b",
-		"NUL in a key":                       map[string]int{"a\x00": 1},
-		"channel":                            make(chan int),
-		"lone surrogate":                     json.RawMessage(`"\ud800"`),
-		"number beyond numeric, integer":     json.RawMessage(`1e1000000`),
-		"number beyond numeric, fraction":    json.Number("1.5e-16383"),
-		"number beyond numeric, json.Number": json.Number("1e200000"),
+		"NUL in a string":                       "a\x00b",
+		"NUL in a key":                          map[string]int{"a\x00": 1},
+		"channel":                               make(chan int),
+		"lone surrogate":                        json.RawMessage(`"\ud800"`),
+		"number beyond numeric, integer":        json.RawMessage(`1e1000000`),
+		"number beyond numeric, fraction":       json.Number("1.5e-16383"),
+		"number beyond numeric, json.Number":    json.Number("1e200000"),
+		"zero with an exponent numeric rejects": json.RawMessage(`0e1073741823`),
+		"zero with a huge negative exponent":    json.RawMessage(`-0E-1073741823`),
+		"invalid UTF-8 in a json.RawMessage":    json.RawMessage("\"\xff\""),
+		"invalid UTF-8 from a Marshaler":        rawMarshaler("{\"name\": \"\xc3\x28\"}"),
 	}
 	for name, v := range cases {
 		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
@@ -881,7 +891,7 @@ func TestRunLookupFirst(t *testing.T) {
 
 func TestNumbersAtJsonbsLimitsAreStored(t *testing.T) {
 	ctx, pool, scope := setup(t)
-	for i, n := range []string{`1e131071`, `1e-16383`, `1.5e-16382`, `-0.0e131073`} {
+	for i, n := range []string{`1e131071`, `1e-16383`, `1.5e-16382`, `-0.0e131073`, `0e1073741822`} {
 		key := fmt.Sprintf("n%d", i)
 		run := func() (idem.Result[json.RawMessage], error) {
 			return idem.Run(ctx, pool, scope, key, nil, func(context.Context, pgx.Tx) (json.RawMessage, error) {
@@ -910,18 +920,36 @@ func fingerprintOf(t *testing.T, doc json.RawMessage) []byte {
 	return fp
 }
 
+// execModes are pgx's query exec modes, by their connection-string names.
+var execModes = []string{"cache_statement", "cache_describe", "describe_exec", "exec", "simple_protocol"}
+
+// poolInMode opens a pool on the test database in one exec mode, closed
+// when the test ends.
+func poolInMode(t *testing.T, mode string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(env.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.DefaultQueryExecMode = map[string]pgx.QueryExecMode{
+		"cache_statement": pgx.QueryExecModeCacheStatement,
+		"cache_describe":  pgx.QueryExecModeCacheDescribe,
+		"describe_exec":   pgx.QueryExecModeDescribeExec,
+		"exec":            pgx.QueryExecModeExec,
+		"simple_protocol": pgx.QueryExecModeSimpleProtocol,
+	}[mode]
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
 func TestRunInEveryQueryExecMode(t *testing.T) {
 	ctx, _, scope := setup(t)
-	for _, mode := range []string{"cache_statement", "cache_describe", "describe_exec", "exec", "simple_protocol"} {
-		url := env.URL(t)
-		sep := "?"
-		if strings.Contains(url, "?") {
-			sep = "&"
-		}
-		pool, err := pgxpool.New(ctx, url+sep+"default_query_exec_mode="+mode)
-		if err != nil {
-			t.Fatal(err)
-		}
+	for _, mode := range execModes {
+		pool := poolInMode(t, mode)
 		var calls atomic.Int64
 		key := "k-" + mode
 		first, err := idem.Run(ctx, pool, scope, key, fpA, pay(scope, key, 1, &calls))
@@ -939,7 +967,42 @@ func TestRunInEveryQueryExecMode(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: Once: %v", mode, err)
 		}
-		pool.Close()
+	}
+}
+
+// TestRunHonoursAMultiStatementBeginQuery gives Run a BeginQuery of two
+// statements, which WithTx accepts, in every exec mode: Run must run it as
+// given (fn sees its setting), and read its own results right after it.
+func TestRunHonoursAMultiStatementBeginQuery(t *testing.T) {
+	ctx, _, scope := setup(t)
+	begin := idem.WithTxOptions(pgx.TxOptions{
+		BeginQuery: `BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = '4321ms'`,
+	})
+	for _, mode := range execModes {
+		pool := poolInMode(t, mode)
+		var calls atomic.Int64
+		key := "k-" + mode
+		fn := func(ctx context.Context, tx pgx.Tx) (payment, error) {
+			var timeout string
+			if err := tx.QueryRow(ctx, `SHOW statement_timeout`).Scan(&timeout); err != nil {
+				return payment{}, err
+			}
+			if timeout != "4321ms" {
+				t.Errorf("%s: fn runs with statement_timeout %s; BeginQuery set 4321ms", mode, timeout)
+			}
+			return pay(scope, key, 1, &calls)(ctx, tx)
+		}
+		first, err := idem.Run(ctx, pool, scope, key, fpA, fn, begin)
+		if err != nil || first.Replayed {
+			t.Fatalf("%s: first: %+v, %v", mode, first, err)
+		}
+		replay, err := idem.Run(ctx, pool, scope, key, fpA, fn, begin)
+		if err != nil || !replay.Replayed || replay.Value != first.Value {
+			t.Fatalf("%s: replay: %+v, %v; want %+v", mode, replay, err, first.Value)
+		}
+		if calls.Load() != 1 {
+			t.Fatalf("%s: fn ran %d times", mode, calls.Load())
+		}
 	}
 }
 

@@ -3,6 +3,7 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -81,5 +82,42 @@ func TestOnceFailureRecordsNothing(t *testing.T) {
 	}
 	if _, err := idem.Once(ctx, panicTx{}, scope, "", nil); !errors.Is(err, idem.ErrInvalidKey) {
 		t.Fatalf("empty id: %v, want ErrInvalidKey", err)
+	}
+}
+
+// TestOnceLeavesTheCallersOptionsAlone gives Once an option slice with room
+// to grow, as a consumer that keeps its options in one place does, from
+// several goroutines at once, and gives Do a slice appended to it once at
+// start-up, which shares its backing array. Once must write into neither:
+// concurrent Once calls would race, and Do would pick up Once's "store no
+// response" and replay a zero value.
+func TestOnceLeavesTheCallersOptionsAlone(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	opts := make([]idem.Option, 1, 8)
+	opts[0] = idem.WithWait(time.Second)
+	doOpts := append(opts, idem.WithRetention(time.Hour))
+
+	var wg sync.WaitGroup
+	for i := range 10 {
+		wg.Go(func() {
+			err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+				_, err := idem.Once(ctx, tx, scope, fmt.Sprintf("msg-%d", i), func(context.Context, pgx.Tx) error { return nil }, opts...)
+				return err
+			})
+			if err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	wg.Wait()
+
+	var calls atomic.Int64
+	first, err := idem.Run(ctx, pool, scope, "pay", fpA, pay(scope, "pay", 7, &calls), doOpts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	replay, err := idem.Run(ctx, pool, scope, "pay", fpA, pay(scope, "pay", 7, &calls), doOpts...)
+	if err != nil || !replay.Replayed || replay.Value != first.Value {
+		t.Fatalf("replay: %+v, %v; want %+v", replay, err, first.Value)
 	}
 }
