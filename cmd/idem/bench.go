@@ -14,7 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/bench"
+	"github.com/pgidem/idem/cmd/idem/internal/bench"
 )
 
 func runBench(ctx context.Context, args []string, stdout io.Writer) error {
