@@ -1,0 +1,90 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"time"
+
+	embeddedpostgres "github.com/fergusstrange/embedded-postgres"
+)
+
+// embeddedTimeout bounds the download and start of an embedded server: its
+// library downloads with no deadline of its own, and a network that drops
+// packets would otherwise hang the command.
+var embeddedTimeout = 90 * time.Second
+
+// embeddedRepository is where embedded-postgres downloads PostgreSQL from;
+// empty means its default (Maven Central). Tests point it elsewhere.
+var embeddedRepository = ""
+
+// startEmbedded starts a PostgreSQL server fetched by embedded-postgres,
+// in a temporary directory removed at the end.
+func startEmbedded(ctx context.Context, stdout io.Writer, command string) (*scratch, error) {
+	if os.Geteuid() == 0 {
+		return nil, errors.New("embedded-postgres cannot run PostgreSQL as root, and PostgreSQL refuses to run as root")
+	}
+	dir, err := os.MkdirTemp("", "idem-embedded-")
+	if err != nil {
+		return nil, err
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	password := randomHex(16)
+	cfg := embeddedpostgres.DefaultConfig().
+		Version(embeddedpostgres.V16).
+		Port(uint32(port)).
+		Username("postgres").
+		Password(password).
+		Database("postgres").
+		RuntimePath(filepath.Join(dir, "run")).
+		DataPath(filepath.Join(dir, "data")).
+		StartParameters(map[string]string{"listen_addresses": "127.0.0.1"}).
+		StartTimeout(time.Minute).
+		Logger(io.Discard)
+	if embeddedRepository != "" {
+		cfg = cfg.BinaryRepositoryURL(embeddedRepository)
+	}
+	fmt.Fprintf(stdout, "idem %s: no DATABASE_URL, PG* variables or local PostgreSQL installation; fetching one with embedded-postgres (at most %s)\n",
+		command, embeddedTimeout)
+	server := embeddedpostgres.NewDatabase(cfg)
+	started := make(chan error, 1)
+	go func() { started <- server.Start() }()
+	select {
+	case err = <-started:
+	case <-time.After(embeddedTimeout):
+		err = fmt.Errorf("no PostgreSQL downloaded and started within %s (is the network reachable?)", embeddedTimeout)
+	case <-ctx.Done():
+		err = ctx.Err()
+	}
+	if err != nil {
+		// A start still under way owns dir; leave it to the OS's cleaning
+		// of temporary files rather than race it.
+		select {
+		case <-started:
+			os.RemoveAll(dir)
+		default:
+		}
+		return nil, fmt.Errorf("embedded-postgres: %w", err)
+	}
+	s := &scratch{
+		URL:    fmt.Sprintf("postgres://postgres:%s@127.0.0.1:%d/postgres?sslmode=disable", password, port),
+		stdout: stdout,
+		what:   "the embedded server and its directory " + dir,
+	}
+	s.cleanup = func() error {
+		err := server.Stop()
+		return errors.Join(err, os.RemoveAll(dir))
+	}
+	fmt.Fprintf(stdout, "idem %s: on an embedded PostgreSQL 16 on 127.0.0.1:%d, removed at the end\n", command, port)
+	return s, nil
+}
