@@ -158,11 +158,12 @@ func openScratch(ctx context.Context, stdout io.Writer, command string) (*scratc
 	if configured() {
 		return scratchOnServer(ctx, stdout, command, os.Getenv("DATABASE_URL"), name)
 	}
-	srv, localErr := pgtemp.Start(ctx)
+	// PostgreSQL's durable defaults: bench measures with them.
+	srv, localErr := pgtemp.Start(ctx, pgtemp.Options{})
 	if localErr == nil {
 		s := &scratch{URL: srv.URL, cleanup: srv.Stop, stdout: stdout,
 			what: "the throwaway server and its directory " + srv.Dir}
-		fmt.Fprintf(stdout, "idem %s: no DATABASE_URL or PG* variables, so on a throwaway PostgreSQL %s (%s, run as %s) on 127.0.0.1, removed at the end\n",
+		fmt.Fprintf(stdout, "idem %s: no DATABASE_URL or PG* variables: running on a throwaway PostgreSQL %s (%s, as %s) on 127.0.0.1, removed at the end\n",
 			command, srv.Version, srv.BinDir, srv.User)
 		return s, nil
 	}

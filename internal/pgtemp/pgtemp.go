@@ -111,9 +111,18 @@ func isExecutable(path string) bool {
 	return err == nil && !info.IsDir() && info.Mode()&0o111 != 0
 }
 
+// Options configures Start. The zero value is a server as durable as
+// PostgreSQL's defaults make it.
+type Options struct {
+	// Fast turns off fsync, full-page writes and synchronous commit: for
+	// tests, whose data nobody needs after a crash. Benchmarks want the
+	// defaults.
+	Fast bool
+}
+
 // Start initializes and starts a server. It gives up when ctx ends; the
 // returned Server must be stopped with Stop.
-func Start(ctx context.Context) (*Server, error) {
+func Start(ctx context.Context, opts Options) (*Server, error) {
 	binDir, err := Find()
 	if err != nil {
 		return nil, err
@@ -176,7 +185,7 @@ func Start(ctx context.Context) (*Server, error) {
 		if err != nil {
 			return nil, err
 		}
-		lastErr = s.run(ctx, data, port, cred, password)
+		lastErr = s.run(ctx, data, port, cred, password, opts)
 		if lastErr == nil {
 			ok = true
 			return s, nil
@@ -188,7 +197,7 @@ func Start(ctx context.Context) (*Server, error) {
 	return nil, lastErr
 }
 
-func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.Credential, password string) error {
+func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.Credential, password string, opts Options) error {
 	logPath := filepath.Join(s.Dir, "postgres.log")
 	logFile, err := os.Create(logPath)
 	if err != nil {
@@ -201,16 +210,17 @@ func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.C
 	// postgres itself, not pg_ctl, so that it stays our child: on Linux it
 	// is sent SIGQUIT (an immediate shutdown) when this process dies,
 	// however it dies.
-	cmd := exec.Command(filepath.Join(s.BinDir, "postgres"), "-D", data,
+	args := []string{"-D", data,
 		"-c", "listen_addresses=127.0.0.1",
-		"-c", "port="+strconv.Itoa(port),
-		"-c", "unix_socket_directories="+s.Dir,
+		"-c", "port=" + strconv.Itoa(port),
+		"-c", "unix_socket_directories=" + s.Dir,
 		"-c", "max_connections=300",
-		"-c", "fsync=off",
-		"-c", "full_page_writes=off",
-		"-c", "synchronous_commit=off",
 		"-c", "log_min_messages=warning",
-	)
+	}
+	if opts.Fast {
+		args = append(args, "-c", "fsync=off", "-c", "full_page_writes=off", "-c", "synchronous_commit=off")
+	}
+	cmd := exec.Command(filepath.Join(s.BinDir, "postgres"), args...)
 	cmd.Env = childEnv()
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}

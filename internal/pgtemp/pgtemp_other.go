@@ -18,8 +18,11 @@ const Where = "a Unix system's PostgreSQL installation"
 // Find finds nothing: throwaway servers need a Unix system.
 func Find() (string, error) { return "", errors.New("throwaway servers need a Unix system") }
 
+// Options configures Start; see the Unix implementation.
+type Options struct{ Fast bool }
+
 // Start fails: throwaway servers need a Unix system.
-func Start(context.Context) (*Server, error) {
+func Start(context.Context, Options) (*Server, error) {
 	return nil, errors.New("throwaway servers need a Unix system")
 }
 

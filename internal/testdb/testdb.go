@@ -132,7 +132,7 @@ func acquire(ctx context.Context) (url, desc string, stop func(), err error) {
 Fix TEST_DATABASE_URL (each run creates and drops a database of its own
 there), or unset it to let the tests start PostgreSQL themselves, in a
 container where Docker runs or from a local installation. go test -short
-skips the database tests.`, redact(url), err)
+skips the database tests`, redact(url), err)
 		}
 		_ = conn.Close(ctx)
 		return url, "TEST_DATABASE_URL (" + redact(url) + ")", func() {}, nil
@@ -141,7 +141,7 @@ skips the database tests.`, redact(url), err)
 	if containerErr == nil {
 		return url, "a postgres container (testcontainers-go)", stop, nil
 	}
-	srv, localErr := pgtemp.Start(ctx)
+	srv, localErr := pgtemp.Start(ctx, pgtemp.Options{Fast: true})
 	if localErr == nil {
 		desc := fmt.Sprintf("a throwaway PostgreSQL %s from %s, run as %s in %s", srv.Version, srv.BinDir, srv.User, srv.Dir)
 		return srv.URL, desc, func() { _ = srv.Stop() }, nil
@@ -156,7 +156,7 @@ To fix it, do one of these:
   - start Docker
   - install PostgreSQL (Debian, Ubuntu: apt-get install postgresql;
     macOS: brew install postgresql), or put its initdb and postgres on PATH
-or run go test -short to skip the database tests.`, oneLine(containerErr), oneLine(localErr))
+or run go test -short to skip the database tests`, oneLine(containerErr), oneLine(localErr))
 }
 
 func oneLine(err error) string {
