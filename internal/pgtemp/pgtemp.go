@@ -190,7 +190,9 @@ func Start(ctx context.Context, opts Options) (*Server, error) {
 			ok = true
 			return s, nil
 		}
-		if ctx.Err() != nil {
+		// Only a server that exited (most often: the port was taken) is
+		// worth another try.
+		if !errors.Is(lastErr, errExited) {
 			break
 		}
 	}
@@ -246,16 +248,33 @@ func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.C
 		case <-s.exited:
 			log, _ := os.ReadFile(logPath)
 			s.cmd = nil
-			return fmt.Errorf("postgres (%s, as %s) exited during start-up:\n%s", s.BinDir, s.User, tail(log))
+			return fmt.Errorf("postgres (%s, as %s) %w:\n%s", s.BinDir, s.User, errExited, tail(log))
 		case <-ctx.Done():
+			s.kill()
 			return ctx.Err()
 		case <-time.After(50 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
+			s.kill()
 			log, _ := os.ReadFile(logPath)
 			return fmt.Errorf("postgres did not accept connections within a minute: %v\n%s", err, tail(log))
 		}
 	}
+}
+
+// errExited is a server that exited while starting.
+var errExited = errors.New("exited during start-up")
+
+// kill stops a server that failed to start, at once.
+func (s *Server) kill() {
+	_ = s.cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-s.exited:
+	case <-time.After(5 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-s.exited
+	}
+	s.cmd = nil
 }
 
 // Stop stops the server (a fast shutdown, an immediate one after ten
