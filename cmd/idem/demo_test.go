@@ -5,6 +5,7 @@ import (
 	"net"
 	neturl "net/url"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -187,6 +188,8 @@ func TestEmbeddedServerFailsFastWithAClearMessage(t *testing.T) {
 	embeddedRepository, embeddedTimeout = "http://"+l.Addr().String(), 2*time.Second
 	defer func() { embeddedRepository, embeddedTimeout = oldRepo, oldTimeout }()
 	t.Setenv("HOME", t.TempDir()) // no cached download
+	tmp := t.TempDir()
+	t.Setenv("TMPDIR", tmp)
 
 	started := time.Now()
 	var out strings.Builder
@@ -201,5 +204,8 @@ func TestEmbeddedServerFailsFastWithAClearMessage(t *testing.T) {
 	}
 	if !strings.Contains(err.Error(), want) || took > 10*time.Second {
 		t.Fatalf("after %s: %v; want an error saying %q within seconds", took, err, want)
+	}
+	if left, _ := filepath.Glob(filepath.Join(tmp, "*")); len(left) > 0 {
+		t.Fatalf("a failed embedded start left %v behind", left)
 	}
 }

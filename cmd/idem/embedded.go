@@ -57,6 +57,17 @@ func startEmbedded(ctx context.Context, stdout io.Writer, command string) (*scra
 	fmt.Fprintf(stdout, "idem %s: no DATABASE_URL, PG* variables or local PostgreSQL installation; fetching one with embedded-postgres (at most %s)\n",
 		command, embeddedTimeout)
 	server := embeddedpostgres.NewDatabase(cfg)
+	// embedded-postgres keeps its log in a temporary file it never removes:
+	// have it made in dir, which is. Nothing else runs in the command yet.
+	oldTmp, hadTmp := os.LookupEnv("TMPDIR")
+	os.Setenv("TMPDIR", dir)
+	defer func() {
+		if hadTmp {
+			os.Setenv("TMPDIR", oldTmp)
+		} else {
+			os.Unsetenv("TMPDIR")
+		}
+	}()
 	started := make(chan error, 1)
 	go func() { started <- server.Start() }()
 	select {
@@ -67,13 +78,9 @@ func startEmbedded(ctx context.Context, stdout io.Writer, command string) (*scra
 		err = ctx.Err()
 	}
 	if err != nil {
-		// A start still under way owns dir; leave it to the OS's cleaning
-		// of temporary files rather than race it.
-		select {
-		case <-started:
-			os.RemoveAll(dir)
-		default:
-		}
+		// A download still under way writes to the cache, not to dir; the
+		// command exits before it could get further.
+		os.RemoveAll(dir)
 		return nil, fmt.Errorf("embedded-postgres: %w", err)
 	}
 	s := &scratch{
