@@ -208,4 +208,22 @@ func TestEmbeddedServerFailsFastWithAClearMessage(t *testing.T) {
 	if left, _ := filepath.Glob(filepath.Join(tmp, "*")); len(left) > 0 {
 		t.Fatalf("a failed embedded start left %v behind", left)
 	}
+
+	// A repository that cannot be reached at all: at once.
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	embeddedRepository = "http://" + closed.Addr().String()
+	closed.Close()
+	started = time.Now()
+	_, err = startEmbedded(context.Background(), &out, "demo")
+	took = time.Since(started)
+	want = "cannot reach " + embeddedRepository
+	if os.Geteuid() == 0 {
+		want = "root"
+	}
+	if err == nil || !strings.Contains(err.Error(), want) || took > time.Second {
+		t.Fatalf("after %s: %v; want an error saying %q at once", took, err, want)
+	}
 }

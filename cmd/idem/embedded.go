@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	neturl "net/url"
 	"os"
 	"path/filepath"
 	"time"
@@ -18,15 +19,41 @@ import (
 // packets would otherwise hang the command.
 var embeddedTimeout = 90 * time.Second
 
-// embeddedRepository is where embedded-postgres downloads PostgreSQL from;
-// empty means its default (Maven Central). Tests point it elsewhere.
-var embeddedRepository = ""
+// embeddedRepository is where embedded-postgres downloads PostgreSQL from:
+// its default, Maven Central. Tests point it elsewhere.
+var embeddedRepository = "https://repo1.maven.org/maven2"
+
+// probeRepository fails fast when the repository cannot be reached at all,
+// before a download that might wait on it for long.
+func probeRepository(ctx context.Context) error {
+	u, err := neturl.Parse(embeddedRepository)
+	if err != nil {
+		return err
+	}
+	port := u.Port()
+	if port == "" {
+		port = "443"
+		if u.Scheme == "http" {
+			port = "80"
+		}
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	conn, err := new(net.Dialer).DialContext(ctx, "tcp", net.JoinHostPort(u.Hostname(), port))
+	if err != nil {
+		return fmt.Errorf("cannot reach %s, where it downloads PostgreSQL from: %w", embeddedRepository, err)
+	}
+	return conn.Close()
+}
 
 // startEmbedded starts a PostgreSQL server fetched by embedded-postgres,
 // in a temporary directory removed at the end.
 func startEmbedded(ctx context.Context, stdout io.Writer, command string) (*scratch, error) {
 	if os.Geteuid() == 0 {
 		return nil, errors.New("embedded-postgres cannot run PostgreSQL as root, and PostgreSQL refuses to run as root")
+	}
+	if err := probeRepository(ctx); err != nil {
+		return nil, fmt.Errorf("embedded-postgres: %w", err)
 	}
 	dir, err := os.MkdirTemp("", "idem-embedded-")
 	if err != nil {
@@ -51,9 +78,7 @@ func startEmbedded(ctx context.Context, stdout io.Writer, command string) (*scra
 		StartParameters(map[string]string{"listen_addresses": "127.0.0.1"}).
 		StartTimeout(time.Minute).
 		Logger(io.Discard)
-	if embeddedRepository != "" {
-		cfg = cfg.BinaryRepositoryURL(embeddedRepository)
-	}
+	cfg = cfg.BinaryRepositoryURL(embeddedRepository)
 	fmt.Fprintf(stdout, "idem %s: no DATABASE_URL, PG* variables or local PostgreSQL installation; fetching one with embedded-postgres (at most %s)\n",
 		command, embeddedTimeout)
 	server := embeddedpostgres.NewDatabase(cfg)
