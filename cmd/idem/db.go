@@ -163,8 +163,8 @@ func openScratch(ctx context.Context, stdout io.Writer, command string) (*scratc
 	if localErr == nil {
 		s := &scratch{URL: srv.URL, cleanup: srv.Stop, stdout: stdout,
 			what: "the throwaway server and its directory " + srv.Dir}
-		fmt.Fprintf(stdout, "idem %s: no DATABASE_URL or PG* variables: running on a throwaway PostgreSQL %s (%s, as %s) on 127.0.0.1, removed at the end\n",
-			command, srv.Version, srv.BinDir, srv.User)
+		fmt.Fprintf(stdout, "idem %s: no DATABASE_URL or PG* variables: running in database \"postgres\" of a throwaway PostgreSQL %s (%s, as %s) on 127.0.0.1:%d, removed at the end\n",
+			command, srv.Version, srv.BinDir, srv.User, srv.Port)
 		return s, nil
 	}
 	if ctx.Err() != nil {

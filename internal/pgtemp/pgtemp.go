@@ -41,6 +41,8 @@ type Server struct {
 	// URL connects to the server's postgres database as its superuser,
 	// postgres, over TCP on 127.0.0.1.
 	URL string
+	// Port is the server's TCP port on 127.0.0.1.
+	Port int
 	// Version is the server's major version, from the installation.
 	Version string
 	// BinDir is the directory of the installation's programs.
@@ -234,6 +236,7 @@ func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.C
 	s.exited = make(chan struct{})
 	go func() { _ = cmd.Wait(); close(s.exited) }()
 
+	s.Port = port
 	s.URL = fmt.Sprintf("postgres://postgres:%s@127.0.0.1:%d/postgres?sslmode=disable", password, port)
 	deadline := time.Now().Add(60 * time.Second)
 	for {

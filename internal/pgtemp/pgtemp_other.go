@@ -10,6 +10,7 @@ import (
 // Server is a running throwaway server; see the Unix implementation.
 type Server struct {
 	URL, Version, BinDir, Dir, User string
+	Port                            int
 }
 
 // Where describes where Find looks, for error messages.
