@@ -2,108 +2,83 @@ package idem_test
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
+	"log"
+	"math/rand/v2"
+	"os"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/testdb"
 )
 
-// Payment is what the repository below returns to its callers, and what a
-// retry gets back.
-type Payment struct {
-	ID          int64 `json:"id"`
-	AmountCents int64 `json:"amount_cents"`
-}
-
-// PaymentRepository is ordinary repository code that owns its transaction.
-type PaymentRepository struct{ pool *pgxpool.Pool }
-
-// Create records a payment once per (tenant, idempotency key), however often
-// the client retries.
-func (r *PaymentRepository) Create(ctx context.Context, tenant, idempotencyKey string, amountCents int64) (Payment, bool, error) {
-	fp, err := idem.FingerprintJSON(map[string]any{"amount_cents": amountCents})
-	if err != nil {
-		return Payment{}, false, err
-	}
-	var res idem.Result[Payment]
-	err = idem.WithTx(ctx, r.pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
-		res, err = idem.Do(ctx, tx, tenant, idempotencyKey, fp, func(ctx context.Context, tx pgx.Tx) (Payment, error) {
-			p := Payment{AmountCents: amountCents}
-			err := tx.QueryRow(ctx,
-				`INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
-				tenant, idempotencyKey, amountCents).Scan(&p.ID)
-			return p, err
-		})
-		return err
-	})
-	return res.Value, res.Replayed, err
-}
-
-// Do inside repository code: the claim, the insert and the stored response
-// share the repository's transaction.
-func ExampleDo() {
-	ctx := context.Background()
-	repo := &PaymentRepository{pool: env.ExamplePool()}
-	tenant := testdb.Name("tenant")
-
-	first, replayed, err := repo.Create(ctx, tenant, "order-1001", 2500)
-	fmt.Println(first.AmountCents, replayed, err)
-
-	// The response was lost; the client retries with the same key.
-	retry, replayed, err := repo.Create(ctx, tenant, "order-1001", 2500)
-	fmt.Println(retry == first, replayed, err)
-
-	// A client bug: the same key for another amount.
-	_, _, err = repo.Create(ctx, tenant, "order-1001", 9900)
-	fmt.Println(errors.Is(err, idem.ErrFingerprintMismatch))
-	// Output:
-	// 2500 false <nil>
-	// true true <nil>
-	// true
-}
-
 // Run owns the transaction: the usual call when there is none to join.
+// Three attempts with one key charge once; the other two get the first
+// answer back.
 func ExampleRun() {
 	ctx := context.Background()
-	pool := env.ExamplePool()
-	tenant := testdb.Name("tenant")
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
+		log.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS charge (
+	    id           bigserial PRIMARY KEY,
+	    tenant       text   NOT NULL,
+	    amount_cents bigint NOT NULL
+	)`); err != nil {
+		log.Fatal(err)
+	}
+
+	tenant := fmt.Sprintf("tenant-%d", rand.Int64())
 	charge := func(ctx context.Context, tx pgx.Tx) (string, error) {
-		_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, 'k-42', 700)`, tenant)
+		_, err := tx.Exec(ctx, `INSERT INTO charge (tenant, amount_cents) VALUES ($1, 700)`, tenant)
 		return "charged 7.00", err
 	}
 	fp := idem.Fingerprint([]byte("POST /charges"), []byte(`{"amount":700}`))
-
-	for range 3 {
+	for attempt := 1; attempt <= 3; attempt++ {
 		res, err := idem.Run(ctx, pool, tenant, "k-42", fp, charge)
-		fmt.Println(res.Value, res.Replayed, err)
+		fmt.Printf("attempt %d: %q, replayed %t, error %v\n", attempt, res.Value, res.Replayed, err)
 	}
 	var rows int
-	_ = pool.QueryRow(ctx, `SELECT count(*) FROM payment WHERE scope = $1`, tenant).Scan(&rows)
-	fmt.Println("payment rows:", rows)
+	err = pool.QueryRow(ctx, `SELECT count(*) FROM charge WHERE tenant = $1`, tenant).Scan(&rows)
+	fmt.Println("charge rows:", rows, err)
 	// Output:
-	// charged 7.00 false <nil>
-	// charged 7.00 true <nil>
-	// charged 7.00 true <nil>
-	// payment rows: 1
+	// attempt 1: "charged 7.00", replayed false, error <nil>
+	// attempt 2: "charged 7.00", replayed true, error <nil>
+	// attempt 3: "charged 7.00", replayed true, error <nil>
+	// charge rows: 1 <nil>
 }
 
-// Once deduplicates a consumer: a redelivered message is a no-op.
+// Once deduplicates a message consumer: a redelivered event is a no-op,
+// in the same transaction as the consumer's own write.
 func ExampleOnce() {
 	ctx := context.Background()
-	pool := env.ExamplePool()
-	consumer := testdb.Name("billing-consumer")
-	handle := func(eventID string, body json.RawMessage) (bool, error) {
-		var ran bool
-		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
-			var err error
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
+		log.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS invoice (
+	    consumer text NOT NULL,
+	    event_id text NOT NULL
+	)`); err != nil {
+		log.Fatal(err)
+	}
+
+	consumer := fmt.Sprintf("billing-%d", rand.Int64())
+	handle := func(eventID string) (ran bool, err error) {
+		err = idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
 			ran, err = idem.Once(ctx, tx, consumer, eventID, func(ctx context.Context, tx pgx.Tx) error {
-				_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, 1)`, consumer, eventID)
+				_, err := tx.Exec(ctx, `INSERT INTO invoice (consumer, event_id) VALUES ($1, $2)`, consumer, eventID)
 				return err
 			})
 			return err
@@ -111,24 +86,51 @@ func ExampleOnce() {
 		return ran, err
 	}
 	for _, delivery := range []string{"evt-1", "evt-2", "evt-1"} {
-		ran, err := handle(delivery, json.RawMessage(`{}`))
-		fmt.Println(delivery, ran, err)
+		ran, err := handle(delivery)
+		fmt.Printf("%s: handled %t, error %v\n", delivery, ran, err)
 	}
+	var invoices int
+	err = pool.QueryRow(ctx, `SELECT count(*) FROM invoice WHERE consumer = $1`, consumer).Scan(&invoices)
+	fmt.Println("invoices:", invoices, err)
 	// Output:
-	// evt-1 true <nil>
-	// evt-2 true <nil>
-	// evt-1 false <nil>
+	// evt-1: handled true, error <nil>
+	// evt-2: handled true, error <nil>
+	// evt-1: handled false, error <nil>
+	// invoices: 2 <nil>
 }
 
-// Migrate applies the embedded migrations; a second call does nothing.
+// Migrate creates idem's tables at start-up; calling it again, from this
+// process or another replica, does nothing.
 func ExampleMigrate() {
 	ctx := context.Background()
-	db := stdlib.OpenDBFromPool(env.ExamplePool())
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
 	for range 2 {
-		fmt.Println(idem.Migrate(ctx, db))
+		if err := idem.Migrate(ctx, db); err != nil {
+			log.Fatal(err)
+		}
+	}
+
+	provider, err := idem.NewMigrationProvider(db)
+	if err != nil {
+		log.Fatal(err)
+	}
+	pending, err := provider.HasPending(ctx)
+	fmt.Println("migrations pending:", pending, err)
+	for _, table := range []string{"idempotency_key", "entity_version", "outbox_message", idem.MigrationTable} {
+		var exists bool
+		err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists)
+		fmt.Printf("table %s: %t %v\n", table, exists, err)
 	}
 	// Output:
-	// <nil>
-	// <nil>
+	// migrations pending: false <nil>
+	// table idempotency_key: true <nil>
+	// table entity_version: true <nil>
+	// table outbox_message: true <nil>
+	// table idem_goose_version: true <nil>
 }

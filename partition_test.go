@@ -13,7 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/bench"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 // TestHashPartitionedByScope runs the documented partitioned table
@@ -38,7 +38,7 @@ func TestHashPartitionedByScope(t *testing.T) {
 	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
 		t.Fatalf("Migrate over the partitioned table: %v", err)
 	}
-	if err := bench.CreateSchema(ctx, pool); err != nil {
+	if _, err := pool.Exec(ctx, testdb.AppSchema); err != nil {
 		t.Fatal(err)
 	}
 

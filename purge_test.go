@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -13,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/bench"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
@@ -30,7 +28,7 @@ func setupOwnDatabase(t *testing.T) (context.Context, *pgxpool.Pool, string) {
 	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
 		t.Fatal(err)
 	}
-	if err := bench.CreateSchema(ctx, pool); err != nil {
+	if _, err := pool.Exec(ctx, testdb.AppSchema); err != nil {
 		t.Fatal(err)
 	}
 	return ctx, pool, scope
@@ -83,60 +81,5 @@ func TestPurgerStopsWithItsContext(t *testing.T) {
 	case <-stopped:
 	case <-time.After(10 * time.Second):
 		t.Fatal("purger did not stop after its context was cancelled")
-	}
-}
-
-// BenchmarkPurgerMillionRows fills the table with a million expired
-// records, then measures claim latency at 8 clients without and with the
-// purger running, and the purger's rate. It reports rows/s and the p50/p99
-// latency ratios (with purger / without). It takes about a minute; run it
-// alone: go test -run '^$' -bench PurgerMillion -benchtime 1x
-func BenchmarkPurgerMillionRows(b *testing.B) {
-	pool := env.Pool(b)
-	ctx := context.Background()
-	if err := bench.CreateSchema(ctx, pool); err != nil {
-		b.Fatal(err)
-	}
-	for range b.N {
-		scope := testdb.Name("purge-bench")
-		// Test data, written the fast way: a million records that expired.
-		if _, err := pool.Exec(ctx, `
-INSERT INTO idempotency_key (scope, key, fingerprint, state, response, created_at, expires_at)
-SELECT $1, 'expired-' || g, '\x00', 'done', '{"id": 1}', now() - interval '2 days', now() - interval '1 day'
-FROM generate_series(1, 1000000) AS g`, scope); err != nil {
-			b.Fatal(err)
-		}
-		if _, err := pool.Exec(ctx, `VACUUM ANALYZE idempotency_key`); err != nil {
-			b.Fatal(err)
-		}
-		phases := bench.StandardPhases(pool, scope)[1:2] // Run, first executions
-		measure := func() *bench.Stats {
-			s, err := bench.Measure(ctx, phases[0], 8, 3000)
-			if err != nil {
-				b.Fatal(err)
-			}
-			return s
-		}
-		without := measure()
-
-		purger, err := idem.StartPurger(ctx, pool, idem.PurgerConfig{})
-		if err != nil {
-			b.Fatal(err)
-		}
-		started := time.Now()
-		var with *bench.Stats
-		var wg sync.WaitGroup
-		wg.Go(func() { with = measure() })
-		for purger.Deleted() < 1000000 {
-			time.Sleep(10 * time.Millisecond)
-		}
-		purgeTime := time.Since(started)
-		wg.Wait()
-		purger.Stop()
-
-		b.ReportMetric(1000000/purgeTime.Seconds(), "purged-rows/s")
-		b.ReportMetric(float64(with.Percentile(0.5))/float64(without.Percentile(0.5)), "p50-with/without")
-		b.ReportMetric(float64(with.Percentile(0.99))/float64(without.Percentile(0.99)), "p99-with/without")
-		b.ReportMetric(with.Throughput()/without.Throughput(), "tx/s-with/without")
 	}
 }

@@ -6,13 +6,28 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log"
+	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/testdb"
 )
+
+// paymentTable is the application's table that createPayment writes to.
+const paymentTable = `
+CREATE TABLE IF NOT EXISTS payment (
+    id              bigserial PRIMARY KEY,
+    tenant          text   NOT NULL,
+    idempotency_key text   NOT NULL,
+    amount_cents    bigint NOT NULL
+)`
 
 // createPayment is an ordinary handler: it writes on the request's
 // transaction and answers. The middleware makes it exactly-once.
@@ -26,7 +41,7 @@ func createPayment(w http.ResponseWriter, r *http.Request) {
 	}
 	tenant, _, _ := r.BasicAuth()
 	_, err := idemhttp.Tx(r.Context()).Exec(r.Context(),
-		`INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`,
+		`INSERT INTO payment (tenant, idempotency_key, amount_cents) VALUES ($1, $2, $3)`,
 		tenant, idemhttp.Key(r.Context()), req.AmountCents)
 	if err != nil {
 		// A 5xx rolls the transaction back: the client's retry runs again.
@@ -41,7 +56,19 @@ func createPayment(w http.ResponseWriter, r *http.Request) {
 // A payments endpoint: a retry replays the first answer, byte for byte,
 // and charges nothing more.
 func ExampleNew() {
-	pool := env.ExamplePool()
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
+		log.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, paymentTable); err != nil {
+		log.Fatal(err)
+	}
+
 	mw := idemhttp.New(pool, idemhttp.Config{
 		// Keys are per caller. Here the caller is the basic-auth user; a
 		// real service checks the password, or a token, first.
@@ -59,7 +86,7 @@ func ExampleNew() {
 	srv := httptest.NewServer(mux)
 	defer srv.Close()
 
-	tenant := testdb.Name("shop")
+	tenant := fmt.Sprintf("shop-%d", rand.Int64())
 	send := func(key, body string) {
 		req, _ := http.NewRequest(http.MethodPost, srv.URL+"/payments", strings.NewReader(body))
 		req.SetBasicAuth(tenant, "secret")
@@ -86,12 +113,12 @@ func ExampleNew() {
 	send("", `{"amount_cents": 2500}`)
 
 	var payments int
-	_ = pool.QueryRow(context.Background(), `SELECT count(*) FROM payment WHERE scope = $1`, tenant).Scan(&payments)
-	fmt.Println("payments recorded:", payments)
+	err = pool.QueryRow(ctx, `SELECT count(*) FROM payment WHERE tenant = $1`, tenant).Scan(&payments)
+	fmt.Println("payments recorded:", payments, err)
 	// Output:
 	// 201 replayed="" {"amount_cents":2500,"status":"paid"}
 	// 201 replayed="true" {"amount_cents":2500,"status":"paid"}
 	// 422 replayed="" {"type":"about:blank","title":"Unprocessable Entity","status":422,"detail":"This Idempotency-Key was already used for a different request. Use a new key for a new request."}
 	// 400 replayed="" {"type":"about:blank","title":"Bad Request","status":400,"detail":"This request needs an Idempotency-Key header."}
-	// payments recorded: 1
+	// payments recorded: 1 <nil>
 }

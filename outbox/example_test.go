@@ -3,13 +3,16 @@ package outbox_test
 import (
 	"context"
 	"fmt"
-	"testing"
+	"log"
+	"math/rand/v2"
+	"os"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/testdb"
 	"github.com/pgidem/idem/outbox"
 )
 
@@ -21,12 +24,29 @@ import (
 func Example() {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	pool := env.Pool(panicTB{})
-	tenant, destination := testdb.Name("tenant"), testdb.Name("payments.charge")
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	// idem's tables, the outbox's among them, then the application's.
+	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
+		log.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS orders (
+	    tenant       text   NOT NULL,
+	    order_id     text   NOT NULL,
+	    amount_cents bigint NOT NULL,
+	    PRIMARY KEY (tenant, order_id)
+	)`); err != nil {
+		log.Fatal(err)
+	}
+	tenant := fmt.Sprintf("tenant-%d", rand.Int64())
+	destination := "payments.charge." + tenant // this run's messages only
 
 	for range 2 { // the client sends the request, then retries it
 		res, err := idem.Run(ctx, pool, tenant, "order-42", nil, func(ctx context.Context, tx pgx.Tx) (int64, error) {
-			_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, 'order-42', 1200)`, tenant)
+			_, err := tx.Exec(ctx, `INSERT INTO orders (tenant, order_id, amount_cents) VALUES ($1, 'order-42', 1200)`, tenant)
 			if err != nil {
 				return 0, err
 			}
@@ -66,11 +86,3 @@ func Example() {
 	// replayed: true
 	// charge {"amount_cents":1200}, attempt 1, key derived from the order: true
 }
-
-// panicTB lets the example take the tests' database, failing loudly where a
-// test would skip or fail.
-type panicTB struct{ testing.TB }
-
-func (panicTB) Helper()                        {}
-func (panicTB) Fatalf(format string, a ...any) { panic(fmt.Sprintf(format, a...)) }
-func (panicTB) Skipf(format string, a ...any)  { panic(fmt.Sprintf(format, a...)) }

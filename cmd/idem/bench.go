@@ -14,11 +14,15 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/bench"
+	"github.com/pgidem/idem/cmd/idem/internal/bench"
 )
 
 func runBench(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet("bench", "bench [flags]")
+	fs := newFlagSet(stdout, "bench", `bench [flags]
+
+Measures idem.Run against a bare transaction and other designs, side by
+side and interleaved. Like demo, it runs in a database (or schema, or
+server) of its own, removed at the end.`)
 	clientList := fs.String("clients", "1,8,32", "comma-separated client counts to measure at")
 	rounds := fs.Int("rounds", 5, "interleaved rounds of every phase")
 	ops := fs.Int("ops", 300, "operations per phase per round")
@@ -41,7 +45,12 @@ func runBench(ctx context.Context, args []string, stdout io.Writer) error {
 	for _, c := range clients {
 		maxClients = max(maxClients, c)
 	}
-	pool, err := connect(ctx, int32(maxClients+4))
+	sc, err := openScratch(ctx, stdout, "bench")
+	if err != nil {
+		return err
+	}
+	defer sc.Close()
+	pool, err := connectTo(ctx, sc.URL, int32(maxClients+4))
 	if err != nil {
 		return err
 	}

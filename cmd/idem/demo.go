@@ -39,7 +39,14 @@ type demoStats struct {
 }
 
 func runDemo(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet("demo", "demo [flags]")
+	fs := newFlagSet(stdout, "demo", `demo [flags]
+
+Fires a retry storm of payments through idem.Run and checks that none is
+lost or doubled. It writes only where it made room for itself: with
+DATABASE_URL or PG* variables, a database of its own on that server (a
+schema of its own where it may not create databases), dropped at the end;
+with neither, a throwaway server from a local PostgreSQL installation, or
+one fetched by embedded-postgres.`)
 	payments := fs.Int("payments", 1000, "logical payments to make")
 	clients := fs.Int("clients", 32, "concurrent clients")
 	lose := fs.Float64("lose", 0.3, "chance that a response is lost after the server committed, so the client retries")
@@ -53,7 +60,12 @@ func runDemo(ctx context.Context, args []string, stdout io.Writer) error {
 		return usageError{errors.New("-payments and -clients must be at least 1")}
 	}
 
-	pool, err := connect(ctx, int32(min(*clients+2, 64)))
+	sc, err := openScratch(ctx, stdout, "demo")
+	if err != nil {
+		return err
+	}
+	defer sc.Close()
+	pool, err := connectTo(ctx, sc.URL, int32(min(*clients+2, 64)))
 	if err != nil {
 		return err
 	}

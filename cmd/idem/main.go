@@ -4,9 +4,13 @@
 //
 //	idem <command> [flags]
 //
-// The database comes from DATABASE_URL, or else from the standard PG*
-// variables (PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, ...). Run
-// "idem <command> -h" for a command's flags.
+// The server comes from DATABASE_URL, or else from the standard PG*
+// variables (PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, ...). The
+// operator commands (migrate, purge, stats, inspect) act on that database
+// and print it before acting; demo, bench and soak never write into a
+// database they did not create: they make one of their own on that server
+// and drop it at the end, or, with nothing configured, start a throwaway
+// server. Run "idem <command> -h" for what a command does and its flags.
 package main
 
 import (
@@ -18,9 +22,7 @@ import (
 	"os"
 	"os/signal"
 	"slices"
-	"strings"
-
-	"github.com/jackc/pgx/v5/pgxpool"
+	"syscall"
 )
 
 // Exit codes that scripts can rely on.
@@ -50,7 +52,7 @@ func commands() []command {
 }
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
 }
@@ -96,7 +98,10 @@ func usage(w io.Writer, cmds []command) {
 		fmt.Fprintf(w, "  %-10s %s\n", c.name, c.summary)
 	}
 	fmt.Fprintln(w)
-	fmt.Fprintln(w, "The database comes from DATABASE_URL, or else the standard PG* variables.")
+	fmt.Fprintln(w, "The server comes from DATABASE_URL, or else the standard PG* variables.")
+	fmt.Fprintln(w, "migrate, purge, stats and inspect act on that database, and print it first;")
+	fmt.Fprintln(w, "demo, bench and soak create a database of their own there and drop it at the")
+	fmt.Fprintln(w, "end (with nothing set, they start a throwaway server).")
 }
 
 // usageError is a bad command line: exit code 2.
@@ -105,14 +110,41 @@ type usageError struct{ error }
 // databaseError is a database that cannot be reached or used: exit code 3.
 type databaseError struct{ error }
 
-// newFlagSet returns a flag set that reports errors instead of exiting.
-func newFlagSet(name, synopsis string) *flag.FlagSet {
+// newFlagSet returns a flag set that reports errors instead of exiting,
+// and prints its help, asked for with -h, on out.
+func newFlagSet(out io.Writer, name, synopsis string) *flag.FlagSet {
 	fs := flag.NewFlagSet("idem "+name, flag.ContinueOnError)
+	fs.SetOutput(out)
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: idem %s\n\n", synopsis)
-		fs.PrintDefaults()
+		fmt.Fprintf(fs.Output(), "Usage: idem %s\n", synopsis)
+		has := false
+		fs.VisitAll(func(*flag.Flag) { has = true })
+		if has {
+			fmt.Fprintf(fs.Output(), "\nFlags:\n")
+			fs.PrintDefaults()
+		}
 	}
 	return fs
+}
+
+// parseInterspersed parses flags wherever they appear among the operands,
+// which it returns in order; "--" ends the flags.
+func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
+	var operands []string
+	for {
+		if err := parseFlags(fs, args); err != nil {
+			return nil, err
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			return operands, nil
+		}
+		if len(args) > len(rest) && args[len(args)-len(rest)-1] == "--" {
+			return append(operands, rest...), nil
+		}
+		operands = append(operands, rest[0])
+		args = rest[1:]
+	}
 }
 
 func parseFlags(fs *flag.FlagSet, args []string) error {
@@ -123,29 +155,4 @@ func parseFlags(fs *flag.FlagSet, args []string) error {
 		return usageError{err}
 	}
 	return nil
-}
-
-// connect opens a pool on DATABASE_URL, or on the PG* variables when it is
-// unset, and checks that the server answers.
-func connect(ctx context.Context, maxConns int32) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(os.Getenv("DATABASE_URL"))
-	if err != nil {
-		return nil, databaseError{fmt.Errorf("parse DATABASE_URL: %w", err)}
-	}
-	if maxConns > 0 {
-		cfg.MaxConns = maxConns
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, databaseError{err}
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
-		where := cfg.ConnConfig.Host
-		if !strings.HasPrefix(where, "/") {
-			where = fmt.Sprintf("%s:%d", where, cfg.ConnConfig.Port)
-		}
-		return nil, databaseError{fmt.Errorf("cannot reach the database at %s (set DATABASE_URL or PG* variables): %w", where, err)}
-	}
-	return pool, nil
 }

@@ -7,7 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
+	"math"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -21,14 +21,24 @@ import (
 )
 
 func runMigrate(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet("migrate", "migrate up|down|status")
+	fs := newFlagSet(stdout, "migrate", `migrate up|down|status
+
+Applies or rolls back idem's embedded migrations, recorded in the table
+`+idem.MigrationTable+` (never the application's goose table):
+
+  up      apply every migration not yet applied
+  down    roll back the most recent migration: one version, no more
+  status  list every migration, applied or pending, with when it was applied
+
+The database comes from DATABASE_URL, or else the PG* variables; the
+command prints it before acting.`)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() != 1 {
 		return usageError{errors.New("want one of up, down, status")}
 	}
-	pool, err := connect(ctx, 2)
+	pool, err := connect(ctx, stdout, "migrate", 2)
 	if err != nil {
 		return err
 	}
@@ -82,8 +92,8 @@ func runMigrate(ctx context.Context, args []string, stdout io.Writer) error {
 
 // connectMigrated connects and checks that idem's migrations are applied,
 // so that a command on an unmigrated database says so plainly.
-func connectMigrated(ctx context.Context) (*pgxpool.Pool, error) {
-	pool, err := connect(ctx, 4)
+func connectMigrated(ctx context.Context, stdout io.Writer, command string) (*pgxpool.Pool, error) {
+	pool, err := connect(ctx, stdout, command, 4)
 	if err != nil {
 		return nil, err
 	}
@@ -120,43 +130,33 @@ func checkMigrated(ctx context.Context, pool *pgxpool.Pool, db *sql.DB) error {
 }
 
 func runPurge(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet("purge", "purge [flags]")
-	batch := fs.Int("batch", idem.DefaultPurgeBatch, "records deleted per transaction")
+	fs := newFlagSet(stdout, "purge", `purge [-batch N]
+
+Deletes the records past their expiry, N per transaction, until none is
+left, and prints how many. Expired records already count as absent:
+purging only keeps the table and its indexes small. Rows that a live claim
+holds are skipped, not waited for.`)
+	batch := fs.Int("batch", idem.DefaultPurgeBatch, fmt.Sprintf("records deleted per transaction, 1 to %d", math.MaxInt32))
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	if *batch < 1 {
-		return usageError{errors.New("-batch must be at least 1")}
+	// Checked as idem.Purge checks it, before connecting.
+	if *batch < 1 || *batch > math.MaxInt32 {
+		return usageError{fmt.Errorf("-batch must be between 1 and %d, got %d", math.MaxInt32, *batch)}
 	}
-	pool, err := connectMigrated(ctx)
+	pool, err := connectMigrated(ctx, stdout, "purge")
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
 
-	progress := isTerminal(stdout)
 	started := time.Now()
-	var total int64
-	for {
-		var deleted int64
-		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
-			var err error
-			deleted, err = dbsqlc.New(tx).KeyPurgeExpired(ctx, int32(*batch))
-			return err
-		})
-		if err != nil {
-			return fmt.Errorf("purge after %d records: %w", total, err)
-		}
-		total += deleted
-		if progress {
-			fmt.Fprintf(stdout, "\rpurged %d records", total)
-		}
-		if deleted < int64(*batch) {
-			break
-		}
+	total, err := idem.Purge(ctx, pool, *batch)
+	if errors.Is(err, idem.ErrInvalidOption) {
+		return usageError{err}
 	}
-	if progress {
-		fmt.Fprintln(stdout)
+	if err != nil {
+		return fmt.Errorf("purge after %d records: %w", total, err)
 	}
 	elapsed := time.Since(started)
 	fmt.Fprintf(stdout, "purged %d expired records in %s (%.0f records/s)\n",
@@ -164,21 +164,18 @@ func runPurge(ctx context.Context, args []string, stdout io.Writer) error {
 	return nil
 }
 
-func isTerminal(w io.Writer) bool {
-	f, ok := w.(*os.File)
-	if !ok {
-		return false
-	}
-	info, err := f.Stat()
-	return err == nil && info.Mode()&os.ModeCharDevice != 0
-}
-
 func runStats(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet("stats", "stats")
+	fs := newFlagSet(stdout, "stats", `stats
+
+Prints, for idem's tables: the records done, in progress, and past expiry
+(awaiting purge); how many scopes hold records; the oldest live record; the
+table's and its indexes' size on disk; and the outbox's pending messages
+(with the oldest one's age), parked messages awaiting a decision, and
+delivered messages awaiting purge. It only reads.`)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	pool, err := connectMigrated(ctx)
+	pool, err := connectMigrated(ctx, stdout, "stats")
 	if err != nil {
 		return err
 	}
@@ -227,20 +224,25 @@ func bytesize(n int64) string {
 }
 
 func runInspect(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet("inspect", "inspect [-show-response] SCOPE KEY")
+	fs := newFlagSet(stdout, "inspect", `inspect [-show-response] SCOPE KEY
+
+Prints one record: its state, fingerprint, creation and expiry, and the
+size of its stored response, which is shown only with -show-response.
+Flags may come before or after SCOPE and KEY.`)
 	show := fs.Bool("show-response", false, "print the stored response, which may hold personal data (redacted by default)")
-	if err := parseFlags(fs, args); err != nil {
+	operands, err := parseInterspersed(fs, args)
+	if err != nil {
 		return err
 	}
-	if fs.NArg() != 2 {
+	if len(operands) != 2 {
 		return usageError{errors.New("want SCOPE and KEY")}
 	}
-	pool, err := connectMigrated(ctx)
+	pool, err := connectMigrated(ctx, stdout, "inspect")
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	scope, key := fs.Arg(0), fs.Arg(1)
+	scope, key := operands[0], operands[1]
 	r, err := dbsqlc.New(pool).KeyInspect(ctx, dbsqlc.KeyInspectParams{Scope: scope, Key: key})
 	if errors.Is(err, pgx.ErrNoRows) {
 		return fmt.Errorf("no record for scope %q, key %q", scope, key)

@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
+	neturl "net/url"
 	"strings"
 	"testing"
 
@@ -38,6 +40,10 @@ func TestCommandLineExitCodes(t *testing.T) {
 		{[]string{"migrate", "sideways"}, exitUsage},
 		{[]string{"inspect", "only-a-scope"}, exitUsage},
 		{[]string{"purge", "-batch", "0"}, exitUsage},
+		// Above int32: once truncated to LIMIT 0 (nothing purged, exit 0)
+		// or to a negative LIMIT.
+		{[]string{"purge", "-batch", "4294967296"}, exitUsage},
+		{[]string{"purge", "-batch", "3000000000"}, exitUsage},
 		{[]string{"stats", "-no-such-flag"}, exitUsage},
 	}
 	for _, c := range cases {
@@ -113,10 +119,84 @@ func TestMigrateStatsInspectPurge(t *testing.T) {
 		t.Errorf("inspect showed the response without -show-response:\n%s", out)
 	}
 	mustRun("4242", "inspect", "-show-response", "tenant", "live")
+	// Flags after the operands, as most command lines allow.
+	mustRun("4242", "inspect", "tenant", "live", "-show-response")
+	if code, out := runCommand(t, url, "inspect", "tenant", "live", "extra"); code != exitUsage {
+		t.Errorf("inspect with three operands: exit %d, want %d\n%s", code, exitUsage, out)
+	}
 	if code, out := runCommand(t, url, "inspect", "tenant", "absent"); code != exitFailure {
 		t.Errorf("inspect of a missing record: exit %d, want %d\n%s", code, exitFailure, out)
 	}
-	mustRun("purged 1 expired records", "purge")
+	mustRun("purged 1 expired records", "purge", "-batch", "2147483647")
 	mustRun("purged 0 expired records", "purge")
 	mustRun("rolled back", "migrate", "down")
+}
+
+// TestOperatorCommandsSayWhereTheyAct checks that migrate, purge, stats
+// and inspect print the database and host before anything else.
+func TestOperatorCommandsSayWhereTheyAct(t *testing.T) {
+	url := env.EmptyDatabase(t)
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf("database %q on %s:%d", cfg.Database, cfg.Host, cfg.Port)
+	for _, args := range [][]string{{"migrate", "up"}, {"migrate", "status"}, {"stats"}, {"inspect", "s", "k"}, {"purge"}, {"migrate", "down"}} {
+		_, out := runCommand(t, url, args...)
+		first, _, _ := strings.Cut(out, "\n")
+		if !strings.HasPrefix(first, "idem "+args[0]+": ") || !strings.Contains(first, want) {
+			t.Errorf("idem %s: first line %q, want the target, %s", strings.Join(args, " "), first, want)
+		}
+	}
+	// Also when the database cannot be reached: the operator sees where.
+	_, out := runCommand(t, "postgres://postgres@127.0.0.1:1/elsewhere?sslmode=disable", "stats")
+	if !strings.HasPrefix(out, `idem stats: database "elsewhere" on 127.0.0.1:1`) {
+		t.Errorf("unreachable database: output %q does not start with the target", out)
+	}
+}
+
+// TestHelpSaysWhatCommandsDo checks the -h texts the issue found silent.
+func TestHelpSaysWhatCommandsDo(t *testing.T) {
+	for args, want := range map[string][]string{
+		"migrate -h": {"down    roll back the most recent migration: one version", "up ", "status "},
+		"stats -h":   {"past expiry", "in progress", "oldest live record", "outbox", "only reads"},
+		"purge -h":   {"past their expiry", "-batch", "2147483647"},
+		"inspect -h": {"-show-response", "before or after SCOPE and KEY"},
+		"demo -h":    {"database of its own", "dropped at the end"},
+	} {
+		code, out := runCommand(t, "", strings.Fields(args)...)
+		if code != exitOK {
+			t.Errorf("idem %s: exit %d", args, code)
+		}
+		for _, w := range want {
+			if !strings.Contains(out, w) {
+				t.Errorf("idem %s does not say %q:\n%s", args, w, out)
+			}
+		}
+	}
+}
+
+// TestAuthenticationFailureIsReportedOnceAsSuch checks that a refused login
+// says so, once, rather than "cannot reach the database" with the driver's
+// error repeated for each attempt.
+func TestAuthenticationFailureIsReportedOnceAsSuch(t *testing.T) {
+	u, err := neturl.Parse(env.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = neturl.UserPassword("no_such_role_for_idem", "wrong")
+	u.RawQuery = "" // sslmode=prefer: the driver tries twice
+	code, out := runCommand(t, u.String(), "stats")
+	if code != exitDatabase {
+		t.Errorf("exit %d, want %d", code, exitDatabase)
+	}
+	if !strings.Contains(out, "refused the credentials") || strings.Contains(out, "cannot reach") {
+		t.Errorf("a refused login is not reported as such:\n%s", out)
+	}
+	if n := strings.Count(out, "no_such_role_for_idem\" does not exist"); n > 1 {
+		t.Errorf("the server's answer appears %d times:\n%s", n, out)
+	}
+	if n := strings.Count(out, "SQLSTATE"); n != 1 {
+		t.Errorf("%d SQLSTATEs in the output, want 1:\n%s", n, out)
+	}
 }

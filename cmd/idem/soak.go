@@ -67,8 +67,8 @@ const (
 // soakConfig is one soak run: its size, its database, and how hard the
 // chaos hits. A zero interval or chance turns that fault off.
 type soakConfig struct {
-	// DatabaseURL is the server to soak. Empty means DATABASE_URL, or else
-	// the PG* variables.
+	// DatabaseURL is the database to soak: one made for the soak, which
+	// writes idem's tables and its own there (runSoak makes one).
 	DatabaseURL string
 	// Payments is how many logical payments to make, at most.
 	Payments int
@@ -146,7 +146,11 @@ func (c soakConfig) validate() error {
 
 func runSoak(ctx context.Context, args []string, stdout io.Writer) error {
 	cfg := defaultSoakConfig()
-	fs := newFlagSet("soak", "soak [flags]")
+	fs := newFlagSet(stdout, "soak", `soak [flags]
+
+Makes many payments while injecting faults, then checks that none was lost
+or doubled. Like demo, it runs in a database (or schema, or server) of its
+own, removed at the end.`)
 	fs.IntVar(&cfg.Payments, "payments", cfg.Payments, fmt.Sprintf("logical payments to make (at most %d)", maxSoakPayments))
 	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "concurrent clients, one connection each")
 	fs.DurationVar(&cfg.Duration, "duration", cfg.Duration, "stop starting payments after this long (0: make all of -payments)")
@@ -165,7 +169,13 @@ func runSoak(ctx context.Context, args []string, stdout io.Writer) error {
 	if err := cfg.validate(); err != nil {
 		return usageError{err}
 	}
-	_, err := soak(ctx, cfg, stdout)
+	sc, err := openScratch(ctx, stdout, "soak")
+	if err != nil {
+		return err
+	}
+	defer sc.Close()
+	cfg.DatabaseURL = sc.URL
+	_, err = soak(ctx, cfg, stdout)
 	return err
 }
 
@@ -383,23 +393,7 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 // connectSoakAdmin opens the soak's own, unproxied pool: it migrates, runs
 // the chaos's SQL and checks the outcome, and is never cut.
 func connectSoakAdmin(ctx context.Context, url string) (*pgxpool.Pool, error) {
-	if url == "" {
-		return connect(ctx, 4)
-	}
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		return nil, usageError{fmt.Errorf("parse database URL: %w", err)}
-	}
-	cfg.MaxConns = 4
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, databaseError{err}
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
-		return nil, databaseError{fmt.Errorf("cannot reach the database: %w", err)}
-	}
-	return pool, nil
+	return connectTo(ctx, url, 4)
 }
 
 // proxiedPool opens the clients' pool on the admin pool's settings, but

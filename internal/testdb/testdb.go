@@ -1,10 +1,17 @@
 // Package testdb gives a package's tests a throwaway PostgreSQL database,
 // migrated and dropped again when the tests finish.
 //
-// The server is TEST_DATABASE_URL when set, or else a postgres container
-// started with testcontainers-go. When neither is available the database
-// tests skip, except with CI=true, where they fail: a CI run must never
-// pass by skipping them.
+// The server is, in this order: TEST_DATABASE_URL when set; a postgres
+// container started with testcontainers-go where Docker runs; otherwise a
+// throwaway server started from a PostgreSQL installation on the machine
+// (see internal/pgtemp), as an unprivileged user when the tests run as
+// root. When none of them works the test binary fails before running
+// anything, saying what it tried and how to fix it: database tests never
+// skip, except under -short, which skips them and says so.
+//
+// Runnable examples open their own pool from DATABASE_URL, as an
+// application would; Main points DATABASE_URL at a second, empty database
+// of the run's own, so that they never touch the caller's.
 package testdb
 
 import (
@@ -15,6 +22,10 @@ import (
 	"fmt"
 	neturl "net/url"
 	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -25,6 +36,7 @@ import (
 	"github.com/testcontainers/testcontainers-go/modules/postgres"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/pgtemp"
 )
 
 // Env is the database of one test binary.
@@ -32,25 +44,20 @@ type Env struct {
 	pool      *pgxpool.Pool
 	url       string
 	serverURL string
-	err       error
+	// Server says which server the tests run on.
+	Server string
+	short  bool
 }
 
-// Pool returns the pool of the throwaway database, or ends the test: it
-// skips when no server is available, and fails instead when CI=true.
+// Pool returns the pool of the throwaway database. Under -short it skips
+// the test instead.
 func (e *Env) Pool(t testing.TB) *pgxpool.Pool {
 	t.Helper()
-	if e.err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("no test database (CI=true, so this fails instead of skipping): %v", e.err)
-		}
-		t.Skipf("no test database: %v", e.err)
+	if e.short {
+		t.Skip("-short: database tests are skipped")
 	}
 	return e.pool
 }
-
-// ExamplePool returns the pool for runnable examples, which have no
-// testing.TB. Main keeps examples from running when there is no database.
-func (e *Env) ExamplePool() *pgxpool.Pool { return e.pool }
 
 // URL returns the connection string of the throwaway database.
 func (e *Env) URL(t testing.TB) string {
@@ -65,23 +72,14 @@ func (e *Env) EmptyDatabase(t testing.TB) string {
 	t.Helper()
 	e.Pool(t)
 	ctx := context.Background()
-	admin, err := pgx.Connect(ctx, e.serverURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close(ctx)
 	name := "idem_test_" + randomHex(6)
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+	if err := createDatabase(ctx, e.serverURL, name); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		admin, err := pgx.Connect(ctx, e.serverURL)
-		if err != nil {
+		if err := dropDatabase(e.serverURL, name); err != nil {
 			t.Error(err)
-			return
 		}
-		defer admin.Close(ctx)
-		_, _ = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
 	})
 	return withDatabase(e.serverURL, name)
 }
@@ -90,76 +88,126 @@ func (e *Env) EmptyDatabase(t testing.TB) string {
 // and returns the exit code for os.Exit.
 func Main(m *testing.M, env **Env) int {
 	flag.Parse()
-	ctx := context.Background()
 	e := &Env{}
 	*env = e
+	if testing.Short() {
+		e.short = true
+		fmt.Fprintln(os.Stderr, "testdb: -short: the database tests and the examples are skipped")
+		// Examples cannot skip; keep them from running.
+		_ = flag.Set("test.skip", "^Example")
+		return m.Run()
+	}
+	ctx := context.Background()
 	cleanup, err := e.start(ctx)
 	if err != nil {
-		e.err = err
-		fmt.Fprintf(os.Stderr, "testdb: %v\n", err)
-		if os.Getenv("CI") != "true" {
-			// Examples cannot skip: keep them from failing for want of a
-			// server. Tests skip one by one and say why.
-			_ = flag.Set("test.skip", "^Example")
-		}
+		fmt.Fprintf(os.Stderr, "\n%v\n\n", err)
+		return 1
 	}
+	fmt.Fprintf(os.Stderr, "testdb: the tests run on %s\n", e.Server)
+	// An interrupted run removes what it made too.
+	var once sync.Once
+	stop := func() { once.Do(cleanup) }
+	signals := make(chan os.Signal, 1)
+	signal.Notify(signals, os.Interrupt, syscall.SIGTERM)
+	go func() {
+		sig := <-signals
+		fmt.Fprintf(os.Stderr, "testdb: %v: removing the test database and server\n", sig)
+		stop()
+		os.Exit(1)
+	}()
 	code := m.Run()
-	if cleanup != nil {
-		cleanup()
-	}
+	signal.Stop(signals)
+	stop()
 	return code
 }
 
-func (e *Env) start(ctx context.Context) (func(), error) {
-	serverURL := os.Getenv("TEST_DATABASE_URL")
-	var stopContainer func()
-	if serverURL == "" {
-		url, stop, err := startContainer(ctx)
+// acquire finds a server, in the documented order, and returns its
+// connection string, a description, and how to stop it.
+func acquire(ctx context.Context) (url, desc string, stop func(), err error) {
+	if url := os.Getenv("TEST_DATABASE_URL"); url != "" {
+		conn, err := pgx.Connect(ctx, url)
 		if err != nil {
-			return nil, fmt.Errorf("TEST_DATABASE_URL is not set and no postgres container could be started: %w", err)
-		}
-		serverURL, stopContainer = url, stop
-	}
+			return "", "", nil, fmt.Errorf(`testdb: TEST_DATABASE_URL is set, but %s cannot be used: %w
 
-	admin, err := pgx.Connect(ctx, serverURL)
-	if err != nil {
-		if stopContainer != nil {
-			stopContainer()
+Fix TEST_DATABASE_URL (each run creates and drops a database of its own
+there), or unset it to let the tests start PostgreSQL themselves, in a
+container where Docker runs or from a local installation. go test -short
+skips the database tests`, redact(url), err)
 		}
-		return nil, fmt.Errorf("connect to %s: %w", redact(serverURL), err)
+		_ = conn.Close(ctx)
+		return url, "TEST_DATABASE_URL (" + redact(url) + ")", func() {}, nil
 	}
+	url, stop, containerErr := startContainer(ctx)
+	if containerErr == nil {
+		return url, "a postgres container (testcontainers-go)", stop, nil
+	}
+	srv, localErr := pgtemp.Start(ctx, pgtemp.Options{Fast: true})
+	if localErr == nil {
+		desc := fmt.Sprintf("a throwaway PostgreSQL %s from %s, run as %s in %s", srv.Version, srv.BinDir, srv.User, srv.Dir)
+		return srv.URL, desc, func() { _ = srv.Stop() }, nil
+	}
+	return "", "", nil, fmt.Errorf(`testdb: no PostgreSQL server for the database tests. Tried, in order:
+  1. TEST_DATABASE_URL: not set
+  2. a container with testcontainers-go: %s
+  3. a throwaway server from a local installation: %s
+To fix it, do one of these:
+  - set TEST_DATABASE_URL=postgres://USER:PASSWORD@HOST:5432/postgres
+    (each run creates and drops a database of its own there)
+  - start Docker
+  - install PostgreSQL (Debian, Ubuntu: apt-get install postgresql;
+    macOS: brew install postgresql), or put its initdb and postgres on PATH
+or run go test -short to skip the database tests`, oneLine(containerErr), oneLine(localErr))
+}
+
+func oneLine(err error) string {
+	s := strings.Join(strings.Fields(err.Error()), " ")
+	if len(s) > 400 {
+		s = s[:400] + "..."
+	}
+	return s
+}
+
+func (e *Env) start(ctx context.Context) (func(), error) {
+	serverURL, desc, stopServer, err := acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	e.Server = desc
 	name := "idem_test_" + randomHex(6)
-	// Identifiers cannot be bound as parameters; the name is ours and quoted.
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
-		admin.Close(ctx)
-		return nil, fmt.Errorf("create database: %w", err)
-	}
+	examples := name + "_examples"
+	var made []string
 	cleanup := func() {
 		if e.pool != nil {
 			e.pool.Close()
 		}
-		dropCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		_, _ = admin.Exec(dropCtx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
-		admin.Close(dropCtx)
-		if stopContainer != nil {
-			stopContainer()
+		for _, db := range made {
+			if err := dropDatabase(serverURL, db); err != nil {
+				fmt.Fprintf(os.Stderr, "testdb: %v\n", err)
+			}
 		}
+		stopServer()
+	}
+	fail := func(err error) (func(), error) {
+		cleanup()
+		return nil, fmt.Errorf("testdb: on %s: %w", desc, err)
+	}
+	for _, db := range []string{name, examples} {
+		if err := createDatabase(ctx, serverURL, db); err != nil {
+			return fail(err)
+		}
+		made = append(made, db)
 	}
 
 	cfg, err := pgxpool.ParseConfig(serverURL)
 	if err != nil {
-		cleanup()
-		return nil, err
+		return fail(err)
 	}
 	cfg.ConnConfig.Database = name
-	// Packages test in parallel, each with its own pool, against a server
-	// that allows 100 connections in all.
+	// Packages test in parallel, each with its own pool.
 	cfg.MaxConns = 20
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		cleanup()
-		return nil, err
+		return fail(err)
 	}
 	e.pool = pool
 	e.url = withDatabase(serverURL, name)
@@ -168,19 +216,49 @@ func (e *Env) start(ctx context.Context) (func(), error) {
 	sqlDB := stdlib.OpenDBFromPool(pool)
 	defer sqlDB.Close()
 	if err := idem.Migrate(ctx, sqlDB); err != nil {
-		cleanup()
-		return nil, err
+		return fail(err)
 	}
-	if _, err := pool.Exec(ctx, appSchema); err != nil {
-		cleanup()
-		return nil, fmt.Errorf("create app schema: %w", err)
+	if _, err := pool.Exec(ctx, AppSchema); err != nil {
+		return fail(fmt.Errorf("create app schema: %w", err))
+	}
+	// The examples connect as an application would, to a database that is
+	// theirs.
+	if err := os.Setenv("DATABASE_URL", withDatabase(serverURL, examples)); err != nil {
+		return fail(err)
 	}
 	return cleanup, nil
 }
 
-// appSchema is the business table the tests write beside their claims, as
+func createDatabase(ctx context.Context, serverURL, name string) error {
+	admin, err := pgx.Connect(ctx, serverURL)
+	if err != nil {
+		return err
+	}
+	defer admin.Close(ctx)
+	// Identifiers cannot be bound as parameters; the name is ours and quoted.
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		return fmt.Errorf("create database %s: %w", name, err)
+	}
+	return nil
+}
+
+func dropDatabase(serverURL, name string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	admin, err := pgx.Connect(ctx, serverURL)
+	if err != nil {
+		return fmt.Errorf("drop database %s: %w", name, err)
+	}
+	defer admin.Close(ctx)
+	if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+		return fmt.Errorf("drop database %s: %w", name, err)
+	}
+	return nil
+}
+
+// AppSchema is the business table the tests write beside their claims, as
 // an application would.
-const appSchema = `
+const AppSchema = `
 CREATE TABLE payment (
     id           bigserial PRIMARY KEY,
     scope        text   NOT NULL,
@@ -195,6 +273,7 @@ func startContainer(ctx context.Context) (url string, stop func(), err error) {
 			err = fmt.Errorf("%v", r)
 		}
 	}()
+
 	ctr, err := postgres.Run(ctx, "postgres:16-alpine",
 		postgres.WithDatabase("postgres"),
 		postgres.WithUsername("postgres"),

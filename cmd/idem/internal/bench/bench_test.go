@@ -1,19 +1,25 @@
-package idem_test
+package bench_test
 
 import (
 	"context"
+	"os"
 	"strconv"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	metricnoop "go.opentelemetry.io/otel/metric/noop"
 	tracenoop "go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/pgidem/idem"
-
-	"github.com/pgidem/idem/internal/bench"
+	"github.com/pgidem/idem/cmd/idem/internal/bench"
 	"github.com/pgidem/idem/internal/testdb"
 )
+
+var env *testdb.Env
+
+func TestMain(m *testing.M) { os.Exit(testdb.Main(m, &env)) }
 
 // BenchmarkRunVsBare compares, in one run on one database, a bare
 // BEGIN/INSERT/COMMIT with idem.Run's first executions and replays of the
@@ -145,4 +151,59 @@ func BenchmarkObserverCost(b *testing.B) {
 	b.ReportMetric(none, "replays/s")
 	b.ReportMetric(totals["empty"].Throughput()/none, "empty/none")
 	b.ReportMetric(totals["noop"].Throughput()/none, "noop/none")
+}
+
+// BenchmarkPurgerMillionRows fills the table with a million expired
+// records, then measures claim latency at 8 clients without and with the
+// purger running, and the purger's rate. It reports rows/s and the p50/p99
+// latency ratios (with purger / without). It takes about a minute; run it
+// alone: go test -run '^$' -bench PurgerMillion -benchtime 1x ./cmd/idem/internal/bench
+func BenchmarkPurgerMillionRows(b *testing.B) {
+	pool := env.Pool(b)
+	ctx := context.Background()
+	if err := bench.CreateSchema(ctx, pool); err != nil {
+		b.Fatal(err)
+	}
+	for range b.N {
+		scope := testdb.Name("purge-bench")
+		// Test data, written the fast way: a million records that expired.
+		if _, err := pool.Exec(ctx, `
+INSERT INTO idempotency_key (scope, key, fingerprint, state, response, created_at, expires_at)
+SELECT $1, 'expired-' || g, '\x00', 'done', '{"id": 1}', now() - interval '2 days', now() - interval '1 day'
+FROM generate_series(1, 1000000) AS g`, scope); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := pool.Exec(ctx, `VACUUM ANALYZE idempotency_key`); err != nil {
+			b.Fatal(err)
+		}
+		phases := bench.StandardPhases(pool, scope)[1:2] // Run, first executions
+		measure := func() *bench.Stats {
+			s, err := bench.Measure(ctx, phases[0], 8, 3000)
+			if err != nil {
+				b.Fatal(err)
+			}
+			return s
+		}
+		without := measure()
+
+		purger, err := idem.StartPurger(ctx, pool, idem.PurgerConfig{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		started := time.Now()
+		var with *bench.Stats
+		var wg sync.WaitGroup
+		wg.Go(func() { with = measure() })
+		for purger.Deleted() < 1000000 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		purgeTime := time.Since(started)
+		wg.Wait()
+		purger.Stop()
+
+		b.ReportMetric(1000000/purgeTime.Seconds(), "purged-rows/s")
+		b.ReportMetric(float64(with.Percentile(0.5))/float64(without.Percentile(0.5)), "p50-with/without")
+		b.ReportMetric(float64(with.Percentile(0.99))/float64(without.Percentile(0.99)), "p99-with/without")
+		b.ReportMetric(with.Throughput()/without.Throughput(), "tx/s-with/without")
+	}
 }

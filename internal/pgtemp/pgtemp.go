@@ -1,0 +1,388 @@
+//go:build unix
+
+// Package pgtemp starts a throwaway PostgreSQL server from an installation
+// already on the machine: its initdb and postgres found on PATH or in the
+// usual install directories. The server lives in a temporary directory,
+// listens on 127.0.0.1 and a Unix socket in that directory only, and is
+// stopped and removed by Stop, or when the process that started it dies.
+//
+// PostgreSQL refuses to run as root. Started by root, the server runs as an
+// unprivileged OS user (nobody, or else postgres), which owns the directory.
+//
+// It is used by the tests' testdb and by the idem command's demo; it needs
+// nothing but the standard library and pgx, which the library already
+// requires.
+package pgtemp
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Server is a running throwaway server.
+type Server struct {
+	// URL connects to the server's postgres database as its superuser,
+	// postgres, over TCP on 127.0.0.1.
+	URL string
+	// Port is the server's TCP port on 127.0.0.1.
+	Port int
+	// Version is the server's major version, from the installation.
+	Version string
+	// BinDir is the directory of the installation's programs.
+	BinDir string
+	// Dir is the temporary directory holding the data and the socket.
+	Dir string
+	// User is the OS user the server runs as.
+	User string
+
+	cmd      *exec.Cmd
+	exited   chan struct{}
+	stopOnce sync.Once
+	stopErr  error
+}
+
+// searchDirs returns the directories searched for initdb, after PATH.
+func searchDirs() []string {
+	var dirs []string
+	for _, pattern := range []string{
+		"/usr/lib/postgresql/*/bin",         // Debian, Ubuntu
+		"/usr/pgsql-*/bin",                  // Red Hat, Fedora (PGDG)
+		"/usr/local/pgsql/bin",              // built from source
+		"/opt/homebrew/opt/postgresql*/bin", // Homebrew, Apple silicon
+		"/usr/local/opt/postgresql*/bin",    // Homebrew, Intel
+		"/Applications/Postgres.app/Contents/Versions/*/bin",
+	} {
+		matches, _ := filepath.Glob(pattern)
+		// The newest version first: sort by the number in the path.
+		slices.SortFunc(matches, func(a, b string) int { return versionOf(b) - versionOf(a) })
+		dirs = append(dirs, matches...)
+	}
+	return dirs
+}
+
+func versionOf(path string) int {
+	for _, part := range strings.FieldsFunc(path, func(r rune) bool { return r < '0' || r > '9' }) {
+		if n, err := strconv.Atoi(part); err == nil {
+			return n
+		}
+	}
+	return 0
+}
+
+// Where describes where Find looks, for error messages.
+const Where = "initdb and postgres on PATH, or in /usr/lib/postgresql/<version>/bin, /usr/pgsql-<version>/bin, /usr/local/pgsql/bin or Homebrew's postgresql"
+
+// Find returns the directory of an installation's initdb and postgres.
+func Find() (string, error) {
+	if path, err := exec.LookPath("initdb"); err == nil {
+		if real, err := filepath.EvalSymlinks(path); err == nil {
+			path = real
+		}
+		dir := filepath.Dir(path)
+		if _, err := os.Stat(filepath.Join(dir, "postgres")); err == nil {
+			return dir, nil
+		}
+	}
+	for _, dir := range searchDirs() {
+		if isExecutable(filepath.Join(dir, "initdb")) && isExecutable(filepath.Join(dir, "postgres")) {
+			return dir, nil
+		}
+	}
+	return "", fmt.Errorf("no PostgreSQL installation found (looked for %s)", Where)
+}
+
+func isExecutable(path string) bool {
+	info, err := os.Stat(path)
+	return err == nil && !info.IsDir() && info.Mode()&0o111 != 0
+}
+
+// Options configures Start. The zero value is a server as durable as
+// PostgreSQL's defaults make it.
+type Options struct {
+	// Fast turns off fsync, full-page writes and synchronous commit: for
+	// tests, whose data nobody needs after a crash. Benchmarks want the
+	// defaults.
+	Fast bool
+}
+
+// Start initializes and starts a server. It gives up when ctx ends; the
+// returned Server must be stopped with Stop.
+func Start(ctx context.Context, opts Options) (*Server, error) {
+	binDir, err := Find()
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{BinDir: binDir}
+	cred, owner, err := serverUser()
+	if err != nil {
+		return nil, err
+	}
+	s.User = owner
+
+	s.Dir, err = os.MkdirTemp("", "idem-pg-")
+	if err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			s.Stop()
+		}
+	}()
+	if cred != nil {
+		if err := os.Chown(s.Dir, int(cred.Uid), int(cred.Gid)); err != nil {
+			return nil, fmt.Errorf("give %s to %s: %w", s.Dir, owner, err)
+		}
+		// The user must reach the directory through its parents.
+		if !reachable(s.Dir) {
+			return nil, fmt.Errorf("%s cannot reach %s: set TMPDIR to a directory every user can enter", owner, s.Dir)
+		}
+	}
+	data := filepath.Join(s.Dir, "data")
+	pwfile := filepath.Join(s.Dir, "pw")
+	password := randomHex(16)
+	if err := os.WriteFile(pwfile, []byte(password+"\n"), 0o600); err != nil {
+		return nil, err
+	}
+	if cred != nil {
+		if err := os.Chown(pwfile, int(cred.Uid), int(cred.Gid)); err != nil {
+			return nil, err
+		}
+	}
+
+	initdb := exec.CommandContext(ctx, filepath.Join(binDir, "initdb"),
+		"-D", data, "-U", "postgres", "--pwfile", pwfile,
+		"--auth-local=trust", "--auth-host=scram-sha-256",
+		"-E", "UTF8", "--locale=C", "--no-sync")
+	initdb.Env = childEnv()
+	initdb.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+	if out, err := initdb.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("initdb (%s, as %s): %w\n%s", binDir, owner, err, tail(out))
+	}
+	_ = os.Remove(pwfile)
+	s.Version = readVersion(data)
+
+	// A port that was free a moment ago; another process may take it
+	// first, so try a few.
+	var lastErr error
+	for range 3 {
+		port, err := freePort()
+		if err != nil {
+			return nil, err
+		}
+		lastErr = s.run(ctx, data, port, cred, password, opts)
+		if lastErr == nil {
+			ok = true
+			return s, nil
+		}
+		// Only a server that exited (most often: the port was taken) is
+		// worth another try.
+		if !errors.Is(lastErr, errExited) {
+			break
+		}
+	}
+	return nil, lastErr
+}
+
+func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.Credential, password string, opts Options) error {
+	logPath := filepath.Join(s.Dir, "postgres.log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		return err
+	}
+	defer logFile.Close()
+	if cred != nil {
+		_ = logFile.Chown(int(cred.Uid), int(cred.Gid))
+	}
+	// postgres itself, not pg_ctl, so that it stays our child: on Linux it
+	// is sent SIGQUIT (an immediate shutdown) when this process dies,
+	// however it dies.
+	args := []string{"-D", data,
+		"-c", "listen_addresses=127.0.0.1",
+		"-c", "port=" + strconv.Itoa(port),
+		"-c", "unix_socket_directories=" + s.Dir,
+		"-c", "max_connections=300",
+		"-c", "log_min_messages=warning",
+	}
+	if opts.Fast {
+		args = append(args, "-c", "fsync=off", "-c", "full_page_writes=off", "-c", "synchronous_commit=off")
+	}
+	cmd := exec.Command(filepath.Join(s.BinDir, "postgres"), args...)
+	cmd.Env = childEnv()
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+	dieWithParent(cmd.SysProcAttr)
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start postgres: %w", err)
+	}
+	s.cmd = cmd
+	s.exited = make(chan struct{})
+	go func() { _ = cmd.Wait(); close(s.exited) }()
+
+	s.Port = port
+	s.URL = fmt.Sprintf("postgres://postgres:%s@127.0.0.1:%d/postgres?sslmode=disable", password, port)
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		connCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		conn, err := pgx.Connect(connCtx, s.URL)
+		cancel()
+		if err == nil {
+			_ = conn.Close(ctx)
+			return nil
+		}
+		select {
+		case <-s.exited:
+			log, _ := os.ReadFile(logPath)
+			s.cmd = nil
+			return fmt.Errorf("postgres (%s, as %s) %w:\n%s", s.BinDir, s.User, errExited, tail(log))
+		case <-ctx.Done():
+			s.kill()
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			s.kill()
+			log, _ := os.ReadFile(logPath)
+			return fmt.Errorf("postgres did not accept connections within a minute: %v\n%s", err, tail(log))
+		}
+	}
+}
+
+// errExited is a server that exited while starting.
+var errExited = errors.New("exited during start-up")
+
+// kill stops a server that failed to start, at once.
+func (s *Server) kill() {
+	_ = s.cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-s.exited:
+	case <-time.After(5 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-s.exited
+	}
+	s.cmd = nil
+}
+
+// Stop stops the server (a fast shutdown, an immediate one after ten
+// seconds) and removes its directory. It may be called more than once.
+func (s *Server) Stop() error {
+	s.stopOnce.Do(func() {
+		if s.cmd != nil && s.cmd.Process != nil {
+			_ = s.cmd.Process.Signal(syscall.SIGINT)
+			select {
+			case <-s.exited:
+			case <-time.After(10 * time.Second):
+				_ = s.cmd.Process.Signal(syscall.SIGQUIT)
+				select {
+				case <-s.exited:
+				case <-time.After(5 * time.Second):
+					_ = s.cmd.Process.Kill()
+					<-s.exited
+				}
+			}
+		}
+		if s.Dir != "" {
+			s.stopErr = os.RemoveAll(s.Dir)
+		}
+	})
+	return s.stopErr
+}
+
+// serverUser returns the credentials to run the server with: none when we
+// are not root, else those of an unprivileged user.
+func serverUser() (*syscall.Credential, string, error) {
+	if os.Geteuid() != 0 {
+		name := strconv.Itoa(os.Geteuid())
+		if u, err := user.Current(); err == nil {
+			name = u.Username
+		}
+		return nil, name, nil
+	}
+	for _, name := range []string{"nobody", "postgres"} {
+		u, err := user.Lookup(name)
+		if err != nil {
+			continue
+		}
+		uid, err1 := strconv.ParseUint(u.Uid, 10, 32)
+		gid, err2 := strconv.ParseUint(u.Gid, 10, 32)
+		if err1 != nil || err2 != nil || uid == 0 {
+			continue
+		}
+		return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), NoSetGroups: true}, name, nil
+	}
+	return nil, "", errors.New("running as root, and PostgreSQL refuses to: found no unprivileged user (nobody, postgres) to run it as")
+}
+
+// reachable reports whether every parent of dir can be entered by anyone.
+func reachable(dir string) bool {
+	for d := filepath.Dir(dir); ; d = filepath.Dir(d) {
+		info, err := os.Stat(d)
+		if err != nil || info.Mode().Perm()&0o001 == 0 {
+			return false
+		}
+		if d == filepath.Dir(d) {
+			return true
+		}
+	}
+}
+
+// childEnv is this process's environment without the variables that would
+// point PostgreSQL's programs elsewhere.
+func childEnv() []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "PG") {
+			env = append(env, kv)
+		}
+	}
+	return append(env, "LC_ALL=C")
+}
+
+func readVersion(data string) string {
+	b, err := os.ReadFile(filepath.Join(data, "PG_VERSION"))
+	if err != nil {
+		return "?"
+	}
+	return strings.TrimSpace(string(b))
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// tail returns the last lines of a program's output.
+func tail(out []byte) string {
+	lines := bytes.Split(bytes.TrimSpace(out), []byte("\n"))
+	if len(lines) > 15 {
+		lines = lines[len(lines)-15:]
+	}
+	return string(bytes.Join(lines, []byte("\n")))
+}
