@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -78,7 +77,7 @@ func do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	if err != nil {
 		return Result[T]{}, err
 	}
-	c, _, err := claim(ctx, tx, tx, &pgx.Batch{}, k, o)
+	c, _, err := claim(ctx, tx, nil, nil, k, o)
 	obs.claimDone(c.outcome)
 	if err != nil {
 		return Result[T]{}, err
@@ -121,10 +120,6 @@ func newKeyRef(scope, key string, fp []byte) (keyRef, error) {
 	return keyRef{scope: scope, key: key, fp: fp, lockID: guard.LockID(scope, key)}, nil
 }
 
-// mark is the key's entry in the transaction's list of held keys (see
-// KeyLock).
-func (k keyRef) mark() string { return "[" + strconv.FormatInt(k.lockID, 36) + "]" }
-
 // The outcomes of a call, as the idem.outcome attribute of an [Observer]'s
 // metrics and spans spells them.
 const (
@@ -149,86 +144,69 @@ type claimed struct {
 	early bool
 }
 
-// sender sends batches: a pgx.Tx, or the *pgx.Conn that Run drives.
-type sender interface {
-	SendBatch(context.Context, *pgx.Batch) pgx.BatchResults
-}
-
-// claim takes the key's lock and reads its record in one round trip on db,
-// the transaction tx or, when tx is nil, the connection on which b begins
-// one (Run's BEGIN, queued first, in the same round trip). It returns the
-// transaction b began, if it began one, also on error. A duplicate that
-// finds the lock taken and no record to replay waits for the lock under the
-// wait budget, then reads again.
-func claim(ctx context.Context, db sender, tx pgx.Tx, b *pgx.Batch, k keyRef, o *options) (claimed, pgx.Tx, error) {
-	var lock dbsqlc.KeyLockRow
-	var rec dbsqlc.KeyGetRow
-	var found bool
-	dbsqlc.QueueKeyLock(b, dbsqlc.KeyLockParams{LockID: k.lockID, Mark: k.mark()}, &lock)
-	dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
-	results := db.SendBatch(ctx, b)
-	began := results.Tx()
-	if err := results.Close(); err != nil {
-		return claimed{outcome: outcomeFailed}, began, translate("idem: claim key", err)
+// claim takes the key's lock and reads its record (KeyLock), waiting for
+// the lock under the wait budget when it is taken and there is no record to
+// replay. With b nil it runs in tx; otherwise b holds Run's BEGIN, and the
+// claim is queued behind it and sent on conn in the same round trip; the
+// transaction begun is returned, also on error.
+func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRef, o *options) (claimed, pgx.Tx, error) {
+	params := dbsqlc.KeyLockParams{LockID: k.lockID, Scope: k.scope, Key: k.key, LockTimeout: o.lockTimeout()}
+	var rec dbsqlc.KeyLockRow
+	var err error
+	if b == nil {
+		rec, err = dbsqlc.New(tx).KeyLock(ctx, params)
+	} else {
+		dbsqlc.QueueKeyLock(b, params, &rec)
+		results := conn.SendBatch(ctx, b)
+		tx = results.Tx()
+		err = results.Close()
 	}
-	if tx == nil {
-		tx = began
+	if err != nil {
+		return claimed{outcome: outcomeFailed}, tx, translate("idem: claim key", err)
 	}
 
+	found := rec.State.Valid
 	if found && !rec.Expired {
-		c, err := judge(rec, k.fp)
-		return c, began, err
+		c, err := judge(rec.State.String, rec.Fingerprint, rec.Response, k.fp)
+		return c, tx, err
 	}
-	if lock.Nested {
+	if rec.Nested {
 		// Advisory locks are reentrant: only the list of held keys tells
 		// that fn's own transaction is running this key.
-		return claimed{outcome: outcomeInProgress}, began, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
+		return claimed{outcome: outcomeInProgress}, tx, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
 	}
-	if !lock.Locked {
-		wait := &pgx.Batch{}
-		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: o.lockTimeout(), LockID: k.lockID})
-		dbsqlc.QueueKeyGet(wait, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
-		if err := tx.SendBatch(ctx, wait).Close(); err != nil {
-			return claimed{outcome: outcomeFailed}, began, translate("idem: wait for key", err)
-		}
-		if found && !rec.Expired {
-			c, err := judge(rec, k.fp)
-			return c, began, err
-		}
-	}
-
 	c := claimed{outcome: outcomeClaimed, expired: found}
 	if found {
 		c.outcome = outcomeReclaimed
 	}
-	if !lock.ReadCommitted {
+	if !rec.ReadCommitted {
 		c.early = true
 		ok, err := dbsqlc.New(tx).KeyClaim(ctx, dbsqlc.KeyClaimParams{
 			Scope: k.scope, Key: k.key, Fingerprint: k.fp, Retention: o.retentionInterval(),
 		})
 		if err != nil {
-			return claimed{outcome: outcomeFailed}, began, translate("idem: claim key", err)
+			return claimed{outcome: outcomeFailed}, tx, translate("idem: claim key", err)
 		}
 		if !ok {
 			// Only a writer that took no lock can have put a live record
-			// in the way since KeyGet read none.
-			return claimed{outcome: outcomeFailed}, began, fmt.Errorf("idem: claim key: %w: the record changed while the key was locked", ErrSerialization)
+			// in the way since KeyLock read none.
+			return claimed{outcome: outcomeFailed}, tx, fmt.Errorf("idem: claim key: %w: the record changed while the key was locked", ErrSerialization)
 		}
 	}
-	return c, began, nil
+	return c, tx, nil
 }
 
 // judge decides what a duplicate gets from the live record in its way.
-func judge(rec dbsqlc.KeyGetRow, fp []byte) (claimed, error) {
+func judge(state string, storedFP, response, fp []byte) (claimed, error) {
 	switch {
-	case !bytes.Equal(rec.Fingerprint, fp):
+	case !bytes.Equal(storedFP, fp):
 		return claimed{outcome: outcomeMismatch}, ErrFingerprintMismatch
-	case rec.State != stateDone:
+	case state != stateDone:
 		// Another transaction's claim in progress cannot be seen: only the
 		// calling transaction's own (written before fn at REPEATABLE READ).
 		return claimed{outcome: outcomeInProgress}, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
 	}
-	return claimed{outcome: outcomeReplayed, stored: rec.Response}, nil
+	return claimed{outcome: outcomeReplayed, stored: response}, nil
 }
 
 // stateDone marks a record whose operation committed with its answer.

@@ -76,11 +76,11 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 	// BEGIN travels with the claim, unless the caller's BeginQuery must run
 	// as given: a batch sends each query as one statement, and a BeginQuery
 	// may hold several.
-	b := &pgx.Batch{}
+	var b *pgx.Batch
 	var tx pgx.Tx
-	var db sender = conn
 	switch {
 	case conn != nil && o.txOptions.BeginQuery == "":
+		b = &pgx.Batch{}
 		b.BeginTx(o.txOptions)
 	case conn != nil:
 		tx, err = conn.BeginTx(ctx, o.txOptions)
@@ -90,13 +90,7 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 	if err != nil {
 		return Result[T]{}, translate("idem: begin", err)
 	}
-	if tx != nil {
-		db = tx
-	}
-	c, began, err := claim(ctx, db, tx, b, k, o)
-	if tx == nil {
-		tx = began
-	}
+	c, tx, err := claim(ctx, tx, conn, b, k, o)
 	finished := false
 	defer func() {
 		if !finished && tx != nil {
@@ -177,7 +171,7 @@ func lookup(ctx context.Context, q *dbsqlc.Queries, k keyRef) (stored []byte, fo
 	if err != nil {
 		return nil, false, translate("idem: look up key", err)
 	}
-	c, err := judge(rec, k.fp)
+	c, err := judge(rec.State, rec.Fingerprint, rec.Response, k.fp)
 	return c.stored, err == nil, err
 }
 

@@ -1,41 +1,18 @@
 -- name: KeyLock :one
--- KeyLock takes the key's lock, a transaction-scoped advisory lock on a hash
--- of (scope, key), if it is free, without waiting: a duplicate waits on it
--- (KeyLockWait) while the first attempt runs, and no record is written
--- until that attempt stores its answer. The lock only keeps duplicates
--- waiting; the primary key still decides which write wins.
---
--- Advisory locks are reentrant, so the lock alone cannot tell a second Do
--- on the same key inside its own fn from a free key: the transaction keeps
--- a list of the keys it locked in the transaction-local setting idem.held,
--- and nested says whether this key was on it already.
-SELECT pg_try_advisory_xact_lock(@lock_id::bigint) AS locked,
-       strpos(held.ids, @mark::text) > 0 AS nested,
-       set_config('idem.held', held.ids || @mark::text, true) <> '' AS marked,
-       current_setting('transaction_isolation') = 'read committed' AS read_committed
-FROM (SELECT coalesce(current_setting('idem.held', true), '') AS ids) AS held;
-
--- name: KeyLockWait :exec
--- KeyLockWait waits for the key's lock under the wait budget, then restores
--- the caller's lock_timeout, all in one statement. Reading waited runs the
--- wait before the restore.
-WITH budget AS MATERIALIZED (
-    SELECT current_setting('lock_timeout') AS saved,
-           set_config('lock_timeout', @lock_timeout::text, true) AS applied
-),
-waited AS MATERIALIZED (
-    SELECT pg_advisory_xact_lock(@lock_id::bigint)::text AS done
-    FROM budget
-    WHERE budget.applied IS NOT NULL
-)
-SELECT set_config('lock_timeout', budget.saved, waited.done IS NOT NULL)
-FROM budget
-CROSS JOIN waited;
+-- KeyLock takes the key's lock and reads its record (see idem_key_claim in
+-- the migrations). No record is fingerprint NULL; expired says whether the
+-- record in the way has expired.
+SELECT c.nested::bool AS nested,
+       c.read_committed::bool AS read_committed,
+       c.fingerprint,
+       c.state,
+       c.response,
+       coalesce(c.expired, false)::bool AS expired
+FROM idem_key_claim(@lock_id::bigint, @scope::text, @key::text, @lock_timeout::text) AS c;
 
 -- name: KeyGet :one
--- KeyGet reads the key's record, live or expired, with a snapshot taken
--- after KeyLock, so that a record committed by the lock's previous holder is
--- seen (under READ COMMITTED).
+-- KeyGet reads the key's record, live or expired, outside the lock: for
+-- Run's lookup before its transaction (WithLookupFirst).
 SELECT fingerprint, state, response, (expires_at <= now())::bool AS expired
 FROM idempotency_key
 WHERE scope = @scope::text

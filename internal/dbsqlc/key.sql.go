@@ -73,9 +73,8 @@ type KeyGetRow struct {
 	Expired     bool
 }
 
-// KeyGet reads the key's record, live or expired, with a snapshot taken
-// after KeyLock, so that a record committed by the lock's previous holder is
-// seen (under READ COMMITTED).
+// KeyGet reads the key's record, live or expired, outside the lock: for
+// Run's lookup before its transaction (WithLookupFirst).
 func (q *Queries) KeyGet(ctx context.Context, arg KeyGetParams) (KeyGetRow, error) {
 	row := q.db.QueryRow(ctx, keyGet, arg.Scope, arg.Key)
 	var i KeyGetRow
@@ -160,73 +159,51 @@ func (q *Queries) KeyInspect(ctx context.Context, arg KeyInspectParams) (KeyInsp
 }
 
 const keyLock = `-- name: KeyLock :one
-SELECT pg_try_advisory_xact_lock($1::bigint) AS locked,
-       strpos(held.ids, $2::text) > 0 AS nested,
-       set_config('idem.held', held.ids || $2::text, true) <> '' AS marked,
-       current_setting('transaction_isolation') = 'read committed' AS read_committed
-FROM (SELECT coalesce(current_setting('idem.held', true), '') AS ids) AS held
+SELECT c.nested::bool AS nested,
+       c.read_committed::bool AS read_committed,
+       c.fingerprint,
+       c.state,
+       c.response,
+       coalesce(c.expired, false)::bool AS expired
+FROM idem_key_claim($1::bigint, $2::text, $3::text, $4::text) AS c
 `
 
 type KeyLockParams struct {
-	LockID int64
-	Mark   string
+	LockID      int64
+	Scope       string
+	Key         string
+	LockTimeout string
 }
 
 type KeyLockRow struct {
-	Locked        bool
 	Nested        bool
-	Marked        bool
 	ReadCommitted bool
+	Fingerprint   []byte
+	State         pgtype.Text
+	Response      []byte
+	Expired       bool
 }
 
-// KeyLock takes the key's lock, a transaction-scoped advisory lock on a hash
-// of (scope, key), if it is free, without waiting: a duplicate waits on it
-// (KeyLockWait) while the first attempt runs, and no record is written
-// until that attempt stores its answer. The lock only keeps duplicates
-// waiting; the primary key still decides which write wins.
-//
-// Advisory locks are reentrant, so the lock alone cannot tell a second Do
-// on the same key inside its own fn from a free key: the transaction keeps
-// a list of the keys it locked in the transaction-local setting idem.held,
-// and nested says whether this key was on it already.
+// KeyLock takes the key's lock and reads its record (see idem_key_claim in
+// the migrations). No record is fingerprint NULL; expired says whether the
+// record in the way has expired.
 func (q *Queries) KeyLock(ctx context.Context, arg KeyLockParams) (KeyLockRow, error) {
-	row := q.db.QueryRow(ctx, keyLock, arg.LockID, arg.Mark)
+	row := q.db.QueryRow(ctx, keyLock,
+		arg.LockID,
+		arg.Scope,
+		arg.Key,
+		arg.LockTimeout,
+	)
 	var i KeyLockRow
 	err := row.Scan(
-		&i.Locked,
 		&i.Nested,
-		&i.Marked,
 		&i.ReadCommitted,
+		&i.Fingerprint,
+		&i.State,
+		&i.Response,
+		&i.Expired,
 	)
 	return i, err
-}
-
-const keyLockWait = `-- name: KeyLockWait :exec
-WITH budget AS MATERIALIZED (
-    SELECT current_setting('lock_timeout') AS saved,
-           set_config('lock_timeout', $1::text, true) AS applied
-),
-waited AS MATERIALIZED (
-    SELECT pg_advisory_xact_lock($2::bigint)::text AS done
-    FROM budget
-    WHERE budget.applied IS NOT NULL
-)
-SELECT set_config('lock_timeout', budget.saved, waited.done IS NOT NULL)
-FROM budget
-CROSS JOIN waited
-`
-
-type KeyLockWaitParams struct {
-	LockTimeout string
-	LockID      int64
-}
-
-// KeyLockWait waits for the key's lock under the wait budget, then restores
-// the caller's lock_timeout, all in one statement. Reading waited runs the
-// wait before the restore.
-func (q *Queries) KeyLockWait(ctx context.Context, arg KeyLockWaitParams) error {
-	_, err := q.db.Exec(ctx, keyLockWait, arg.LockTimeout, arg.LockID)
-	return err
 }
 
 const keyPurgeExpired = `-- name: KeyPurgeExpired :execrows

@@ -46,6 +46,24 @@ var Schema = []string{
 )`,
 }
 
+// claimFirstSchema is the key table of the claim-first design, laid out as
+// idem's own table was when it used that design.
+var claimFirstSchema = []string{
+	`CREATE TABLE IF NOT EXISTS bench_claim_first_key (
+    scope       text        NOT NULL,
+    key         text        NOT NULL,
+    fingerprint bytea       NOT NULL,
+    state       text        NOT NULL,
+    response    jsonb,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    expires_at  timestamptz NOT NULL,
+    PRIMARY KEY (scope, key)
+) WITH (fillfactor = 90)`,
+	`CREATE INDEX IF NOT EXISTS bench_claim_first_key_expires_at_idx ON bench_claim_first_key (expires_at)`,
+}
+
+func init() { Schema = append(Schema, claimFirstSchema...) }
+
 // CreateSchema creates the benchmark's tables where missing.
 func CreateSchema(ctx context.Context, pool *pgxpool.Pool) error {
 	for _, stmt := range Schema {
@@ -176,7 +194,11 @@ type Design struct {
 //   - two-phase: reserve the key in a committed transaction of its own, then
 //     write the payment and complete the key in a second transaction;
 //   - single-statement: the claim and the payment in one statement, for a
-//     response known before the write (see the README).
+//     response known before the write (see the README);
+//   - claim-first: idem's own earlier design, kept to measure against: BEGIN
+//     and a claim row inserted in progress in one round trip, fn, then the
+//     response stored over the claim (a second tuple version) and COMMIT in
+//     one round trip.
 func Designs(pool *pgxpool.Pool, scope string) []Design {
 	fp := idem.Fingerprint([]byte("benchmark payment"))
 	return []Design{
@@ -250,8 +272,101 @@ ON CONFLICT (scope, key) DO NOTHING`, scope, key)
 			}
 			return p, json.Unmarshal(stored, &p)
 		}},
+		{Name: "claim-first", Pay: func(ctx context.Context, key string, amount int64) (Payment, error) {
+			return claimFirst(ctx, pool, scope, key, fp, amount)
+		}},
 	}
 }
+
+// claimFirst is the claim-first design's payment; see Designs.
+func claimFirst(ctx context.Context, pool *pgxpool.Pool, scope, key string, fp []byte, amount int64) (Payment, error) {
+	var p Payment
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return p, err
+	}
+	defer conn.Release()
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	var claimed bool
+	var stored []byte
+	var restored string
+	b.Queue(claimFirstClaim, scope, key, "5000", fp).QueryRow(func(row pgx.Row) error {
+		return row.Scan(&claimed, &stored, &restored)
+	})
+	results := conn.SendBatch(ctx, b)
+	tx := results.Tx()
+	if err := results.Close(); err != nil {
+		_ = tx.Rollback(ctx)
+		return p, err
+	}
+	if !claimed {
+		// Taken: the claim waited for the holder; read its record afresh.
+		defer tx.Rollback(ctx)
+		if stored == nil {
+			if err := tx.QueryRow(ctx, `SELECT response FROM bench_claim_first_key WHERE scope = $1 AND key = $2`,
+				scope, key).Scan(&stored); err != nil {
+				return p, err
+			}
+		}
+		return p, json.Unmarshal(stored, &p)
+	}
+	if p, err = Insert(ctx, tx, scope, key, amount); err != nil {
+		_ = tx.Rollback(ctx)
+		return p, err
+	}
+	response, err := json.Marshal(p)
+	if err != nil {
+		_ = tx.Rollback(ctx)
+		return p, err
+	}
+	b = &pgx.Batch{}
+	b.Queue(claimFirstStore, scope, key, string(response))
+	b.Queue(`COMMIT`)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		_ = tx.Rollback(ctx)
+		return p, err
+	}
+	return p, nil
+}
+
+// claimFirstClaim is the claim-first design's claim, as idem sent it: set
+// the wait budget, insert the claim in progress, restore lock_timeout, and
+// read the record in the way, in one statement.
+const claimFirstClaim = `
+WITH budget AS (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', $3::text, true) AS applied
+),
+inserted AS (
+    INSERT INTO bench_claim_first_key (scope, key, fingerprint, state, expires_at)
+    SELECT $1::text, $2::text, $4::bytea, 'in_progress', now() + interval '24 hours'
+    FROM budget
+    WHERE budget.applied IS NOT NULL
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING 1
+),
+outcome AS (
+    SELECT count(*) > 0 AS claimed FROM inserted
+)
+SELECT outcome.claimed::bool AS claimed,
+       existing.response,
+       set_config('lock_timeout', budget.saved, outcome.claimed IS NOT NULL) AS restored
+FROM budget
+CROSS JOIN outcome
+LEFT JOIN bench_claim_first_key AS existing
+    ON existing.scope = $1::text
+   AND existing.key = $2::text`
+
+// claimFirstStore completes the claim, failing when it is gone.
+const claimFirstStore = `
+WITH stored AS (
+    UPDATE bench_claim_first_key
+    SET state = 'done', response = $3::text::jsonb
+    WHERE scope = $1::text AND key = $2::text AND state = 'in_progress'
+    RETURNING 1
+)
+SELECT 1 / count(*) FROM stored`
 
 // singleStatement is the README's pattern for a hot path whose response is
 // known before the write: the payment insert reads the claim, so it runs only
@@ -370,3 +485,82 @@ func Interleave(ctx context.Context, phases []Phase, clients, rounds int, opsPer
 	}
 	return totals, nil
 }
+
+// WALPart is the WAL that one kind of record adds to an operation.
+type WALPart struct {
+	Part  string  // resource manager, record type and relation
+	Bytes float64 // per operation, full-page images included
+}
+
+// WAL runs ops operations of phase one at a time and returns the WAL bytes
+// each wrote, broken down by kind, read back with pg_walinspect (which it
+// creates in the database): the records of the transactions that inserted
+// a payment row meanwhile, and the records without a transaction (page
+// pruning, say) on this database's relations. Counting so keeps what other
+// databases on the server write out of the figure. Full-page images are in
+// it, so a checkpoint during the run shows.
+func WAL(ctx context.Context, pool *pgxpool.Pool, phase Phase, ops int64) (perOp float64, parts []WALPart, err error) {
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return 0, nil, err
+	}
+	defer conn.Release()
+	if _, err := conn.Exec(ctx, `CREATE EXTENSION IF NOT EXISTS pg_walinspect`); err != nil {
+		return 0, nil, fmt.Errorf("pg_walinspect: %w", err)
+	}
+	// A temporary replication slot keeps the server from recycling the WAL
+	// to be read while others write a lot of it; it goes with the session.
+	var start string
+	if err := conn.QueryRow(ctx, `SELECT lsn::text FROM pg_create_physical_replication_slot(
+		'idem_bench_' || pg_backend_pid(), immediately_reserve => true, temporary => true)`).Scan(&start); err != nil {
+		return 0, nil, fmt.Errorf("reserve WAL: %w", err)
+	}
+	defer conn.Exec(context.WithoutCancel(ctx), `SELECT pg_drop_replication_slot('idem_bench_' || pg_backend_pid())`)
+	var firstID int64
+	if err := conn.QueryRow(ctx, `SELECT coalesce(max(id), 0) FROM payment`).Scan(&firstID); err != nil {
+		return 0, nil, err
+	}
+	for i := range ops {
+		if err := phase.Op(ctx, i); err != nil {
+			return 0, nil, fmt.Errorf("%s: %w", phase.Name, err)
+		}
+	}
+	rows, err := conn.Query(ctx, walQuery, start, firstID)
+	if err != nil {
+		return 0, nil, err
+	}
+	for rows.Next() {
+		var part WALPart
+		var total int64
+		if err := rows.Scan(&part.Part, &total); err != nil {
+			return 0, nil, err
+		}
+		part.Bytes = float64(total) / float64(ops)
+		perOp += part.Bytes
+		parts = append(parts, part)
+	}
+	return perOp, parts, rows.Err()
+}
+
+// walQuery sums the WAL records since $1 of the transactions that inserted
+// payment rows after id $2, and those of no transaction on the database's
+// own relations, by resource manager, record type and relation.
+const walQuery = `
+WITH ours AS (
+    SELECT DISTINCT xmin AS xid FROM payment WHERE id > $2::bigint
+),
+records AS (
+    SELECT w.resource_manager || ' ' || w.record_type AS kind,
+           substring(w.block_ref from 'rel \d+/\d+/(\d+)')::oid AS filenode,
+           w.record_length
+    FROM pg_get_wal_records_info($1::text::pg_lsn, pg_current_wal_flush_lsn()) AS w
+    WHERE w.xid IN (SELECT xid FROM ours)
+       OR (w.xid = '0'::xid
+           AND substring(w.block_ref from 'rel \d+/(\d+)/')::oid =
+               (SELECT oid FROM pg_database WHERE datname = current_database()))
+)
+SELECT records.kind || coalesce(' ' || c.relname, ''), sum(records.record_length)::bigint
+FROM records
+LEFT JOIN pg_class AS c ON c.relfilenode = records.filenode
+GROUP BY 1
+ORDER BY 2 DESC`

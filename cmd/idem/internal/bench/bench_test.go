@@ -23,7 +23,8 @@ func TestMain(m *testing.M) { os.Exit(testdb.Main(m, &env)) }
 
 // BenchmarkRunVsBare compares, in one run on one database, a bare
 // BEGIN/INSERT/COMMIT with idem.Run's first executions and replays of the
-// same insert, claim-first and lookup-first, at 8 clients. Each iteration is
+// same insert, by default and lookup-first, and with idem's earlier
+// claim-first design, at 8 clients. Each iteration is
 // one interleaved round of every phase; throughput ratios to the bare
 // transaction are reported as metrics.
 func BenchmarkRunVsBare(b *testing.B) {
@@ -32,7 +33,13 @@ func BenchmarkRunVsBare(b *testing.B) {
 	if err := bench.CreateSchema(ctx, pool); err != nil {
 		b.Fatal(err)
 	}
-	phases := bench.StandardPhases(pool, testdb.Name("bench"))
+	scope := testdb.Name("bench")
+	phases := bench.StandardPhases(pool, scope)
+	for _, d := range bench.Designs(pool, scope) {
+		if d.Name == "claim-first" {
+			phases = append(phases, bench.DesignPhases([]bench.Design{d})...)
+		}
+	}
 	// Give the replay phases completed keys, and every statement a warm
 	// cache, before timing starts.
 	if _, err := bench.Interleave(ctx, phases, 8, 1, 200); err != nil {
@@ -47,6 +54,51 @@ func BenchmarkRunVsBare(b *testing.B) {
 	b.ReportMetric(bare, "bare-tx/s")
 	for _, p := range phases[1:] {
 		b.ReportMetric(totals[p.Name].Throughput()/bare, p.Name+"/bare")
+	}
+}
+
+// BenchmarkWALPerOperation reports the WAL bytes that one operation writes,
+// run one at a time: the bare transaction, Run's first execution (with the
+// benchmark's payment row and a 32-byte fingerprint), idem's earlier
+// claim-first design, and Run's replay, counted as bench.WAL says. -v logs where the first execution's bytes go:
+// go test -run '^$' -bench WALPerOperation -benchtime 1x -v ./internal/bench
+func BenchmarkWALPerOperation(b *testing.B) {
+	pool := env.Pool(b)
+	ctx := context.Background()
+	if err := bench.CreateSchema(ctx, pool); err != nil {
+		b.Fatal(err)
+	}
+	scope := testdb.Name("bench-wal")
+	phases := bench.StandardPhases(pool, scope)
+	byName := map[string]bench.Phase{}
+	for _, p := range append(phases, bench.DesignPhases(bench.Designs(pool, scope))...) {
+		byName[p.Name] = p
+	}
+	// Warm the caches, and give the replay phase keys.
+	for _, name := range []string{"bare", "run-first", "claim-first"} {
+		if _, _, err := bench.WAL(ctx, pool, byName[name], 200); err != nil {
+			b.Fatal(err)
+		}
+	}
+	const ops = 2000
+	for b.Loop() {
+		for _, name := range []string{"bare", "run-first", "claim-first"} {
+			perOp, parts, err := bench.WAL(ctx, pool, byName[name], ops)
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.ReportMetric(perOp, name+"-B/op")
+			if name == "run-first" {
+				for _, part := range parts {
+					b.Logf("run-first: %6.1f B/op  %s", part.Bytes, part.Part)
+				}
+			}
+		}
+		perOp, _, err := bench.WAL(ctx, pool, byName["run-replay"], ops)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(perOp, "run-replay-B/op")
 	}
 }
 
@@ -68,6 +120,27 @@ func BenchmarkDo(b *testing.B) {
 				return bench.Insert(ctx, tx, scope, key, 1)
 			})
 			return err
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkRun measures one first execution through Run, per call, with its
+// allocations (run with -benchmem); BenchmarkBareTx is its floor too.
+func BenchmarkRun(b *testing.B) {
+	pool := env.Pool(b)
+	ctx := context.Background()
+	scope := testdb.Name("bench-run")
+	fp := idem.Fingerprint([]byte("benchmark"))
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		i++
+		key := strconv.Itoa(i)
+		_, err := idem.Run(ctx, pool, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (bench.Payment, error) {
+			return bench.Insert(ctx, tx, scope, key, 1)
 		})
 		if err != nil {
 			b.Fatal(err)
