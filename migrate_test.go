@@ -12,6 +12,7 @@ import (
 	"github.com/pressly/goose/v3"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/migration"
 )
 
 // setupEmpty returns a fresh database without any migrations applied.
@@ -75,7 +76,7 @@ func TestMigrateBesideAnApplicationsGoose(t *testing.T) {
 	if err != nil || appVersion != 1 {
 		t.Fatalf("app version %d, %v; want 1", appVersion, err)
 	}
-	provider, err := idem.NewMigrationProvider(db)
+	provider, err := migration.NewProvider(db, idem.Migrations())
 	if err != nil {
 		t.Fatal(err)
 	}

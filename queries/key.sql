@@ -130,3 +130,13 @@ SELECT fingerprint, state, response, created_at, expires_at,
 FROM idempotency_key
 WHERE scope = @scope::text
   AND key = @key::text;
+
+-- name: KeyInFlight :one
+-- KeyInFlight counts the operations running in this database now (the
+-- locks held), and the duplicates waiting for them (see idem_key_lock):
+-- for every key, or with @lock_id not zero, for that key's lock.
+SELECT count(*) FILTER (WHERE l.granted) AS running,
+       count(*) FILTER (WHERE NOT l.granted) AS waiting,
+       min(l.xact_start) FILTER (WHERE l.granted)::timestamptz AS oldest_start
+FROM idem_key_lock(@lock_tag::bigint) AS l
+WHERE @lock_id::bigint IN (0, l.lock_id);

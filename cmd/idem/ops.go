@@ -13,11 +13,14 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/migration"
 )
 
 func runMigrate(ctx context.Context, args []string, stdout io.Writer) error {
@@ -45,7 +48,7 @@ command prints it before acting.`)
 	defer pool.Close()
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	provider, err := idem.NewMigrationProvider(db)
+	provider, err := migration.NewProvider(db, idem.Migrations())
 	if err != nil {
 		return err
 	}
@@ -115,7 +118,7 @@ func checkMigrated(ctx context.Context, pool *pgxpool.Pool, db *sql.DB) error {
 	if !exists {
 		return databaseError{errors.New("idem's migrations are not applied: run 'idem migrate up'")}
 	}
-	provider, err := idem.NewMigrationProvider(db)
+	provider, err := migration.NewProvider(db, idem.Migrations())
 	if err != nil {
 		return err
 	}
@@ -167,7 +170,11 @@ holds are skipped, not waited for.`)
 func runStats(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet(stdout, "stats", `stats
 
-Prints, for idem's tables: the records done, in progress, and past expiry
+Prints the operations running now (the advisory locks their transactions
+hold on their keys, as pg_locks shows them: at READ COMMITTED a running
+operation has no record until it commits) and the duplicates waiting for
+them; for idem's tables: the records done, in progress (written before
+their function runs, at REPEATABLE READ and SERIALIZABLE), and past expiry
 (awaiting purge); how many scopes hold records; the oldest live record; the
 table's and its indexes' size on disk; and the outbox's pending messages
 (with the oldest one's age), parked messages awaiting a decision, and
@@ -188,7 +195,13 @@ delivered messages awaiting purge. It only reads.`)
 	if s.OldestLive.Valid {
 		oldest = fmt.Sprintf("%s (%s ago)", s.OldestLive.Time.Format(time.RFC3339), time.Since(s.OldestLive.Time).Round(time.Second))
 	}
+	f, err := dbsqlc.New(pool).KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: guard.LockTag})
+	if err != nil {
+		return fmt.Errorf("stats: operations in flight: %w", err)
+	}
 	w := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(w, "operations running now\t%d%s\n", f.Running, since(f.OldestStart, " (oldest began %s ago)"))
+	fmt.Fprintf(w, "duplicates waiting for them\t%d\n", f.Waiting)
 	fmt.Fprintf(w, "records done\t%d\n", s.Done)
 	fmt.Fprintf(w, "records in progress\t%d\n", s.InProgress)
 	fmt.Fprintf(w, "records past expiry, awaiting purge\t%d\n", s.Expired)
@@ -210,6 +223,14 @@ delivered messages awaiting purge. It only reads.`)
 	return w.Flush()
 }
 
+// since formats how long ago t was into format, or "" when t is unset.
+func since(t pgtype.Timestamptz, format string) string {
+	if !t.Valid {
+		return ""
+	}
+	return fmt.Sprintf(format, time.Since(t.Time).Round(time.Millisecond))
+}
+
 func bytesize(n int64) string {
 	const unit = 1024
 	if n < unit {
@@ -226,7 +247,8 @@ func bytesize(n int64) string {
 func runInspect(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet(stdout, "inspect", `inspect [-show-response] SCOPE KEY
 
-Prints one record: its state, fingerprint, creation and expiry, and the
+Prints one key: whether an operation is running on it now (its lock, from
+pg_locks), and its record: state, fingerprint, creation and expiry, and the
 size of its stored response, which is shown only with -show-response.
 Flags may come before or after SCOPE and KEY.`)
 	show := fs.Bool("show-response", false, "print the stored response, which may hold personal data (redacted by default)")
@@ -243,9 +265,21 @@ Flags may come before or after SCOPE and KEY.`)
 	}
 	defer pool.Close()
 	scope, key := operands[0], operands[1]
+	f, err := dbsqlc.New(pool).KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: guard.LockTag, LockID: guard.LockID(scope, key)})
+	if err != nil {
+		return fmt.Errorf("inspect: %w", err)
+	}
+	running := "no"
+	if f.Running > 0 {
+		running = fmt.Sprintf("yes%s, %d duplicate(s) waiting", since(f.OldestStart, ", its transaction began %s ago"), f.Waiting)
+	}
 	r, err := dbsqlc.New(pool).KeyInspect(ctx, dbsqlc.KeyInspectParams{Scope: scope, Key: key})
 	if errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("no record for scope %q, key %q", scope, key)
+		if f.Running > 0 {
+			fmt.Fprintf(stdout, "scope %q, key %q: no record yet; running now: %s\n", scope, key, running)
+			return nil
+		}
+		return fmt.Errorf("no record for scope %q, key %q, and no operation running on it", scope, key)
 	}
 	if err != nil {
 		return fmt.Errorf("inspect: %w", err)
@@ -265,6 +299,7 @@ Flags may come before or after SCOPE and KEY.`)
 	fmt.Fprintf(w, "scope\t%s\n", scope)
 	fmt.Fprintf(w, "key\t%s\n", key)
 	fmt.Fprintf(w, "state\t%s\n", state)
+	fmt.Fprintf(w, "running now\t%s\n", running)
 	fmt.Fprintf(w, "fingerprint\t%s\n", strings.ToLower(hex.EncodeToString(r.Fingerprint)))
 	fmt.Fprintf(w, "created\t%s\n", r.CreatedAt.Time.Format(time.RFC3339Nano))
 	fmt.Fprintf(w, "expires\t%s\n", r.ExpiresAt.Time.Format(time.RFC3339Nano))

@@ -5,8 +5,10 @@ import (
 	"context"
 	"fmt"
 	neturl "net/url"
+	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -112,7 +114,7 @@ func TestMigrateStatsInspectPurge(t *testing.T) {
 
 	out := mustRun("records done", "stats")
 	if !strings.Contains(out, "past expiry, awaiting purge  1") || !strings.Contains(out, "scopes                               1") {
-		t.Errorf("stats:\n%s", out)
+		t.Errorf("stats:\n%q", out)
 	}
 	out = mustRun("state", "inspect", "tenant", "live")
 	if strings.Contains(out, "4242") || !strings.Contains(out, "redacted") {
@@ -127,6 +129,42 @@ func TestMigrateStatsInspectPurge(t *testing.T) {
 	if code, out := runCommand(t, url, "inspect", "tenant", "absent"); code != exitFailure {
 		t.Errorf("inspect of a missing record: exit %d, want %d\n%s", code, exitFailure, out)
 	}
+	// An operation running now has no record yet at READ COMMITTED: stats
+	// and inspect see it, and the duplicate waiting for it, by its lock.
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := idem.Do(ctx, tx, "tenant", "running", nil, fn); err != nil {
+		t.Fatal(err)
+	}
+	waiter := make(chan error, 1)
+	go func() {
+		_, err := idem.Run(ctx, pool, "tenant", "running", nil, fn, idem.WithWait(time.Minute))
+		waiter <- err
+	}()
+	waitFor(t, func() bool {
+		_, out := runCommand(t, url, "stats")
+		return regexp.MustCompile(`duplicates waiting for them +1\n`).MatchString(out)
+	})
+	if out := mustRun("operations running now", "stats"); !regexp.MustCompile(`operations running now +1 \(oldest began`).MatchString(out) {
+		t.Errorf("stats while one operation runs:\n%s", out)
+	}
+	mustRun("no record yet; running now: yes, its transaction began", "inspect", "tenant", "running")
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-waiter; err != nil {
+		t.Fatalf("the waiting duplicate: %v", err)
+	}
+	if out := mustRun("running now", "inspect", "tenant", "running"); !regexp.MustCompile(`running now +no\n`).MatchString(out) {
+		t.Errorf("inspect after the operation committed:\n%s", out)
+	}
+	if out := mustRun("operations running now", "stats"); !regexp.MustCompile(`operations running now +0\n`).MatchString(out) {
+		t.Errorf("stats after the operation committed:\n%s", out)
+	}
+
 	mustRun("purged 1 expired records", "purge", "-batch", "2147483647")
 	mustRun("purged 0 expired records", "purge")
 	mustRun("rolled back", "migrate", "down")
@@ -198,5 +236,17 @@ func TestAuthenticationFailureIsReportedOnceAsSuch(t *testing.T) {
 	}
 	if n := strings.Count(out, "SQLSTATE"); n != 1 {
 		t.Errorf("%d SQLSTATEs in the output, want 1:\n%s", n, out)
+	}
+}
+
+// waitFor polls cond until it holds, or fails the test after ten seconds.
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met within 10s")
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

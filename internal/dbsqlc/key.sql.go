@@ -87,6 +87,35 @@ func (q *Queries) KeyGet(ctx context.Context, arg KeyGetParams) (KeyGetRow, erro
 	return i, err
 }
 
+const keyInFlight = `-- name: KeyInFlight :one
+SELECT count(*) FILTER (WHERE l.granted) AS running,
+       count(*) FILTER (WHERE NOT l.granted) AS waiting,
+       min(l.xact_start) FILTER (WHERE l.granted)::timestamptz AS oldest_start
+FROM idem_key_lock($1::bigint) AS l
+WHERE $2::bigint IN (0, l.lock_id)
+`
+
+type KeyInFlightParams struct {
+	LockTag int64
+	LockID  int64
+}
+
+type KeyInFlightRow struct {
+	Running     int64
+	Waiting     int64
+	OldestStart pgtype.Timestamptz
+}
+
+// KeyInFlight counts the operations running in this database now (the
+// locks held), and the duplicates waiting for them (see idem_key_lock):
+// for every key, or with @lock_id not zero, for that key's lock.
+func (q *Queries) KeyInFlight(ctx context.Context, arg KeyInFlightParams) (KeyInFlightRow, error) {
+	row := q.db.QueryRow(ctx, keyInFlight, arg.LockTag, arg.LockID)
+	var i KeyInFlightRow
+	err := row.Scan(&i.Running, &i.Waiting, &i.OldestStart)
+	return i, err
+}
+
 const keyInsert = `-- name: KeyInsert :exec
 INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
 VALUES ($1::text, $2::text, $3::bytea, 'done',
