@@ -18,26 +18,35 @@ performs the write:
 			return insertPayment(ctx, tx, order)
 		})
 
-Do claims (scope, key) with an INSERT that the table's primary key
-arbitrates, runs the function in the same transaction, and stores its value as
-JSON in the same transaction. The claim, the write and the stored value commit
-together or not at all:
+Do claims (scope, key) for the transaction, runs the function in it, and
+records the key with the function's value, as JSON, in the same transaction:
+the write and the record commit together or not at all. The claim is a
+transaction-scoped advisory lock on the key, taken together with a read of
+the key's record; the record itself is written once, complete, after the
+function, by an INSERT that the table's primary key arbitrates. So:
 
-  - a crash, a cancelled context or a rollback before COMMIT leaves the key
-    free, and the retry runs the function again;
+  - a crash, a cancelled context, a rollback or a failed function leaves
+    nothing behind: the lock ends with the transaction, and the retry runs
+    the function again;
   - a retry after COMMIT does not run the function: it gets the stored value
     with Result.Replayed set;
   - a retry with the same key but another fingerprint gets
     [ErrFingerprintMismatch];
   - a duplicate that arrives while the first attempt is still open waits for
-    it (see [WithWait]) and then replays its outcome, or runs the function if
-    the first attempt rolled back, or gives [ErrInProgress] when the wait
-    budget runs out;
+    its lock (see [WithWait]) and then replays its outcome, or runs the
+    function if the first attempt rolled back, or gives [ErrInProgress] when
+    the wait budget runs out;
   - a record older than its retention (see [WithRetention]) counts as absent.
+
+At REPEATABLE READ and SERIALIZABLE, whose snapshot may predate a record
+committed by the lock's previous holder, the claim also writes the record
+in progress before the function runs, and a conflict with a record the
+snapshot cannot see becomes [ErrSerialization] before the function is
+called.
 
 [Run] is Do in a transaction of its own, for callers without one. It retries
 serialization failures and deadlocks, and on a pool or a connection it drives
-itself it saves round trips: BEGIN travels with the claim and the stored value
+itself it saves round trips: BEGIN travels with the claim and the record
 with COMMIT. [WithTx] is the same transaction runner for any function.
 
 # Consumers and other boundaries
@@ -58,7 +67,9 @@ idempotency key the receiver can deduplicate on.
 [WithObserver] records metrics, spans and log lines through OpenTelemetry's
 API and log/slog. [WithCodec] seals stored responses, to encrypt or redact
 them. [StartPurger] keeps the table small in the background. The idem
-command (cmd/idem) migrates, purges, inspects and measures.
+command (cmd/idem) migrates, purges, inspects and measures; idem stats and
+idem inspect show the operations running now, which at READ COMMITTED have
+no record yet, from the advisory locks in pg_locks.
 
 # Set-up
 
