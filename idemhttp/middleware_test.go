@@ -764,6 +764,10 @@ func TestNewRejectsConfigThatCannotWork(t *testing.T) {
 		// The stored size, base64 and an allowance for headers, would wrap.
 		"largest response":     {pool, idemhttp.Config{Scope: scope, MaxResponseBytes: math.MaxInt}, "MaxResponseBytes"},
 		"top quarter response": {pool, idemhttp.Config{Scope: scope, MaxResponseBytes: math.MaxInt/4*3 + 1}, "MaxResponseBytes"},
+		// Sealed, the stored form is base64 twice over: a limit that fits
+		// without a codec wraps with one.
+		"largest response sealed": {pool, idemhttp.Config{Scope: scope, MaxResponseBytes: math.MaxInt / 3 * 2, Codec: &xorCodec{}}, "MaxResponseBytes"},
+		"relative problem type":   {pool, idemhttp.Config{Scope: scope, ProblemTypeBase: "/errors#"}, "ProblemTypeBase"},
 	}
 	for name, c := range cases {
 		func() {

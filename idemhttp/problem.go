@@ -122,6 +122,7 @@ func (m *middleware) writeProblemOf(w http.ResponseWriter, p problem) {
 	body, _ := json.Marshal(p) // strings and ints always encode
 	h := w.Header()
 	h.Set("Content-Type", "application/problem+json")
+	h.Set("Content-Language", "en") // of the title and detail
 	h.Set("Cache-Control", "no-store")
 	h.Set("Link", "<"+p.Type+`>; rel="describedby"`)
 	writeResponse(w, nil, p.Status, body, false)
