@@ -180,7 +180,9 @@ type Config struct {
 	Codec idem.Codec
 
 	// Observer records every keyed request's outcome, claim duration and
-	// span (see [idem.WithObserver]). Defaults to none.
+	// span (see [idem.WithObserver]); an answer that Store refuses counts
+	// as failed, since it rolls back. Requests without a key are not
+	// observed. Defaults to none.
 	Observer *idem.Observer
 
 	// Fingerprint chooses what makes two requests with the same key the
