@@ -6,142 +6,20 @@ import (
 	"errors"
 	"log/slog"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
-	"go.opentelemetry.io/otel/metric"
-	metricnoop "go.opentelemetry.io/otel/metric/noop"
-	"go.opentelemetry.io/otel/trace"
-	tracenoop "go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/otelrec"
 )
 
-// recorder is a MeterProvider and a TracerProvider that keeps what is
-// recorded through them. It is built on the OpenTelemetry API's own no-op
-// types, overriding the methods idem calls, so that the tests need no SDK
-// (and idem's users download none).
-type recorder struct {
-	metricnoop.MeterProvider
-	tracenoop.TracerProvider
-
-	mu     sync.Mutex
-	counts map[string]map[string]float64 // instrument -> idem.outcome -> sum
-	spans  []recordedSpan                // ended spans, in order
-}
-
-type recordedSpan struct {
-	name, outcome string
-	status        codes.Code
-}
-
-func newRecorder() *recorder { return &recorder{counts: map[string]map[string]float64{}} }
-
-func (r *recorder) Meter(string, ...metric.MeterOption) metric.Meter { return recMeter{r: r} }
-
-func (r *recorder) Tracer(string, ...trace.TracerOption) trace.Tracer { return recTracer{r: r} }
-
-func (r *recorder) add(instrument string, v float64, set attribute.Set) {
-	outcome, _ := set.Value("idem.outcome")
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.counts[instrument] == nil {
-		r.counts[instrument] = map[string]float64{}
-	}
-	r.counts[instrument][outcome.AsString()] += v
-}
-
-// count returns the sum recorded on instrument, by outcome.
-func (r *recorder) count(instrument string) map[string]float64 {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	out := map[string]float64{}
-	for k, v := range r.counts[instrument] {
-		out[k] = v
-	}
-	return out
-}
-
-func (r *recorder) ended() []recordedSpan {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return append([]recordedSpan(nil), r.spans...)
-}
-
-type recMeter struct {
-	metricnoop.Meter
-	r *recorder
-}
-
-func (m recMeter) Int64Counter(name string, _ ...metric.Int64CounterOption) (metric.Int64Counter, error) {
-	return recCounter{r: m.r, name: name}, nil
-}
-
-func (m recMeter) Float64Histogram(name string, _ ...metric.Float64HistogramOption) (metric.Float64Histogram, error) {
-	return recHistogram{r: m.r, name: name}, nil
-}
-
-type recCounter struct {
-	metricnoop.Int64Counter
-	r    *recorder
-	name string
-}
-
-func (c recCounter) Add(_ context.Context, v int64, opts ...metric.AddOption) {
-	c.r.add(c.name, float64(v), metric.NewAddConfig(opts).Attributes())
-}
-
-// recHistogram counts records rather than summing them: durations vary.
-type recHistogram struct {
-	metricnoop.Float64Histogram
-	r    *recorder
-	name string
-}
-
-func (h recHistogram) Record(_ context.Context, _ float64, opts ...metric.RecordOption) {
-	h.r.add(h.name, 1, metric.NewRecordConfig(opts).Attributes())
-}
-
-type recTracer struct {
-	tracenoop.Tracer
-	r *recorder
-}
-
-func (t recTracer) Start(ctx context.Context, name string, _ ...trace.SpanStartOption) (context.Context, trace.Span) {
-	s := &recSpan{r: t.r, span: recordedSpan{name: name}}
-	return trace.ContextWithSpan(ctx, s), s
-}
-
-type recSpan struct {
-	tracenoop.Span
-	r    *recorder
-	span recordedSpan
-}
-
-func (s *recSpan) SetAttributes(kv ...attribute.KeyValue) {
-	for _, a := range kv {
-		if a.Key == "idem.outcome" {
-			s.span.outcome = a.Value.AsString()
-		}
-	}
-}
-
-func (s *recSpan) SetStatus(code codes.Code, _ string) { s.span.status = code }
-
-func (s *recSpan) End(...trace.SpanEndOption) {
-	s.r.mu.Lock()
-	defer s.r.mu.Unlock()
-	s.r.spans = append(s.r.spans, s.span)
-}
-
 // setupObserver returns an Observer wired to a recorder and a log buffer.
-func setupObserver(t *testing.T, logKeys bool) (*idem.Observer, *recorder, *bytes.Buffer) {
+func setupObserver(t *testing.T, logKeys bool) (*idem.Observer, *otelrec.Recorder, *bytes.Buffer) {
 	t.Helper()
-	rec := newRecorder()
+	rec := otelrec.New()
 	var logs bytes.Buffer
 	observer, err := idem.NewObserver(idem.ObserverConfig{
 		MeterProvider:  rec,
@@ -175,33 +53,33 @@ func TestObserverRecordsOutcomesSpansAndLogs(t *testing.T) {
 		func(context.Context, pgx.Tx) (int, error) { return 0, errors.New("boom") }, with)
 
 	want := map[string]float64{"claimed": 1, "replayed": 1, "mismatch": 1, "invalid": 1, "expired_reclaimed": 1, "failed": 1}
-	got := rec.count("idem.calls")
+	got := rec.Count("idem.calls")
 	for outcome, n := range want {
 		if got[outcome] != n {
 			t.Errorf("outcome %s counted %v times, want %v (all: %v)", outcome, got[outcome], n, got)
 		}
 	}
 	// Every call that reached its claim timed it: all but the invalid one.
-	claims := rec.count("idem.claim.duration")
+	claims := rec.Count("idem.claim.duration")
 	for outcome := range want {
 		if n := claims[outcome]; (outcome == "invalid") != (n == 0) {
 			t.Errorf("claim.duration recorded %v times for %s (all: %v)", n, outcome, claims)
 		}
 	}
-	spans := rec.ended()
+	spans := rec.Ended()
 	if len(spans) != 6 {
 		t.Errorf("%d spans ended, want 6: %+v", len(spans), spans)
 	}
 	for i, s := range spans {
-		if s.name != "idem.Run" {
-			t.Errorf("span named %q, want idem.Run", s.name)
+		if s.Name != "idem.Run" {
+			t.Errorf("span named %q, want idem.Run", s.Name)
 		}
-		if wantErr := s.outcome == "failed"; wantErr != (s.status == codes.Error) {
-			t.Errorf("span %d (%s) has status %v", i, s.outcome, s.status)
+		if wantErr := s.Outcome == "failed"; wantErr != (s.Status == codes.Error) {
+			t.Errorf("span %d (%s) has status %v", i, s.Outcome, s.Status)
 		}
 	}
-	if spans := rec.ended(); len(spans) == 6 && spans[5].outcome != "failed" {
-		t.Errorf("last span's outcome %q, want failed", spans[5].outcome)
+	if spans := rec.Ended(); len(spans) == 6 && spans[5].Outcome != "failed" {
+		t.Errorf("last span's outcome %q, want failed", spans[5].Outcome)
 	}
 	if !strings.Contains(logs.String(), "key reused with a different request") {
 		t.Errorf("no log line for the mismatch:\n%s", logs.String())

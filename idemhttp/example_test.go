@@ -101,6 +101,13 @@ func ExampleNew() {
 		}
 		defer res.Body.Close()
 		answer, _ := io.ReadAll(res.Body)
+		if res.Header.Get("Content-Type") == "application/problem+json" {
+			// A problem: programs act on its code, people follow its link.
+			var p struct{ Code, Detail string }
+			_ = json.Unmarshal(answer, &p)
+			fmt.Printf("%d %s: %s\n    Link: %s\n", res.StatusCode, p.Code, p.Detail, res.Header.Get("Link"))
+			return
+		}
 		fmt.Printf("%d replayed=%q %s\n", res.StatusCode, res.Header.Get(idemhttp.ReplayedHeader), strings.TrimSpace(string(answer)))
 	}
 
@@ -118,7 +125,9 @@ func ExampleNew() {
 	// Output:
 	// 201 replayed="" {"amount_cents":2500,"status":"paid"}
 	// 201 replayed="true" {"amount_cents":2500,"status":"paid"}
-	// 422 replayed="" {"type":"about:blank","title":"Unprocessable Entity","status":422,"detail":"This Idempotency-Key was already used for a different request. Use a new key for a new request."}
-	// 400 replayed="" {"type":"about:blank","title":"Bad Request","status":400,"detail":"This request needs an Idempotency-Key header."}
+	// 422 key-reused: This Idempotency-Key was already used for a different request. Use a new key for a new request.
+	//     Link: <https://github.com/pgidem/idem/blob/main/idemhttp/PROBLEMS.md#key-reused>; rel="describedby"
+	// 400 key-missing: This request needs an Idempotency-Key header.
+	//     Link: <https://github.com/pgidem/idem/blob/main/idemhttp/PROBLEMS.md#key-missing>; rel="describedby"
 	// payments recorded: 1 <nil>
 }

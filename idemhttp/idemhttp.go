@@ -57,6 +57,27 @@ const (
 // response, as Stripe names it. A first answer does not carry it.
 const ReplayedHeader = "Idempotent-Replayed"
 
+// StoreBelow500 is the default of [Config.Store]: it stores every answer
+// below 500. A 4xx is stored on purpose: a declined card stays declined on
+// retry, rather than being charged when the client tries again. So is a
+// 409 or a 429 that the handler answers itself, for the whole retention;
+// [StoreFinal] is the policy that leaves those out.
+func StoreBelow500(status int) bool { return status < 500 }
+
+// StoreFinal stores what [StoreBelow500] stores except the answers that ask
+// the client to try again: 408 Request Timeout, 409 Conflict, 425 Too Early
+// and 429 Too Many Requests. Such an answer goes to the client and rolls
+// back, so that the client's retry with the same key runs the handler
+// again, rather than getting the same refusal until the key expires. Use
+// it with Config{Store: idemhttp.StoreFinal}.
+func StoreFinal(status int) bool {
+	switch status {
+	case http.StatusRequestTimeout, http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests:
+		return false
+	}
+	return StoreBelow500(status)
+}
+
 // Config configures the middleware that [New] returns. Only Scope is
 // required.
 type Config struct {
@@ -108,21 +129,61 @@ type Config struct {
 	// [DefaultMaxBodyBytes], 1 MiB.
 	MaxBodyBytes int64
 
-	// MaxResponseBytes is the largest response body stored for replay. A
-	// handler that writes more is rolled back and the client gets 500. The
-	// whole response is buffered before it is checked, so this bounds what
-	// is stored, not what the handler may write. It must not exceed about
-	// three quarters of math.MaxInt, so that the size of the stored form,
-	// the body in base64 plus the headers, fits in an int. Defaults to
+	// MaxResponseBytes is the largest response body stored for replay. An
+	// answer with a larger body still commits and goes to the client whole,
+	// but only its status and headers are stored, with a mark that its body
+	// was not: a retry gets 410 with the problem [ProblemResponseNotStored],
+	// which says that the request completed and with which status, and the
+	// handler does not run again. The whole response is buffered before it
+	// is checked, so this bounds what is stored, not what the handler may
+	// write. It must not exceed about three quarters of math.MaxInt (less
+	// with a Codec), so that the size of the stored form, the body in
+	// base64 plus the headers, fits in an int. Defaults to
 	// [DefaultMaxResponseBytes], 1 MiB.
 	MaxResponseBytes int
 
 	// ReplayHeaders lists the response header fields stored with the
-	// response and replayed. Credentials (Set-Cookie, Authorization,
-	// WWW-Authenticate and their kin) and connection-specific fields are
-	// never stored, even when listed. An empty list stores none. Defaults,
+	// response and replayed. Whatever it lists, the fields needed to read
+	// the stored body, Content-Type, Content-Encoding and Content-Range,
+	// are always stored and replayed with it, and Content-Length is always
+	// the length of the body sent, on the first answer and on every replay.
+	// Credentials (Set-Cookie, Authorization, WWW-Authenticate and their
+	// kin) and connection-specific fields are never stored, even when
+	// listed. An empty list stores only the body's own fields. Defaults,
 	// when nil, to Content-Type, Content-Language, Location and ETag.
 	ReplayHeaders []string
+
+	// Store decides from the status of the handler's answer whether it is
+	// stored for replay. An answer that is not stored is sent to the client
+	// as the handler wrote it, but its transaction rolls back, the
+	// handler's writes and the key's claim with it, so that a retry with
+	// the same key runs the handler again. A handler's panic is never
+	// stored. Defaults to [StoreBelow500]: every answer below 500 is stored.
+	// [StoreFinal] also leaves out the answers that invite a retry (408,
+	// 409, 425 and 429).
+	Store func(status int) bool
+
+	// ProblemTypeBase starts the type URI of every problem the middleware
+	// answers itself: the type is ProblemTypeBase followed by the problem's
+	// code (see [ProblemKeyMissing] and the codes after it), such as
+	// https://api.example.com/docs/idempotency#key-missing. The type URI is
+	// also sent as the problem's documentation link, in a Link header with
+	// rel="describedby", so choose a base that, followed, documents each
+	// code. It must be an absolute URI. Defaults to
+	// [DefaultProblemTypeBase], this package's own list of the codes.
+	ProblemTypeBase string
+
+	// Codec seals each stored answer before it is written and opens it on
+	// replay (see [idem.WithCodec]). A stored answer holds the handler's
+	// body and headers, which are often personal data; stored without a
+	// codec, they are only base64-encoded. Defaults to none.
+	Codec idem.Codec
+
+	// Observer records every keyed request's outcome, claim duration and
+	// span (see [idem.WithObserver]); an answer that Store refuses counts
+	// as failed, since it rolls back. Requests without a key are not
+	// observed. Defaults to none.
+	Observer *idem.Observer
 
 	// Fingerprint chooses what makes two requests with the same key the
 	// same request; a retry whose fingerprint differs from the first
@@ -209,6 +270,8 @@ type middleware struct {
 	maxBodyBytes     int64
 	maxResponseBytes int
 	replayHeaders    map[string]bool
+	store            func(int) bool
+	problemTypeBase  string
 	fingerprint      func(*http.Request, []byte) ([]byte, error)
 	txOptions        pgx.TxOptions
 	logger           *slog.Logger
@@ -239,6 +302,11 @@ func newMiddleware(db idem.TxBeginner, cfg Config) (*middleware, error) {
 	case cfg.Header != "" && !isToken(cfg.Header):
 		return nil, fmt.Errorf("idemhttp: Config.Header %q is not a valid header field name", cfg.Header)
 	}
+	if cfg.ProblemTypeBase != "" {
+		if err := checkProblemTypeBase(cfg.ProblemTypeBase); err != nil {
+			return nil, err
+		}
+	}
 	m := &middleware{
 		db:               db,
 		scope:            cfg.Scope,
@@ -248,12 +316,17 @@ func newMiddleware(db idem.TxBeginner, cfg Config) (*middleware, error) {
 		maxBodyBytes:     cmp.Or(cfg.MaxBodyBytes, DefaultMaxBodyBytes),
 		maxResponseBytes: cmp.Or(cfg.MaxResponseBytes, DefaultMaxResponseBytes),
 		replayHeaders:    make(map[string]bool),
+		store:            cfg.Store,
+		problemTypeBase:  cmp.Or(cfg.ProblemTypeBase, DefaultProblemTypeBase),
 		fingerprint:      cfg.Fingerprint,
 		txOptions:        cfg.TxOptions,
 		logger:           cfg.Logger,
 	}
 	if m.txOptions.IsoLevel == "" {
 		m.txOptions.IsoLevel = pgx.ReadCommitted
+	}
+	if m.store == nil {
+		m.store = StoreBelow500
 	}
 	if m.fingerprint == nil {
 		m.fingerprint = func(r *http.Request, body []byte) ([]byte, error) { return DefaultFingerprint(r, body), nil }
@@ -280,19 +353,63 @@ func newMiddleware(db idem.TxBeginner, cfg Config) (*middleware, error) {
 	wait := cmp.Or(cfg.Wait, idem.DefaultWait)
 	wait = max(wait, 0)
 	m.retryAfter = strconv.FormatInt(max(int64((wait+time.Second-1)/time.Second), 1), 10)
-	// The stored value is JSON: the body in base64, plus the status and
-	// headers, for which a generous fixed allowance is made. The bound on
-	// MaxResponseBytes keeps this from wrapping.
+	storedSize, ok := storedSize(m.maxResponseBytes, cfg.Codec != nil)
+	if !ok {
+		// Only a Codec gets here: without one, the bound above holds.
+		return nil, fmt.Errorf("idemhttp: Config.MaxResponseBytes of %d is too large to store sealed by Config.Codec", m.maxResponseBytes)
+	}
 	m.opts = []idem.Option{
 		idem.WithRetention(cmp.Or(cfg.Retention, idem.DefaultRetention)),
 		idem.WithWait(wait),
 		idem.WithTxOptions(m.txOptions),
-		idem.WithMaxResponseSize(4*((m.maxResponseBytes+2)/3) + headerAllowance),
+		idem.WithMaxResponseSize(storedSize),
 	}
 	if cfg.LookupFirst {
 		m.opts = append(m.opts, idem.WithLookupFirst())
 	}
+	if cfg.Codec != nil {
+		m.opts = append(m.opts, idem.WithCodec(cfg.Codec))
+	}
+	if cfg.Observer != nil {
+		m.opts = append(m.opts, idem.WithObserver(cfg.Observer))
+	}
 	return m, nil
+}
+
+// storedSize is the largest stored value, in bytes of JSON, for a body of n
+// bytes, or false when that does not fit in an int. The value is the body
+// in base64 plus the status and headers, for which a generous fixed
+// allowance is made. Sealed by a codec, it is stored in base64 once more,
+// with the same allowance again for what the codec adds.
+func storedSize(n int, sealed bool) (int, bool) {
+	size, ok := base64Size(n)
+	if !ok || size > math.MaxInt-headerAllowance {
+		return 0, false
+	}
+	size += headerAllowance
+	if !sealed {
+		return size, true
+	}
+	if size > math.MaxInt-headerAllowance {
+		return 0, false
+	}
+	if size, ok = base64Size(size + headerAllowance); !ok {
+		return 0, false
+	}
+	return size, true
+}
+
+// base64Size is the length of n bytes in padded base64, or false when that
+// does not fit in an int.
+func base64Size(n int) (int, bool) {
+	groups := n / 3
+	if n%3 != 0 {
+		groups++
+	}
+	if groups > math.MaxInt/4 {
+		return 0, false
+	}
+	return 4 * groups, true
 }
 
 // isToken reports whether s is an RFC 9110 token, as header field names and
@@ -325,7 +442,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	values := r.Header.Values(h.header)
 	if len(values) == 0 {
 		if h.required {
-			writeProblem(w, http.StatusBadRequest, "This request needs an "+h.header+" header.")
+			h.writeProblem(w, http.StatusBadRequest, ProblemKeyMissing, "This request needs an "+h.header+" header.")
 			return
 		}
 		if body, ok := h.readBody(w, r); ok {
@@ -335,14 +452,14 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	key, err := parseKey(values)
 	if err != nil {
-		writeProblem(w, http.StatusBadRequest, "The "+h.header+" header "+err.Error()+".")
+		h.writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "The "+h.header+" header "+err.Error()+".")
 		return
 	}
 	scope, err := h.scope(r)
 	if err != nil {
 		// The error is the server's view of the caller, which the client
 		// has no business reading.
-		writeProblem(w, http.StatusBadRequest, "The request does not say who is calling, so its "+h.header+" cannot be scoped.")
+		h.writeProblem(w, http.StatusBadRequest, ProblemScopeUnknown, "The request does not say who is calling, so its "+h.header+" cannot be scoped.")
 		return
 	}
 	body, ok := h.readBody(w, r)
@@ -351,7 +468,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	fp, err := h.fingerprint(r, body)
 	if err != nil {
-		writeProblem(w, http.StatusBadRequest, "The request cannot be fingerprinted to check its "+h.header+".")
+		h.writeProblem(w, http.StatusBadRequest, ProblemFingerprintFailed, "The request cannot be fingerprinted to check its "+h.header+".")
 		return
 	}
 	h.serveKeyed(w, r, scope, key, fp, body)
@@ -361,7 +478,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // reports false.
 func (h *handler) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
 	tooLarge := func() {
-		writeProblem(w, http.StatusRequestEntityTooLarge,
+		h.writeProblem(w, http.StatusRequestEntityTooLarge, ProblemBodyTooLarge,
 			fmt.Sprintf("The request body is larger than %d bytes.", h.maxBodyBytes))
 	}
 	if r.ContentLength > h.maxBodyBytes {
@@ -385,7 +502,7 @@ func (h *handler) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool
 		tooLarge()
 		return nil, false
 	case err != nil:
-		writeProblem(w, http.StatusBadRequest, "The request body could not be read.")
+		h.writeProblem(w, http.StatusBadRequest, ProblemBodyUnreadable, "The request body could not be read.")
 		return nil, false
 	}
 	return body, true
@@ -395,36 +512,71 @@ func (h *handler) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool
 func (h *handler) serveKeyed(w http.ResponseWriter, r *http.Request, scope, key string, fp, body []byte) {
 	var first *recorder
 	res, err := idem.Run(r.Context(), h.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (storedResponse, error) {
-		rec, err := h.run(ctx, requestValues{tx: tx, key: key}, r, body)
+		rec, err := h.run(ctx, requestValues{tx: tx, key: key}, r, body, h.store)
 		if err != nil {
 			return storedResponse{}, err
 		}
-		if rec.body.Len() > h.maxResponseBytes {
-			return storedResponse{}, fmt.Errorf("idemhttp: response body of %d bytes, more than the %d that may be stored: %w",
-				rec.body.Len(), h.maxResponseBytes, idem.ErrResponseTooLarge)
-		}
 		first = rec
-		return storedResponse{Status: rec.status, Header: storeHeader(rec.sent, h.replayHeaders), Body: rec.body.Bytes()}, nil
+		stored := storedResponse{Status: rec.status, Header: storeHeader(rec.sent, h.replayHeaders)}
+		if n := rec.body.Len(); n > h.maxResponseBytes {
+			// Rolling back would answer 500 to this request and to every
+			// retry of it, forever: the request completes instead, and its
+			// retries learn that its body was not kept.
+			stored.BodyNotStored = n
+		} else {
+			stored.Body = rec.body.Bytes()
+		}
+		return stored, nil
 	}, h.opts...)
 
 	switch {
+	case err == nil && res.Replayed && res.Value.BodyNotStored > 0:
+		h.replayNotStored(w, res.Value)
 	case err == nil && res.Replayed:
 		stored := res.Value
 		header := replayHeader(stored.Header, h.replayHeaders)
 		header[ReplayedHeader] = []string{"true"}
-		writeResponse(w, header, stored.Status, stored.Body)
+		writeResponse(w, header, stored.Status, stored.Body, r.Method == http.MethodHead)
 	case err == nil:
-		writeResponse(w, first.sent, first.status, first.body.Bytes())
+		if n := first.body.Len(); n > h.maxResponseBytes {
+			h.log().LogAttrs(r.Context(), slog.LevelWarn,
+				"idemhttp: answer too large to store; it committed, and its retries get 410 "+ProblemResponseNotStored,
+				slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()),
+				slog.Int("status", first.status), slog.Int("body_bytes", n), slog.Int("max_response_bytes", h.maxResponseBytes))
+		}
+		writeResponse(w, first.sent, first.status, first.body.Bytes(), r.Method == http.MethodHead)
 	case errors.Is(err, idem.ErrFingerprintMismatch):
-		writeProblem(w, http.StatusUnprocessableEntity,
+		h.writeProblem(w, http.StatusUnprocessableEntity, ProblemKeyReused,
 			"This "+h.header+" was already used for a different request. Use a new key for a new request.")
 	case errors.Is(err, idem.ErrInProgress):
 		w.Header().Set("Retry-After", h.retryAfter)
-		writeProblem(w, http.StatusConflict,
+		h.writeProblem(w, http.StatusConflict, ProblemKeyInProgress,
 			"A request with this "+h.header+" is still being processed. Retry it later with the same key.")
 	default:
 		h.fail(w, r, err, "The request could not be completed. Retrying it with the same "+h.header+" is safe.")
 	}
+}
+
+// replayNotStored answers the retry of a request whose answer was too large
+// to store: a problem that says so, with the status the request got and the
+// allow-listed headers that describe something other than the body that is
+// missing, such as Location.
+func (h *handler) replayNotStored(w http.ResponseWriter, stored storedResponse) {
+	dst := w.Header()
+	for name, values := range replayHeader(stored.Header, h.replayHeaders) {
+		if !describesBody(name) {
+			dst[name] = values
+		}
+	}
+	dst.Set(ReplayedHeader, "true")
+	h.writeProblemOf(w, problem{
+		Status: http.StatusGone,
+		Code:   ProblemResponseNotStored,
+		Detail: fmt.Sprintf("The request with this %s completed with status %d, but its answer of %d bytes was too large to keep, "+
+			"so it cannot be sent again. The request will not run again: do not retry it.",
+			h.header, stored.Status, stored.BodyNotStored),
+		OriginalStatus: stored.Status,
+	})
 }
 
 // serveUnkeyed runs the handler in a transaction without a claim: what it
@@ -433,22 +585,23 @@ func (h *handler) serveUnkeyed(w http.ResponseWriter, r *http.Request, body []by
 	var rec *recorder
 	err := idem.WithTx(r.Context(), h.db, h.txOptions, func(ctx context.Context, tx pgx.Tx) error {
 		var err error
-		rec, err = h.run(ctx, requestValues{tx: tx}, r, body)
+		rec, err = h.run(ctx, requestValues{tx: tx}, r, body, StoreBelow500)
 		return err
 	})
 	if err != nil {
 		h.fail(w, r, err, "The request could not be completed.")
 		return
 	}
-	writeResponse(w, rec.sent, rec.status, rec.body.Bytes())
+	writeResponse(w, rec.sent, rec.status, rec.body.Bytes(), r.Method == http.MethodHead)
 }
 
-// serverError is a handler's own answer of 5xx, returned as an error so
-// that its transaction rolls back; the client still gets the answer.
-type serverError struct{ rec *recorder }
+// unkept is a handler's answer that is not to be kept, such as a 5xx,
+// returned as an error so that its transaction rolls back; the client still
+// gets the answer.
+type unkept struct{ rec *recorder }
 
-func (e *serverError) Error() string {
-	return fmt.Sprintf("idemhttp: handler answered %d", e.rec.status)
+func (e *unkept) Error() string {
+	return fmt.Sprintf("idemhttp: handler answered %d, which is not kept", e.rec.status)
 }
 
 // handlerPanic is a handler's panic, returned as an error so that its
@@ -461,9 +614,9 @@ type handlerPanic struct {
 func (e *handlerPanic) Error() string { return fmt.Sprintf("idemhttp: handler panicked: %v", e.value) }
 
 // run runs the handler once in the transaction of v, with a fresh copy of
-// the body, and records its answer. An answer of 5xx and a panic come back
-// as errors, for the caller to roll back.
-func (h *handler) run(ctx context.Context, v requestValues, r *http.Request, body []byte) (rec *recorder, err error) {
+// the body, and records its answer. An answer whose status keep refuses,
+// and a panic, come back as errors, for the caller to roll back.
+func (h *handler) run(ctx context.Context, v requestValues, r *http.Request, body []byte, keep func(int) bool) (rec *recorder, err error) {
 	rec = newRecorder()
 	defer func() {
 		if p := recover(); p != nil {
@@ -475,8 +628,8 @@ func (h *handler) run(ctx context.Context, v requestValues, r *http.Request, bod
 	req.ContentLength = int64(len(body))
 	h.next.ServeHTTP(rec, req)
 	rec.finish()
-	if rec.status >= 500 {
-		return rec, &serverError{rec: rec}
+	if !keep(rec.status) {
+		return rec, &unkept{rec: rec}
 	}
 	return rec, nil
 }
@@ -484,9 +637,9 @@ func (h *handler) run(ctx context.Context, v requestValues, r *http.Request, bod
 // fail answers a request whose transaction did not commit, or may not have:
 // with the handler's own 5xx, or else with a 500 problem saying detail.
 func (h *handler) fail(w http.ResponseWriter, r *http.Request, err error, detail string) {
-	var failed *serverError
+	var failed *unkept
 	if errors.As(err, &failed) {
-		writeResponse(w, failed.rec.sent, failed.rec.status, failed.rec.body.Bytes())
+		writeResponse(w, failed.rec.sent, failed.rec.status, failed.rec.body.Bytes(), r.Method == http.MethodHead)
 		return
 	}
 	var panicked *handlerPanic
@@ -507,7 +660,7 @@ func (h *handler) fail(w http.ResponseWriter, r *http.Request, err error, detail
 		h.log().LogAttrs(r.Context(), slog.LevelError, "idemhttp: request failed; its transaction did not commit",
 			slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()), slog.Any("error", err))
 	}
-	writeProblem(w, http.StatusInternalServerError, detail)
+	h.writeProblem(w, http.StatusInternalServerError, ProblemRequestFailed, detail)
 }
 
 func (h *handler) log() *slog.Logger {

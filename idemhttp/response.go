@@ -2,10 +2,10 @@ package idemhttp
 
 import (
 	"bytes"
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 )
 
 // storedResponse is the value idem stores for a key and replays. Body and
@@ -20,10 +20,13 @@ type storedResponse struct {
 	// again: the replay then suppresses what the first answer suppressed.
 	Header map[string][][]byte `json:"header,omitempty"`
 	Body   []byte              `json:"body"`
+	// BodyNotStored is the length of a body too large to store, which
+	// Body then lacks; zero when Body is the whole body.
+	BodyNotStored int `json:"body_not_stored,omitempty"`
 }
 
-// storeHeader returns the fields of h that allowed lists, in their stored
-// form.
+// storeHeader returns the fields of h that allowed lists, and those needed
+// to read the body, in their stored form.
 func storeHeader(h http.Header, allowed map[string]bool) map[string][][]byte {
 	filtered := filterHeader(h, allowed)
 	if filtered == nil {
@@ -45,7 +48,8 @@ func storeHeader(h http.Header, allowed map[string]bool) map[string][][]byte {
 }
 
 // replayHeader returns the fields of a stored response that allowed still
-// lists, as the header of the replay. It is never nil.
+// lists, and those needed to read the body, as the header of the replay.
+// It is never nil.
 func replayHeader(stored map[string][][]byte, allowed map[string]bool) http.Header {
 	h := make(http.Header, len(stored))
 	for name, values := range stored {
@@ -138,14 +142,36 @@ var neverReplayed = map[string]bool{
 	ReplayedHeader:              true,
 }
 
-// filterHeader returns the fields of h that allowed lists, keyed by their
-// canonical names. A field with no values is kept, as a nil entry: it tells
-// net/http not to add that field itself.
+// bodyFields are the fields needed to read a stored body: whatever
+// Config.ReplayHeaders lists, they are stored and replayed with it, since
+// without them the replay of, say, a gzipped answer is bytes the client
+// cannot decode. Content-Length is not among them: it is always the length
+// of the body sent (see writeResponse), so that it never disagrees with it.
+var bodyFields = map[string]bool{
+	"Content-Type":     true,
+	"Content-Encoding": true,
+	"Content-Range":    true,
+}
+
+// describesBody reports whether the field named name (canonical) describes
+// the body itself, and so has no place on an answer that replaces the body.
+func describesBody(name string) bool {
+	switch name {
+	case "Etag", "Last-Modified", "Digest", "Repr-Digest":
+		return true
+	}
+	return strings.HasPrefix(name, "Content-")
+}
+
+// filterHeader returns the fields of h that allowed lists, and the
+// bodyFields, keyed by their canonical names, but never Content-Length or
+// the neverReplayed fields. A field with no values is kept, as a nil entry:
+// it tells net/http not to add that field itself.
 func filterHeader(h http.Header, allowed map[string]bool) http.Header {
 	var out http.Header
 	for name, values := range h {
 		name = http.CanonicalHeaderKey(name)
-		if !allowed[name] || neverReplayed[name] {
+		if !allowed[name] && !bodyFields[name] || neverReplayed[name] || name == "Content-Length" {
 			continue
 		}
 		if out == nil {
@@ -162,44 +188,23 @@ func filterHeader(h http.Header, allowed map[string]bool) http.Header {
 	return out
 }
 
-// writeResponse sends a complete response. Its length is always stated, so
-// that a replay is framed as its first answer was, and a 204 or 304, which
-// may carry neither a body nor a length, gets neither.
-func writeResponse(w http.ResponseWriter, header http.Header, status int, body []byte) {
+// writeResponse sends a complete response. Its Content-Length is always the
+// length of body, whatever the handler set, so that a first answer and its
+// replays are framed alike and by the bytes actually stored. A 204 or 304,
+// which may carry no body, gets no length either, and the answer to a HEAD
+// (head), which has no body to measure, keeps the length the handler set.
+func writeResponse(w http.ResponseWriter, header http.Header, status int, body []byte, head bool) {
 	dst := w.Header()
 	for name, values := range header {
 		dst[name] = values
 	}
-	bodyAllowed := status != http.StatusNoContent && status != http.StatusNotModified
-	if bodyAllowed && dst.Get("Content-Length") == "" && dst.Get("Transfer-Encoding") == "" {
-		dst.Set("Content-Length", strconv.Itoa(len(body)))
+	bodyAllowed := status != http.StatusNoContent && status != http.StatusNotModified && !head
+	if bodyAllowed && dst.Get("Transfer-Encoding") == "" {
+		dst["Content-Length"] = []string{strconv.Itoa(len(body))}
 	}
 	w.WriteHeader(status)
 	if bodyAllowed && len(body) > 0 {
 		// The client may be gone; there is nobody left to tell.
 		_, _ = w.Write(body)
 	}
-}
-
-// problem is an RFC 9457 problem details object. Type is always
-// "about:blank", so Title is the status's reason phrase as that RFC asks,
-// and Detail tells what went wrong.
-type problem struct {
-	Type   string `json:"type"`
-	Title  string `json:"title"`
-	Status int    `json:"status"`
-	Detail string `json:"detail"`
-}
-
-func writeProblem(w http.ResponseWriter, status int, detail string) {
-	body, _ := json.Marshal(problem{ // strings and an int always encode
-		Type:   "about:blank",
-		Title:  http.StatusText(status),
-		Status: status,
-		Detail: detail,
-	})
-	h := w.Header()
-	h.Set("Content-Type", "application/problem+json")
-	h.Set("Cache-Control", "no-store")
-	writeResponse(w, nil, status, body)
 }
