@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 var fpA, fpB = idem.Fingerprint([]byte("request A")), idem.Fingerprint([]byte("request B"))
@@ -912,18 +913,20 @@ func fingerprintOf(t *testing.T, doc json.RawMessage) []byte {
 
 func TestRunInEveryQueryExecMode(t *testing.T) {
 	ctx, _, scope := setup(t)
-	for _, mode := range []string{"cache_statement", "cache_describe", "describe_exec", "exec", "simple_protocol"} {
-		url := env.URL(t)
-		sep := "?"
-		if strings.Contains(url, "?") {
-			sep = "&"
+	// Every mode, or behind a pooler those it carries. The mode is set on
+	// the config: TEST_DATABASE_URL may name one already.
+	for _, mode := range testdb.ExecModes(t) {
+		cfg, err := pgxpool.ParseConfig(env.URL(t))
+		if err != nil {
+			t.Fatal(err)
 		}
-		pool, err := pgxpool.New(ctx, url+sep+"default_query_exec_mode="+mode)
+		cfg.ConnConfig.DefaultQueryExecMode = mode
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
 		var calls atomic.Int64
-		key := "k-" + mode
+		key := "k-" + strings.ReplaceAll(mode.String(), " ", "-")
 		first, err := idem.Run(ctx, pool, scope, key, fpA, pay(scope, key, 1, &calls))
 		if err != nil {
 			t.Fatalf("%s: first: %v", mode, err)
@@ -933,7 +936,7 @@ func TestRunInEveryQueryExecMode(t *testing.T) {
 			t.Fatalf("%s: replay %+v, %v", mode, replay, err)
 		}
 		err = idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
-			_, err := idem.Once(ctx, tx, scope, "once-"+mode, func(context.Context, pgx.Tx) error { return nil })
+			_, err := idem.Once(ctx, tx, scope, "once-"+key, func(context.Context, pgx.Tx) error { return nil })
 			return err
 		})
 		if err != nil {
