@@ -170,6 +170,7 @@ func TestRollbackLeavesKeyFree(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer tx.Rollback(ctx) // on failure; a no-op after the rollback below
 	if _, err := idem.Do(ctx, tx, scope, "k", fpA, pay(scope, "k", 100, &calls)); err != nil {
 		t.Fatal(err)
 	}
@@ -400,6 +401,7 @@ func holdKey(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key s
 	}
 	var calls atomic.Int64
 	if _, err := idem.Do(ctx, tx, scope, key, fpA, pay(scope, key, 1, &calls)); err != nil {
+		_ = tx.Rollback(ctx) // or the pool never gets its connection back
 		t.Fatal(err)
 	}
 	done := make(chan struct{})
