@@ -164,6 +164,7 @@ func TestAdvanceRollbackRecordsNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer tx.Rollback(ctx) // on failure; a no-op after the rollback below
 	if applied, err := idem.Advance(ctx, tx, scope, "e", 9); err != nil || !applied {
 		t.Fatalf("first delivery: %v, %v", applied, err)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 var fpA, fpB = idem.Fingerprint([]byte("request A")), idem.Fingerprint([]byte("request B"))
@@ -169,6 +170,7 @@ func TestRollbackLeavesKeyFree(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer tx.Rollback(ctx) // on failure; a no-op after the rollback below
 	if _, err := idem.Do(ctx, tx, scope, "k", fpA, pay(scope, "k", 100, &calls)); err != nil {
 		t.Fatal(err)
 	}
@@ -399,6 +401,7 @@ func holdKey(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key s
 	}
 	var calls atomic.Int64
 	if _, err := idem.Do(ctx, tx, scope, key, fpA, pay(scope, key, 1, &calls)); err != nil {
+		_ = tx.Rollback(ctx) // or the pool never gets its connection back
 		t.Fatal(err)
 	}
 	done := make(chan struct{})
@@ -920,24 +923,16 @@ func fingerprintOf(t *testing.T, doc json.RawMessage) []byte {
 	return fp
 }
 
-// execModes are pgx's query exec modes, by their connection-string names.
-var execModes = []string{"cache_statement", "cache_describe", "describe_exec", "exec", "simple_protocol"}
-
 // poolInMode opens a pool on the test database in one exec mode, closed
-// when the test ends.
-func poolInMode(t *testing.T, mode string) *pgxpool.Pool {
+// when the test ends. The mode is set on the config: TEST_DATABASE_URL may
+// name one already.
+func poolInMode(t *testing.T, mode pgx.QueryExecMode) *pgxpool.Pool {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(env.URL(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg.ConnConfig.DefaultQueryExecMode = map[string]pgx.QueryExecMode{
-		"cache_statement": pgx.QueryExecModeCacheStatement,
-		"cache_describe":  pgx.QueryExecModeCacheDescribe,
-		"describe_exec":   pgx.QueryExecModeDescribeExec,
-		"exec":            pgx.QueryExecModeExec,
-		"simple_protocol": pgx.QueryExecModeSimpleProtocol,
-	}[mode]
+	cfg.ConnConfig.DefaultQueryExecMode = mode
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -948,10 +943,11 @@ func poolInMode(t *testing.T, mode string) *pgxpool.Pool {
 
 func TestRunInEveryQueryExecMode(t *testing.T) {
 	ctx, _, scope := setup(t)
-	for _, mode := range execModes {
+	// Every mode, or behind a pooler those it carries.
+	for _, mode := range testdb.ExecModes(t) {
 		pool := poolInMode(t, mode)
 		var calls atomic.Int64
-		key := "k-" + mode
+		key := "k-" + strings.ReplaceAll(mode.String(), " ", "-")
 		first, err := idem.Run(ctx, pool, scope, key, fpA, pay(scope, key, 1, &calls))
 		if err != nil {
 			t.Fatalf("%s: first: %v", mode, err)
@@ -961,7 +957,7 @@ func TestRunInEveryQueryExecMode(t *testing.T) {
 			t.Fatalf("%s: replay %+v, %v", mode, replay, err)
 		}
 		err = idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
-			_, err := idem.Once(ctx, tx, scope, "once-"+mode, func(context.Context, pgx.Tx) error { return nil })
+			_, err := idem.Once(ctx, tx, scope, "once-"+key, func(context.Context, pgx.Tx) error { return nil })
 			return err
 		})
 		if err != nil {
@@ -978,10 +974,10 @@ func TestRunHonoursAMultiStatementBeginQuery(t *testing.T) {
 	begin := idem.WithTxOptions(pgx.TxOptions{
 		BeginQuery: `BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = '4321ms'`,
 	})
-	for _, mode := range execModes {
+	for _, mode := range testdb.ExecModes(t) {
 		pool := poolInMode(t, mode)
 		var calls atomic.Int64
-		key := "k-" + mode
+		key := "k-" + strings.ReplaceAll(mode.String(), " ", "-")
 		fn := func(ctx context.Context, tx pgx.Tx) (payment, error) {
 			var timeout string
 			if err := tx.QueryRow(ctx, `SHOW statement_timeout`).Scan(&timeout); err != nil {

@@ -12,6 +12,11 @@
 // Runnable examples open their own pool from DATABASE_URL, as an
 // application would; Main points DATABASE_URL at a second, empty database
 // of the run's own, so that they never touch the caller's.
+//
+// With TEST_PGBOUNCER=1, TEST_DATABASE_URL is a transaction pooler
+// (PgBouncer in transaction mode, as .ci/pgbouncer runs it) and
+// TEST_DIRECT_DATABASE_URL the same server without it: see [BehindPooler]
+// and [Env.DirectPool].
 package testdb
 
 import (
@@ -23,6 +28,7 @@ import (
 	neturl "net/url"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -43,10 +49,80 @@ import (
 type Env struct {
 	pool      *pgxpool.Pool
 	url       string
+	name      string
 	serverURL string
 	// Server says which server the tests run on.
 	Server string
 	short  bool
+}
+
+// BehindPooler reports whether the tests reach PostgreSQL through a
+// transaction pooler (TEST_PGBOUNCER=1). A test of something a
+// transaction pooler cannot carry, such as LISTEN, does then what the
+// README's "Behind PgBouncer" says, taking [Env.DirectPool] for that part.
+func BehindPooler() bool { return os.Getenv("TEST_PGBOUNCER") == "1" }
+
+type execMode struct {
+	name string
+	mode pgx.QueryExecMode
+}
+
+// execModes are pgx's query exec modes, under the names its
+// default_query_exec_mode setting takes.
+var execModes = []execMode{
+	{"cache_statement", pgx.QueryExecModeCacheStatement},
+	{"cache_describe", pgx.QueryExecModeCacheDescribe},
+	{"describe_exec", pgx.QueryExecModeDescribeExec},
+	{"exec", pgx.QueryExecModeExec},
+	{"simple_protocol", pgx.QueryExecModeSimpleProtocol},
+}
+
+// ExecModes returns the pgx query exec modes the tests' server carries:
+// every one, or behind a pooler those named in TEST_PGBOUNCER_MODES
+// (space-separated default_query_exec_mode names), the modes .ci/pgbouncer
+// runs the suites in.
+func ExecModes(t testing.TB) []pgx.QueryExecMode {
+	t.Helper()
+	var out []pgx.QueryExecMode
+	if !BehindPooler() {
+		for _, m := range execModes {
+			out = append(out, m.mode)
+		}
+		return out
+	}
+	for _, name := range strings.Fields(os.Getenv("TEST_PGBOUNCER_MODES")) {
+		i := slices.IndexFunc(execModes, func(m execMode) bool { return m.name == name })
+		if i < 0 {
+			t.Fatalf("TEST_PGBOUNCER_MODES names %q, not a pgx exec mode", name)
+		}
+		out = append(out, execModes[i].mode)
+	}
+	if len(out) == 0 {
+		t.Fatal("TEST_PGBOUNCER=1 needs TEST_PGBOUNCER_MODES: the exec modes the pooler carries")
+	}
+	return out
+}
+
+// DirectPool returns a pool on the throwaway database that reaches
+// PostgreSQL itself. Without a pooler that is [Env.Pool]; behind one it is
+// a pool of its own on TEST_DIRECT_DATABASE_URL's server, closed when the
+// test ends.
+func (e *Env) DirectPool(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	pool := e.Pool(t)
+	if !BehindPooler() {
+		return pool
+	}
+	direct := os.Getenv("TEST_DIRECT_DATABASE_URL")
+	if direct == "" {
+		t.Fatal("TEST_PGBOUNCER=1 needs TEST_DIRECT_DATABASE_URL: the server without the pooler")
+	}
+	directPool, err := pgxpool.New(context.Background(), withDatabase(direct, e.name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(directPool.Close)
+	return directPool
 }
 
 // Pool returns the pool of the throwaway database. Under -short it skips
@@ -211,6 +287,7 @@ func (e *Env) start(ctx context.Context) (func(), error) {
 	}
 	e.pool = pool
 	e.url = withDatabase(serverURL, name)
+	e.name = name
 	e.serverURL = serverURL
 
 	sqlDB := stdlib.OpenDBFromPool(pool)
