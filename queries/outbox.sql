@@ -2,11 +2,35 @@
 -- OutboxInsert adds a pending message, or nothing when a message with the
 -- same idempotency key is already in the outbox; OutboxGetByKey then reads
 -- it.
-INSERT INTO outbox_message (scope, key, destination, payload, idempotency_key, ordering_key)
+INSERT INTO outbox_message (scope, key, destination, payload, idempotency_key, ordering_key,
+                            trace_parent, trace_state)
 VALUES (@scope::text, @key::text, @destination::text, @payload::bytea,
-        @idempotency_key::text, nullif(@ordering_key::text, ''))
+        @idempotency_key::text, nullif(@ordering_key::text, ''),
+        nullif(@trace_parent::text, ''), nullif(@trace_state::text, ''))
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id;
+
+-- name: OutboxInsertMany :many
+-- OutboxInsertMany adds many pending messages in one statement, one row of
+-- the arrays per message, in their order, and returns the ids and keys of
+-- those it added; a message whose idempotency key is already taken (also by
+-- an earlier row of the same call) is skipped, for OutboxGetByKeys to read.
+INSERT INTO outbox_message (scope, key, destination, payload, idempotency_key, ordering_key,
+                            trace_parent, trace_state)
+SELECT e.scope, e.key, e.destination, e.payload, e.idempotency_key, nullif(e.ordering_key, ''),
+       nullif(@trace_parent::text, ''), nullif(@trace_state::text, '')
+FROM (
+    -- Set-returning functions side by side in a select list advance
+    -- together: one row per index of the arrays, in order.
+    SELECT unnest(@scopes::text[]) AS scope,
+           unnest(@keys::text[]) AS key,
+           unnest(@destinations::text[]) AS destination,
+           unnest(@payloads::bytea[]) AS payload,
+           unnest(@idempotency_keys::text[]) AS idempotency_key,
+           unnest(@ordering_keys::text[]) AS ordering_key
+) AS e
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING id, idempotency_key;
 
 -- name: OutboxGetByKey :one
 -- OutboxGetByKey reads the message with an idempotency key, with a fresh
@@ -15,9 +39,22 @@ SELECT id, scope, key, destination, payload, coalesce(ordering_key, '')::text AS
 FROM outbox_message
 WHERE idempotency_key = @idempotency_key::text;
 
+-- name: OutboxGetByKeys :many
+-- OutboxGetByKeys reads the messages with these idempotency keys, as
+-- OutboxGetByKey does one.
+SELECT id, scope, key, destination, payload, coalesce(ordering_key, '')::text AS ordering_key,
+       idempotency_key
+FROM outbox_message
+WHERE idempotency_key = ANY (@idempotency_keys::text[]);
+
 -- name: OutboxNotify :exec
 -- OutboxNotify wakes listening relays when the calling transaction commits.
 SELECT pg_notify('idem_outbox', '');
+
+-- name: OutboxNotifyProbe :exec
+-- OutboxNotifyProbe sends a relay's own notification, with a payload that
+-- tells it apart, to check that its listening connection hears them.
+SELECT pg_notify('idem_outbox', @payload::text);
 
 -- name: OutboxListen :exec
 -- OutboxListen subscribes the relay's connection to OutboxNotify.
@@ -75,51 +112,55 @@ FROM due
 WHERE leased.id = due.id
 RETURNING leased.id, leased.scope, leased.key, leased.destination, leased.payload,
           leased.idempotency_key, coalesce(leased.ordering_key, '')::text AS ordering_key,
-          leased.attempts, leased.created_at;
+          leased.attempts, leased.created_at,
+          coalesce(leased.trace_parent, '')::text AS trace_parent,
+          coalesce(leased.trace_state, '')::text AS trace_state,
+          now()::timestamptz AS leased_at;
 
--- name: OutboxMarkDelivered :execrows
--- OutboxMarkDelivered records successful deliveries. It does not check whose
--- lease is newest: a delivery that succeeded is a fact, whichever relay made
--- it, and a message already delivered or parked is left alone.
-UPDATE outbox_message
-SET state = 'delivered',
-    delivered_at = now(),
+-- name: OutboxRecord :many
+-- OutboxRecord stores the outcomes of a batch of deliveries in one
+-- statement, one row of the arrays per message, and returns the ids it
+-- changed. @outcomes says what each attempt did:
+--   delivered: the handler succeeded. It is recorded whichever relay made
+--     it, even under a newer lease: a delivery that succeeded is a fact.
+--   retried: the attempt failed; the message is due again after
+--     @delays_us microseconds.
+--   parked: the message is given up on, kept with its last error.
+--   released: a stopping relay interrupted the attempt; the message is due
+--     again at once, and the attempt is not counted.
+-- All but delivered apply only while @attempts is still the message's
+-- newest lease, and nothing changes a message that is no longer pending.
+UPDATE outbox_message AS m
+SET state = CASE o.outcome
+                WHEN 'delivered' THEN 'delivered'
+                WHEN 'parked' THEN 'parked'
+                ELSE 'pending'
+            END,
+    delivered_at = CASE WHEN o.outcome = 'delivered' THEN now() END,
     leased_until = NULL,
-    last_error = NULL
-WHERE id = ANY (@ids::bigint[])
-  AND state = 'pending';
+    attempts = CASE WHEN o.outcome = 'released' THEN m.attempts - 1 ELSE m.attempts END,
+    next_attempt_at = CASE
+                          WHEN o.outcome = 'retried' THEN now() + o.delay_us * interval '1 microsecond'
+                          ELSE m.next_attempt_at
+                      END,
+    last_error = CASE WHEN o.outcome = 'delivered' THEN NULL ELSE o.last_error END
+FROM (
+    SELECT unnest(@ids::bigint[]) AS id,
+           unnest(@attempts::int[]) AS attempt,
+           unnest(@outcomes::text[]) AS outcome,
+           unnest(@delays_us::bigint[]) AS delay_us,
+           unnest(@last_errors::text[]) AS last_error
+) AS o
+WHERE m.id = o.id
+  AND m.state = 'pending'
+  AND (o.outcome = 'delivered' OR m.attempts = o.attempt)
+RETURNING m.id;
 
--- name: OutboxRetry :execrows
--- OutboxRetry ends a failed attempt and makes the message due again after
--- @delay, if @attempt is still the message's newest lease.
+-- name: OutboxExtendLease :execrows
+-- OutboxExtendLease moves the lease of a message being delivered to @lease
+-- from now, if @attempt is still its newest lease and it is still pending.
 UPDATE outbox_message
-SET leased_until = NULL,
-    next_attempt_at = now() + @delay::interval,
-    last_error = @last_error::text
-WHERE id = @id::bigint
-  AND attempts = @attempt::int
-  AND state = 'pending';
-
--- name: OutboxRelease :execrows
--- OutboxRelease ends an attempt that a stopping relay interrupted, if
--- @attempt is still the message's newest lease: the message is due again at
--- once, and the attempt is not counted.
-UPDATE outbox_message
-SET leased_until = NULL,
-    attempts = attempts - 1,
-    last_error = @last_error::text
-WHERE id = @id::bigint
-  AND attempts = @attempt::int
-  AND state = 'pending';
-
--- name: OutboxPark :execrows
--- OutboxPark gives up on a message after its last failed attempt, if
--- @attempt is still its newest lease. Parked messages stay in the table,
--- with their last error, until someone deals with them.
-UPDATE outbox_message
-SET state = 'parked',
-    leased_until = NULL,
-    last_error = @last_error::text
+SET leased_until = now() + @lease::interval
 WHERE id = @id::bigint
   AND attempts = @attempt::int
   AND state = 'pending';
@@ -151,6 +192,19 @@ SET state = 'pending',
     leased_until = NULL
 WHERE id = @id::bigint
   AND state = 'parked';
+
+-- name: OutboxBacklog :many
+-- OutboxBacklog counts the pending and parked messages per destination, to
+-- @destinations only when not empty, for the relay's metrics. It reads every
+-- message that is not delivered.
+SELECT destination,
+       count(*) FILTER (WHERE state = 'pending') AS pending,
+       count(*) FILTER (WHERE state = 'parked') AS parked
+FROM outbox_message
+WHERE state IN ('pending', 'parked')
+  AND (coalesce(cardinality(@destinations::text[]), 0) = 0
+       OR destination = ANY (@destinations::text[]))
+GROUP BY destination;
 
 -- name: OutboxStats :one
 -- OutboxStats counts messages by state, for operators. It reads every row.
