@@ -350,17 +350,26 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	background.Go(func() { r.maintain(ctx) })
 
+	// The outcomes of each batch's last deliveries are recorded by the
+	// statement that leases the next batch.
+	var carry []result
 	for {
-		leased, unblocked, err := r.deliverBatch(ctx)
+		rows, leasedAt, unblocked, err := r.lease(ctx, carry)
+		carry = nil
+		if len(rows) > 0 {
+			// Even when ctx has ended: the handlers are then not called, and
+			// the messages are released by the next round.
+			carry = r.deliverBatch(ctx, rows, leasedAt)
+			continue
+		}
 		if ctx.Err() != nil {
 			return nil
 		}
 		if err != nil {
 			r.logger.ErrorContext(ctx, "outbox: lease messages; trying again at the next poll", "error", err)
-		} else if leased == r.config.BatchSize || unblocked {
-			// A full batch: more messages may be due right now. An ordered
-			// message that is done: the next one with its key is due now,
-			// and no notification announces it.
+		} else if unblocked {
+			// An ordered message is done: the next one with its key is due
+			// now, and no notification announces it.
 			continue
 		}
 		if !sleep(ctx, r.config.PollInterval, wake) {
@@ -423,34 +432,69 @@ type result struct {
 	latency time.Duration // from created_at to the handler's success
 }
 
-// deliverBatch leases due messages in one statement, delivers them with no
-// transaction open, and records their outcomes in as few statements as the
-// handlers allow: the outcomes of handlers that return within recordLinger
-// of one another go together. It returns how many messages it leased, and
-// whether it delivered or parked one with an ordering key, which makes the
-// next message with that key due.
-func (r *Relay) deliverBatch(ctx context.Context) (leased int, unblocked bool, err error) {
+// lease records the outcomes in carry and leases due messages, in one
+// statement. It reports whether it recorded that a message with an
+// ordering key was delivered or parked, which makes the next message with
+// that key due, from the next statement on. Once ctx has ended, it only
+// records carry, within recordTimeout.
+//
+// When the statement fails, the outcomes in carry are lost: their messages
+// stay leased and are delivered again once their leases run out.
+func (r *Relay) lease(ctx context.Context, carry []result) (rows []dbsqlc.OutboxLeaseRow, leasedAt time.Time, unblocked bool, err error) {
 	if ctx.Err() != nil {
-		return 0, false, nil
+		if len(carry) > 0 {
+			unblocked = r.record(ctx, carry)
+		}
+		return nil, time.Time{}, unblocked, nil
 	}
-	leasedAt := time.Now()
-	var rows []dbsqlc.OutboxLeaseRow
-	err = r.do(ctx, func(ctx context.Context, q *dbsqlc.Queries) error {
+	p := outcomeParams(carry)
+	params := dbsqlc.OutboxLeaseParams{
+		Ids: p.Ids, Attempts: p.Attempts, Outcomes: p.Outcomes, DelaysUs: p.DelaysUs, LastErrors: p.LastErrors,
+		Lease:        interval(r.config.LeaseDuration),
+		Destinations: r.config.Destinations,
+		MaxMessages:  int32(r.config.BatchSize),
+	}
+	stmtCtx := ctx
+	if len(carry) > 0 {
+		// Outcomes are recorded even when the relay stops meanwhile; the
+		// messages leased then are released by the next round.
+		var cancel context.CancelFunc
+		stmtCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
+		defer cancel()
+	}
+	leasedAt = time.Now()
+	var all []dbsqlc.OutboxLeaseRow
+	err = r.do(stmtCtx, func(ctx context.Context, q *dbsqlc.Queries) error {
 		var err error
-		rows, err = q.OutboxLease(ctx, dbsqlc.OutboxLeaseParams{
-			Lease:        interval(r.config.LeaseDuration),
-			Destinations: r.config.Destinations,
-			MaxMessages:  int32(r.config.BatchSize),
-		})
-		if err != nil {
+		if all, err = q.OutboxLease(ctx, params); err != nil {
 			return guard.Translate("outbox: lease", err)
 		}
 		return nil
 	})
-	if err != nil || len(rows) == 0 {
-		return 0, false, err
+	if err != nil {
+		if len(carry) > 0 {
+			r.logger.ErrorContext(ctx, "outbox: record outcomes; the messages will be delivered again after their leases",
+				"message_ids", p.Ids, "error", err)
+		}
+		return nil, leasedAt, false, err
 	}
+	var changed []int64
+	for _, row := range all {
+		if row.Kind == "recorded" {
+			changed = append(changed, row.ID)
+		} else {
+			rows = append(rows, row)
+		}
+	}
+	return rows, leasedAt, r.recorded(ctx, carry, changed), nil
+}
 
+// deliverBatch delivers leased messages with no transaction open, all at
+// once, and returns the outcomes of the last ones for the next lease
+// statement to record. When handlers return more than recordLinger apart,
+// the outcomes that are in are recorded meanwhile, so that a slow handler
+// does not keep its batch-mates leased.
+func (r *Relay) deliverBatch(ctx context.Context, rows []dbsqlc.OutboxLeaseRow, leasedAt time.Time) (last []result) {
 	results := make(chan result, len(rows))
 	for _, row := range rows {
 		go func() { results <- r.attempt(ctx, row, leasedAt) }()
@@ -467,21 +511,16 @@ func (r *Relay) deliverBatch(ctx context.Context) (leased int, unblocked bool, e
 				linger = time.NewTimer(recordLinger)
 				lingered = linger.C
 			}
-			if remaining > 0 {
-				continue
-			}
 		case <-lingered:
-		}
-		if linger != nil {
-			linger.Stop()
 			linger, lingered = nil, nil
+			r.record(ctx, batch)
+			batch = nil
 		}
-		if r.record(ctx, batch) {
-			unblocked = true
-		}
-		batch = batch[:0]
 	}
-	return len(rows), unblocked, nil
+	if linger != nil {
+		linger.Stop()
+	}
+	return batch
 }
 
 // attempt delivers one leased message and says what its outcome is.
@@ -596,6 +635,26 @@ func (r *Relay) classify(ctx context.Context, msg Message, cause error, latency 
 func (r *Relay) record(ctx context.Context, batch []result) (unblocked bool) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
 	defer cancel()
+	p := outcomeParams(batch)
+	var changed []int64
+	err := r.do(ctx, func(ctx context.Context, q *dbsqlc.Queries) error {
+		var err error
+		if changed, err = q.OutboxRecord(ctx, p); err != nil {
+			return guard.Translate("outbox: record outcomes", err)
+		}
+		return nil
+	})
+	if err != nil {
+		r.logger.ErrorContext(ctx, "outbox: record outcomes; the messages will be delivered again after their leases",
+			"message_ids", p.Ids, "error", err)
+		return false
+	}
+	return r.recorded(ctx, batch, changed)
+}
+
+// outcomeParams spells the outcomes of batch as OutboxRecord's arrays,
+// sorted by id so that concurrent statements lock rows in one order.
+func outcomeParams(batch []result) dbsqlc.OutboxRecordParams {
 	slices.SortFunc(batch, func(a, b result) int { return cmp.Compare(a.msg.ID, b.msg.ID) })
 	p := dbsqlc.OutboxRecordParams{
 		Ids:        make([]int64, len(batch)),
@@ -613,19 +672,13 @@ func (r *Relay) record(ctx context.Context, batch []result) (unblocked bool) {
 			p.LastErrors[i] = errorText(res.cause)
 		}
 	}
-	var changed []int64
-	err := r.do(ctx, func(ctx context.Context, q *dbsqlc.Queries) error {
-		var err error
-		if changed, err = q.OutboxRecord(ctx, p); err != nil {
-			return guard.Translate("outbox: record outcomes", err)
-		}
-		return nil
-	})
-	if err != nil {
-		r.logger.ErrorContext(ctx, "outbox: record outcomes; the messages will be delivered again after their leases",
-			"message_ids", p.Ids, "error", err)
-		return false
-	}
+	return p
+}
+
+// recorded counts the outcomes of batch that the database took (changed),
+// and reports whether one of them delivered or parked a message with an
+// ordering key.
+func (r *Relay) recorded(ctx context.Context, batch []result, changed []int64) (unblocked bool) {
 	for _, res := range batch {
 		if res.msg.OrderingKey != "" && (res.outcome == outcomeDelivered || res.outcome == outcomeParked) {
 			unblocked = true

@@ -61,11 +61,17 @@ SELECT pg_notify('idem_outbox', @payload::text);
 LISTEN idem_outbox;
 
 -- name: OutboxLease :many
--- OutboxLease leases up to @max_messages due messages to the calling relay
--- for @lease and counts an attempt for each. Rows another relay is leasing
--- at this moment are skipped, not waited for, and a row whose lease
+-- OutboxLease records the outcomes of the relay's last deliveries, as
+-- OutboxRecord does (the rows with kind 'recorded' are the ids it
+-- changed), and leases up to @max_messages due messages to the relay for
+-- @lease, counting an attempt for each (the rows with kind 'leased'): one
+-- statement, one round trip and one commit for both. Rows another relay is
+-- leasing at this moment are skipped, not waited for, and a row whose lease
 -- committed after this statement's snapshot is dropped when its lock is
--- taken, because the lock rechecks the row's newest version.
+-- taken, because the lock rechecks the row's newest version. A message
+-- whose outcome this statement records is not leased by it: its snapshot
+-- still sees it leased, and were its lease over, locking a row the
+-- statement itself changed skips it.
 --
 -- A message with an ordering key is due only when no earlier message with
 -- the same destination and ordering key is still pending, and no other
@@ -74,7 +80,36 @@ LISTEN idem_outbox;
 -- wait for it. So at most one of them is leased at a time, except that two
 -- relays leasing in the same instant in which the earlier message commits
 -- can each lease one, since neither sees the other's uncommitted lease.
-WITH due AS MATERIALIZED (
+-- The message after one whose outcome this statement records is due only
+-- from the next statement on.
+WITH recorded AS (
+    UPDATE outbox_message AS m
+    SET state = CASE o.outcome
+                    WHEN 'delivered' THEN 'delivered'
+                    WHEN 'parked' THEN 'parked'
+                    ELSE 'pending'
+                END,
+        delivered_at = CASE WHEN o.outcome = 'delivered' THEN now() END,
+        leased_until = NULL,
+        attempts = CASE WHEN o.outcome = 'released' THEN m.attempts - 1 ELSE m.attempts END,
+        next_attempt_at = CASE
+                              WHEN o.outcome = 'retried' THEN now() + o.delay_us * interval '1 microsecond'
+                              ELSE m.next_attempt_at
+                          END,
+        last_error = CASE WHEN o.outcome = 'delivered' THEN NULL ELSE o.last_error END
+    FROM (
+        SELECT unnest(@ids::bigint[]) AS id,
+               unnest(@attempts::int[]) AS attempt,
+               unnest(@outcomes::text[]) AS outcome,
+               unnest(@delays_us::bigint[]) AS delay_us,
+               unnest(@last_errors::text[]) AS last_error
+    ) AS o
+    WHERE m.id = o.id
+      AND m.state = 'pending'
+      AND (o.outcome = 'delivered' OR m.attempts = o.attempt)
+    RETURNING m.id
+),
+due AS MATERIALIZED (
     SELECT candidate.id
     FROM outbox_message AS candidate
     WHERE candidate.state = 'pending'
@@ -104,23 +139,32 @@ WITH due AS MATERIALIZED (
     ORDER BY candidate.next_attempt_at, candidate.id
     LIMIT @max_messages::int
     FOR UPDATE SKIP LOCKED
+),
+leased AS (
+    UPDATE outbox_message AS leased
+    SET attempts = leased.attempts + 1,
+        leased_until = now() + @lease::interval
+    FROM due
+    WHERE leased.id = due.id
+    RETURNING leased.id, leased.scope, leased.key, leased.destination, leased.payload,
+              leased.idempotency_key, coalesce(leased.ordering_key, '')::text AS ordering_key,
+              leased.attempts, leased.created_at,
+              coalesce(leased.trace_parent, '')::text AS trace_parent,
+              coalesce(leased.trace_state, '')::text AS trace_state
 )
-UPDATE outbox_message AS leased
-SET attempts = leased.attempts + 1,
-    leased_until = now() + @lease::interval
-FROM due
-WHERE leased.id = due.id
-RETURNING leased.id, leased.scope, leased.key, leased.destination, leased.payload,
-          leased.idempotency_key, coalesce(leased.ordering_key, '')::text AS ordering_key,
-          leased.attempts, leased.created_at,
-          coalesce(leased.trace_parent, '')::text AS trace_parent,
-          coalesce(leased.trace_state, '')::text AS trace_state,
-          now()::timestamptz AS leased_at;
+SELECT 'leased'::text AS kind, id, scope, key, destination, payload, idempotency_key, ordering_key,
+       attempts, created_at, trace_parent, trace_state, now()::timestamptz AS leased_at
+FROM leased
+UNION ALL
+SELECT 'recorded'::text, id, ''::text, ''::text, ''::text, ''::bytea, ''::text, ''::text,
+       0::int, now()::timestamptz, ''::text, ''::text, now()::timestamptz
+FROM recorded;
 
 -- name: OutboxRecord :many
 -- OutboxRecord stores the outcomes of a batch of deliveries in one
 -- statement, one row of the arrays per message, and returns the ids it
--- changed. @outcomes says what each attempt did:
+-- changed. (OutboxLease records outcomes the same way; keep the two
+-- alike.) @outcomes says what each attempt did:
 --   delivered: the handler succeeded. It is recorded whichever relay made
 --     it, even under a newer lease: a delivery that succeeded is a fact.
 --   retried: the attempt failed; the message is due again after
