@@ -40,8 +40,9 @@ import (
 // the package documentation): pass msg.IdempotencyKey to the destination
 // so that it can recognise the repeats. Its context ends shortly before
 // the message's lease runs out, leaving the relay time to record the
-// outcome, and when the relay stops. A call cut short by the lease counts
-// as a failed attempt.
+// outcome (a handler that needs longer calls [ExtendLease]), and when the
+// relay stops. A call cut short by the lease counts as a failed attempt.
+// The context carries the trace context stored by [Enqueue].
 type Handler func(ctx context.Context, msg Message) error
 
 // Park wraps err so that the relay parks the message at once instead of
@@ -110,7 +111,9 @@ type Config struct {
 
 	// DeliveredRetention is how long delivered messages stay in the outbox
 	// before the relay purges them (only those to its Destinations, when
-	// set). Parked messages are never purged. math.MaxInt64 keeps them for
+	// set), once a minute, in batches of 1,000, in a goroutine of its own,
+	// so that purging never holds up delivery. Parked messages are never
+	// purged. math.MaxInt64 keeps them for
 	// as long as a time.Duration reaches, about 292 years. Defaults to 24h.
 	DeliveredRetention time.Duration
 
@@ -332,14 +335,13 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	defer r.running.Store(false)
 
+	notes := &notifications{relay: r}
+	notes.start(ctx)
+	defer notes.stop(context.WithoutCancel(ctx)) // after the listener ended
 	var background sync.WaitGroup
 	defer background.Wait()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // before the Wait above: the goroutines end with ctx
-
-	notes := &notifications{relay: r}
-	notes.start(ctx)
-	defer notes.stop(context.WithoutCancel(ctx))
 
 	wake := make(chan struct{}, 1)
 	if r.listenConfig != nil {

@@ -65,13 +65,15 @@ LISTEN idem_outbox;
 -- OutboxRecord does (the rows with kind 'recorded' are the ids it
 -- changed), and leases up to @max_messages due messages to the relay for
 -- @lease, counting an attempt for each (the rows with kind 'leased'): one
--- statement, one round trip and one commit for both. Rows another relay is
+-- statement, one round trip and one commit for both. A lease also moves
+-- the message's next_attempt_at to the lease's end, when it is due again
+-- if no outcome is recorded: leased messages thus leave the front of the
+-- due index, which the relays' leases scan, instead of being passed over
+-- by every one of them. Rows another relay is
 -- leasing at this moment are skipped, not waited for, and a row whose lease
 -- committed after this statement's snapshot is dropped when its lock is
 -- taken, because the lock rechecks the row's newest version. A message
--- whose outcome this statement records is not leased by it: its snapshot
--- still sees it leased, and were its lease over, locking a row the
--- statement itself changed skips it.
+-- whose outcome this statement records is not leased by it.
 --
 -- A message with an ordering key is due only when no earlier message with
 -- the same destination and ordering key is still pending, and no other
@@ -94,6 +96,7 @@ WITH recorded AS (
         attempts = CASE WHEN o.outcome = 'released' THEN m.attempts - 1 ELSE m.attempts END,
         next_attempt_at = CASE
                               WHEN o.outcome = 'retried' THEN now() + o.delay_us * interval '1 microsecond'
+                              WHEN o.outcome = 'released' THEN now()
                               ELSE m.next_attempt_at
                           END,
         last_error = CASE WHEN o.outcome = 'delivered' THEN NULL ELSE o.last_error END
@@ -114,6 +117,10 @@ due AS MATERIALIZED (
     FROM outbox_message AS candidate
     WHERE candidate.state = 'pending'
       AND candidate.next_attempt_at <= now()
+      -- Read as one array, recorded runs to completion before the first
+      -- candidate is locked: this statement never waits for a row while it
+      -- holds the locks of its lease, so relays cannot deadlock.
+      AND candidate.id <> ALL ((SELECT coalesce(array_agg(r.id), '{}') FROM recorded AS r)::bigint[])
       AND (candidate.leased_until IS NULL OR candidate.leased_until <= now())
       AND (coalesce(cardinality(@destinations::text[]), 0) = 0
            OR candidate.destination = ANY (@destinations::text[]))
@@ -143,7 +150,8 @@ due AS MATERIALIZED (
 leased AS (
     UPDATE outbox_message AS leased
     SET attempts = leased.attempts + 1,
-        leased_until = now() + @lease::interval
+        leased_until = now() + @lease::interval,
+        next_attempt_at = now() + @lease::interval
     FROM due
     WHERE leased.id = due.id
     RETURNING leased.id, leased.scope, leased.key, leased.destination, leased.payload,
@@ -185,6 +193,7 @@ SET state = CASE o.outcome
     attempts = CASE WHEN o.outcome = 'released' THEN m.attempts - 1 ELSE m.attempts END,
     next_attempt_at = CASE
                           WHEN o.outcome = 'retried' THEN now() + o.delay_us * interval '1 microsecond'
+                          WHEN o.outcome = 'released' THEN now()
                           ELSE m.next_attempt_at
                       END,
     last_error = CASE WHEN o.outcome = 'delivered' THEN NULL ELSE o.last_error END
@@ -204,7 +213,8 @@ RETURNING m.id;
 -- OutboxExtendLease moves the lease of a message being delivered to @lease
 -- from now, if @attempt is still its newest lease and it is still pending.
 UPDATE outbox_message
-SET leased_until = now() + @lease::interval
+SET leased_until = now() + @lease::interval,
+    next_attempt_at = now() + @lease::interval
 WHERE id = @id::bigint
   AND attempts = @attempt::int
   AND state = 'pending';

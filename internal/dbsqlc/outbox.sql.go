@@ -53,7 +53,8 @@ func (q *Queries) OutboxBacklog(ctx context.Context, destinations []string) ([]O
 
 const outboxExtendLease = `-- name: OutboxExtendLease :execrows
 UPDATE outbox_message
-SET leased_until = now() + $1::interval
+SET leased_until = now() + $1::interval,
+    next_attempt_at = now() + $1::interval
 WHERE id = $2::bigint
   AND attempts = $3::int
   AND state = 'pending'
@@ -274,6 +275,7 @@ WITH recorded AS (
         attempts = CASE WHEN o.outcome = 'released' THEN m.attempts - 1 ELSE m.attempts END,
         next_attempt_at = CASE
                               WHEN o.outcome = 'retried' THEN now() + o.delay_us * interval '1 microsecond'
+                              WHEN o.outcome = 'released' THEN now()
                               ELSE m.next_attempt_at
                           END,
         last_error = CASE WHEN o.outcome = 'delivered' THEN NULL ELSE o.last_error END
@@ -294,6 +296,10 @@ due AS MATERIALIZED (
     FROM outbox_message AS candidate
     WHERE candidate.state = 'pending'
       AND candidate.next_attempt_at <= now()
+      -- Read as one array, recorded runs to completion before the first
+      -- candidate is locked: this statement never waits for a row while it
+      -- holds the locks of its lease, so relays cannot deadlock.
+      AND candidate.id <> ALL ((SELECT coalesce(array_agg(r.id), '{}') FROM recorded AS r)::bigint[])
       AND (candidate.leased_until IS NULL OR candidate.leased_until <= now())
       AND (coalesce(cardinality($6::text[]), 0) = 0
            OR candidate.destination = ANY ($6::text[]))
@@ -323,7 +329,8 @@ due AS MATERIALIZED (
 leased AS (
     UPDATE outbox_message AS leased
     SET attempts = leased.attempts + 1,
-        leased_until = now() + $8::interval
+        leased_until = now() + $8::interval,
+        next_attempt_at = now() + $8::interval
     FROM due
     WHERE leased.id = due.id
     RETURNING leased.id, leased.scope, leased.key, leased.destination, leased.payload,
@@ -372,13 +379,15 @@ type OutboxLeaseRow struct {
 // OutboxRecord does (the rows with kind 'recorded' are the ids it
 // changed), and leases up to @max_messages due messages to the relay for
 // @lease, counting an attempt for each (the rows with kind 'leased'): one
-// statement, one round trip and one commit for both. Rows another relay is
+// statement, one round trip and one commit for both. A lease also moves
+// the message's next_attempt_at to the lease's end, when it is due again
+// if no outcome is recorded: leased messages thus leave the front of the
+// due index, which the relays' leases scan, instead of being passed over
+// by every one of them. Rows another relay is
 // leasing at this moment are skipped, not waited for, and a row whose lease
 // committed after this statement's snapshot is dropped when its lock is
 // taken, because the lock rechecks the row's newest version. A message
-// whose outcome this statement records is not leased by it: its snapshot
-// still sees it leased, and were its lease over, locking a row the
-// statement itself changed skips it.
+// whose outcome this statement records is not leased by it.
 //
 // A message with an ordering key is due only when no earlier message with
 // the same destination and ordering key is still pending, and no other
@@ -507,6 +516,7 @@ SET state = CASE o.outcome
     attempts = CASE WHEN o.outcome = 'released' THEN m.attempts - 1 ELSE m.attempts END,
     next_attempt_at = CASE
                           WHEN o.outcome = 'retried' THEN now() + o.delay_us * interval '1 microsecond'
+                          WHEN o.outcome = 'released' THEN now()
                           ELSE m.next_attempt_at
                       END,
     last_error = CASE WHEN o.outcome = 'delivered' THEN NULL ELSE o.last_error END
