@@ -74,3 +74,37 @@ type panicTB struct{ testing.TB }
 func (panicTB) Helper()                        {}
 func (panicTB) Fatalf(format string, a ...any) { panic(fmt.Sprintf(format, a...)) }
 func (panicTB) Skipf(format string, a ...any)  { panic(fmt.Sprintf(format, a...)) }
+
+// ExampleEnqueueMany enqueues a batch of messages in one round trip, then
+// the same batch again, as a retry would: nothing is added twice.
+func ExampleEnqueueMany() {
+	ctx := context.Background()
+	pool := env.Pool(panicTB{})
+	tenant, destination := testdb.Name("tenant"), testdb.Name("mail.send")
+	batch := []outbox.Entry{
+		{Scope: tenant, Key: "signup-7", Destination: destination, Payload: []byte(`{"to":"a@example.com"}`)},
+		{Scope: tenant, Key: "signup-8", Destination: destination, Payload: []byte(`{"to":"b@example.com"}`)},
+		{Scope: tenant, Key: "signup-9", Destination: destination, Payload: []byte(`{"to":"c@example.com"}`)},
+	}
+	var first, again []int64
+	for _, ids := range []*[]int64{&first, &again} {
+		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			*ids, err = outbox.EnqueueMany(ctx, tx, batch)
+			return err
+		})
+		if err != nil {
+			fmt.Println(err)
+			return
+		}
+	}
+	var stored int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox_message WHERE destination = $1`, destination).Scan(&stored); err != nil {
+		fmt.Println(err)
+		return
+	}
+	fmt.Println("messages:", len(first), "stored:", stored, "same ids again:", fmt.Sprint(first) == fmt.Sprint(again))
+
+	// Output:
+	// messages: 3 stored: 3 same ids again: true
+}

@@ -440,8 +440,9 @@ type result struct {
 // that key due, from the next statement on. Once ctx has ended, it only
 // records carry, within recordTimeout.
 //
-// When the statement fails, the outcomes in carry are lost: their messages
-// stay leased and are delivered again once their leases run out.
+// When the statement fails, the outcomes in carry are recorded once more
+// on their own; if that fails too, their messages stay leased and are
+// delivered again once their leases run out.
 func (r *Relay) lease(ctx context.Context, carry []result) (rows []dbsqlc.OutboxLeaseRow, leasedAt time.Time, unblocked bool, err error) {
 	if ctx.Err() != nil {
 		if len(carry) > 0 {
@@ -475,10 +476,11 @@ func (r *Relay) lease(ctx context.Context, carry []result) (rows []dbsqlc.Outbox
 	})
 	if err != nil {
 		if len(carry) > 0 {
-			r.logger.ErrorContext(ctx, "outbox: record outcomes; the messages will be delivered again after their leases",
-				"message_ids", p.Ids, "error", err)
+			// The outcomes are worth another try on their own, on another
+			// of the pool's connections if this one broke.
+			unblocked = r.record(ctx, carry)
 		}
-		return nil, leasedAt, false, err
+		return nil, leasedAt, unblocked, err
 	}
 	var changed []int64
 	for _, row := range all {
