@@ -26,6 +26,10 @@ var ErrLeaseLost = errors.New("outbox: the message's lease is lost")
 // context ends, as often as it needs: a slow but healthy delivery then
 // keeps its message from other relays and is not delivered twice.
 //
+// A context derived from the handler's with a deadline of its own
+// (context.WithTimeout) keeps the deadline it was given: derive such
+// contexts after extending.
+//
 // ctx must be the context the relay passed to the handler, or one derived
 // from it; otherwise, or when d is not positive, ExtendLease returns
 // [idem.ErrInvalidOption]. It returns the context's error once the
