@@ -43,6 +43,7 @@ type ObserverConfig struct {
 // [WithObserver]; calls without one record nothing and spend nothing on it.
 type Observer struct {
 	tracer        trace.Tracer
+	meter         metric.Meter
 	calls         metric.Int64Counter
 	claimDuration metric.Float64Histogram
 	logger        *slog.Logger
@@ -60,6 +61,7 @@ func NewObserver(cfg ObserverConfig) (*Observer, error) {
 	}
 	if cfg.MeterProvider != nil {
 		meter := cfg.MeterProvider.Meter(instrumentationName)
+		o.meter = meter
 		var err error
 		o.calls, err = meter.Int64Counter("idem.calls",
 			metric.WithDescription("Calls of Do, Run and Once, by outcome."),
@@ -76,6 +78,25 @@ func NewObserver(cfg ObserverConfig) (*Observer, error) {
 		}
 	}
 	return o, nil
+}
+
+// Tracer returns the tracer the observer records spans with, or nil when it
+// has no TracerProvider, so that idem's other packages (the outbox's relay)
+// record through the same observer.
+func (o *Observer) Tracer() trace.Tracer {
+	if o == nil {
+		return nil
+	}
+	return o.tracer
+}
+
+// Meter returns the meter the observer's instruments belong to, or nil when
+// it has no MeterProvider, for the same use as [Observer.Tracer].
+func (o *Observer) Meter() metric.Meter {
+	if o == nil {
+		return nil
+	}
+	return o.meter
 }
 
 // observation is one call being observed. Its methods do nothing on a nil

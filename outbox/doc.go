@@ -14,7 +14,8 @@
 // # Enqueuing
 //
 // Enqueue in the transaction of the change, typically inside [idem.Do] or
-// [idem.Run] at the edge, with the same scope and key:
+// [idem.Run] at the edge, with the same scope and key ([EnqueueMany] sends
+// many messages in one round trip):
 //
 //	res, err := idem.Run(ctx, pool, tenant, key, fp, func(ctx context.Context, tx pgx.Tx) (Order, error) {
 //		order, err := insertOrder(ctx, tx, req)
@@ -44,14 +45,18 @@
 //	}
 //	go relay.Run(ctx) // returns once ctx ends
 //
-// A relay leases a batch of due messages in one short transaction (FOR
-// UPDATE SKIP LOCKED, so relays never wait for one another), commits it,
-// calls the handler with no transaction open, and records each outcome in
-// another short transaction as soon as its handler returns. A leased
+// A relay leases a batch of due messages in one statement (FOR UPDATE SKIP
+// LOCKED, so relays never wait for one another), commits it, calls the
+// handler with no transaction open, and records the batch's outcomes
+// together, in the statement that leases the next batch; handlers that
+// return more than a few milliseconds after their batch-mates do not hold
+// back the others' outcomes, which are recorded meanwhile. So a batch
+// costs one round trip and one commit, not one per message. A leased
 // message is hidden from other relays until its lease runs out
 // ([Config.LeaseDuration]); the handler's context ends a little earlier,
 // so that its outcome is recorded under the lease. If the relay dies
 // before recording the outcome, the message is delivered again after that.
+// A handler that needs longer than the lease calls [ExtendLease].
 //
 // A failed delivery is retried after a delay that doubles with each attempt
 // up to a cap ([Config.RetryDelay], [Config.MaxRetryDelay]). After
@@ -65,12 +70,56 @@
 // and, once the cause is dealt with, [Requeue] sends one again.
 //
 // Delivered messages are purged by the relays after
-// [Config.DeliveredRetention].
+// [Config.DeliveredRetention], once a minute, in batches, in a goroutine of
+// their own: a large purge does not delay delivery.
 //
 // Idle relays look for due messages every [Config.PollInterval]. Relays
-// given a *pgxpool.Pool also listen for [Notify], which a transaction calls
-// after Enqueue to have its messages delivered as soon as it commits; each
-// listens on one connection of its own, outside the pool.
+// given a *pgxpool.Pool (or a [Config.ListenConnConfig]) also listen for
+// [Notify], which a transaction calls after Enqueue to have its messages
+// delivered as soon as it commits; each listens on one connection of its
+// own, outside the pool. When it starts listening, a relay sends itself a
+// notification the way Notify's transactions do, through its db; if the
+// notification does not arrive (a pooler in transaction mode, such as
+// PgBouncer with pool_mode=transaction, never passes one on), the relay
+// says so once in its log and its metrics, polls, and tries again every
+// minute. Behind such a pooler, give relays a direct connection to listen
+// on with [Config.ListenConnConfig].
+//
+// # Database handles
+//
+// A relay is usually given a *pgxpool.Pool, and runs each statement on it
+// as a transaction of its own. Given a *pgx.Conn or a *pgxpool.Conn, it
+// runs its statements on that connection one at a time, and must be its
+// only user. Given any other [idem.TxBeginner], it runs each statement in
+// a transaction of its own, from several goroutines.
+//
+// # Observing relays
+//
+// With [Config.Observer], a relay records through the same OpenTelemetry
+// providers as idem's calls:
+//
+//   - idem.outbox.deliveries counts recorded attempts by
+//     idem.outbox.outcome (delivered, retried, parked, released: stopped
+//     by the relay's shutdown, not counted as an attempt) and
+//     idem.outbox.destination. Failed attempts are the retried and parked
+//     ones.
+//   - idem.outbox.delivery.latency (seconds), by destination: from the
+//     start of the transaction that enqueued a message, which is at or
+//     before its commit, to its handler's success.
+//   - idem.outbox.backlog, a gauge by idem.outbox.state (pending, parked)
+//     and destination, counted once a minute by each relay (a scan of the
+//     messages that are not delivered).
+//   - idem.outbox.relays, the running relays by
+//     idem.outbox.notifications: listening (they hear [Notify]) or polling.
+//   - A span idem.outbox.deliver (kind consumer) per attempt, with the
+//     message's id, destination, attempt and outcome, around the handler
+//     call, whose context carries it.
+//
+// Enqueue stores the W3C trace context (traceparent and tracestate) of its
+// context's span with the message, and the relay makes it the parent of
+// the delivery's span, or, without a tracer, puts it in the handler's
+// context as a remote span context: a delivery joins the trace of the
+// request that caused it, even when it happens hours later.
 //
 // # Guarantees
 //

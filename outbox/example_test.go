@@ -86,3 +86,41 @@ func Example() {
 	// replayed: true
 	// charge {"amount_cents":1200}, attempt 1, key derived from the order: true
 }
+
+// EnqueueMany enqueues a batch of messages in one round trip; the same batch
+// again, as a retry would send it, adds nothing and gives the same ids.
+func ExampleEnqueueMany() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
+		log.Fatal(err)
+	}
+	tenant := fmt.Sprintf("tenant-%d", rand.Int64())
+	batch := []outbox.Entry{
+		{Scope: tenant, Key: "signup-7", Destination: "mail.send", Payload: []byte(`{"to":"a@example.com"}`)},
+		{Scope: tenant, Key: "signup-8", Destination: "mail.send", Payload: []byte(`{"to":"b@example.com"}`)},
+		{Scope: tenant, Key: "signup-9", Destination: "mail.send", Payload: []byte(`{"to":"c@example.com"}`)},
+	}
+	var first, again []int64
+	for _, ids := range []*[]int64{&first, &again} {
+		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			*ids, err = outbox.EnqueueMany(ctx, tx, batch)
+			return err
+		})
+		if err != nil {
+			log.Fatal(err)
+		}
+	}
+	var stored int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox_message WHERE scope = $1`, tenant).Scan(&stored); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("messages:", len(first), "stored:", stored, "same ids again:", fmt.Sprint(first) == fmt.Sprint(again))
+	// Output:
+	// messages: 3 stored: 3 same ids again: true
+}

@@ -109,6 +109,12 @@ func IdempotencyKey(scope, key, destination string) string {
 // Relays learn of the message at their next poll; call [Notify] in the same
 // transaction to wake the listening ones at commit instead.
 //
+// When ctx carries an OpenTelemetry span, its W3C trace context
+// (traceparent, tracestate) is stored with the message, and the relay
+// restores it into the handler's context: the delivery joins the trace of
+// the request that caused it. To enqueue many messages, [EnqueueMany] sends
+// them in one round trip.
+//
 // Invalid entries give [ErrInvalidEntry] before anything is sent to the
 // database. Under REPEATABLE READ or SERIALIZABLE, the same message
 // enqueued by a transaction that committed after tx's snapshot gives
@@ -128,6 +134,7 @@ func Enqueue(ctx context.Context, tx pgx.Tx, entry Entry) (id int64, err error) 
 	if params.Payload == nil {
 		params.Payload = []byte{} // nil would be sent as NULL
 	}
+	params.TraceParent, params.TraceState = traceHeaders(ctx)
 	q := dbsqlc.New(tx)
 	// A message can be purged between the insert that finds it and the read
 	// that compares it; the next round then inserts it. Three rounds are
@@ -149,8 +156,7 @@ func Enqueue(ctx context.Context, tx pgx.Tx, entry Entry) (id int64, err error) 
 		if err != nil {
 			return 0, guard.Translate("outbox: enqueue: read the enqueued message", err)
 		}
-		if got.Scope != entry.Scope || got.Key != entry.Key || got.Destination != entry.Destination ||
-			!bytes.Equal(got.Payload, params.Payload) || got.OrderingKey != entry.OrderingKey {
+		if !entry.same(got.Scope, got.Key, got.Destination, got.Payload, got.OrderingKey) {
 			return 0, fmt.Errorf("%w (message %d)", ErrEntryMismatch, got.ID)
 		}
 		return got.ID, nil
@@ -158,8 +164,111 @@ func Enqueue(ctx context.Context, tx pgx.Tx, entry Entry) (id int64, err error) 
 	return 0, errors.New("outbox: enqueue: the message with this idempotency key kept changing")
 }
 
+// EnqueueMany adds entries to the outbox in the caller's transaction tx, in
+// one statement and one round trip, and returns their ids in the order of
+// entries. It does what as many calls of [Enqueue] would, in that order:
+// an entry already in the outbox (or earlier in entries) with the same
+// content adds nothing and gets the existing message's id, and the same
+// idempotency key with another payload or ordering key gives
+// [ErrEntryMismatch], after which tx is to be rolled back. An invalid entry
+// gives [ErrInvalidEntry], naming its index, before anything is sent to the
+// database. No entries, no statement.
+func EnqueueMany(ctx context.Context, tx pgx.Tx, entries []Entry) (ids []int64, err error) {
+	if len(entries) == 0 {
+		return nil, nil
+	}
+	keys := make([]string, len(entries))
+	first := make(map[string]int, len(entries)) // key -> index of its first entry
+	for i := range entries {
+		e := &entries[i]
+		if err := e.check(); err != nil {
+			return nil, fmt.Errorf("entry %d: %w", i, err)
+		}
+		keys[i] = IdempotencyKey(e.Scope, e.Key, e.Destination)
+		if j, ok := first[keys[i]]; !ok {
+			first[keys[i]] = i
+		} else if f := &entries[j]; !e.same(f.Scope, f.Key, f.Destination, f.Payload, f.OrderingKey) {
+			return nil, fmt.Errorf("%w (entries %d and %d)", ErrEntryMismatch, j, i)
+		}
+	}
+	parent, state := traceHeaders(ctx)
+	q := dbsqlc.New(tx)
+	found := make(map[string]int64, len(first)) // key -> id
+	missing := make([]int, 0, len(first))       // indexes of first entries without an id yet
+	for i := range entries {
+		if first[keys[i]] == i {
+			missing = append(missing, i)
+		}
+	}
+	// As in Enqueue: a message found taken can be purged before it is read,
+	// and the next round inserts it.
+	for range 3 {
+		p := dbsqlc.OutboxInsertManyParams{TraceParent: parent, TraceState: state}
+		for _, i := range missing {
+			e := &entries[i]
+			payload := e.Payload
+			if payload == nil {
+				payload = []byte{}
+			}
+			p.Scopes = append(p.Scopes, e.Scope)
+			p.Keys = append(p.Keys, e.Key)
+			p.Destinations = append(p.Destinations, e.Destination)
+			p.Payloads = append(p.Payloads, payload)
+			p.IdempotencyKeys = append(p.IdempotencyKeys, keys[i])
+			p.OrderingKeys = append(p.OrderingKeys, e.OrderingKey)
+		}
+		inserted, err := q.OutboxInsertMany(ctx, p)
+		if err != nil {
+			return nil, guard.Translate("outbox: enqueue many", err)
+		}
+		for _, row := range inserted {
+			found[row.IdempotencyKey] = row.ID
+		}
+		var taken []string
+		for _, i := range missing {
+			if _, ok := found[keys[i]]; !ok {
+				taken = append(taken, keys[i])
+			}
+		}
+		if len(taken) == 0 {
+			missing = nil
+			break
+		}
+		// Read the messages that hold the taken keys with a new snapshot,
+		// and compare them with the entries.
+		got, err := q.OutboxGetByKeys(ctx, taken)
+		if err != nil {
+			return nil, guard.Translate("outbox: enqueue many: read the enqueued messages", err)
+		}
+		for _, g := range got {
+			e := &entries[first[g.IdempotencyKey]]
+			if !e.same(g.Scope, g.Key, g.Destination, g.Payload, g.OrderingKey) {
+				return nil, fmt.Errorf("%w (entry %d, message %d)", ErrEntryMismatch, first[g.IdempotencyKey], g.ID)
+			}
+			found[g.IdempotencyKey] = g.ID
+		}
+		missing = missing[:0]
+		for _, key := range taken {
+			if _, ok := found[key]; !ok {
+				missing = append(missing, first[key])
+			}
+		}
+		if len(missing) == 0 {
+			break
+		}
+	}
+	if len(missing) > 0 {
+		return nil, errors.New("outbox: enqueue many: the messages with these idempotency keys kept changing")
+	}
+	ids = make([]int64, len(entries))
+	for i, key := range keys {
+		ids[i] = found[key]
+	}
+	return ids, nil
+}
+
 // Notify wakes the relays that listen for new messages (those given a
-// *pgxpool.Pool) when tx commits, so that they deliver the transaction's
+// *pgxpool.Pool or a [Config.ListenConnConfig]) when tx commits, so that they deliver the transaction's
 // messages without waiting for their next poll. Call it once per
 // transaction, after [Enqueue]; several calls in one transaction send one
 // notification.
@@ -167,6 +276,13 @@ func Enqueue(ctx context.Context, tx pgx.Tx, entry Entry) (id int64, err error) 
 // It has a cost: PostgreSQL commits transactions that notify one at a time,
 // under a database-wide lock, so at high commit rates rely on polling
 // instead (see [Config.PollInterval]).
+//
+// Behind a pooler in transaction mode (PgBouncer's pool_mode=transaction)
+// the notification is sent, but a relay that listens through the pooler
+// never hears it: give relays a direct connection to listen on
+// ([Config.ListenConnConfig]). A relay checks that it hears notifications
+// when it starts listening, and says so once, in its log and its
+// idem.outbox.relays metric, when it does not.
 func Notify(ctx context.Context, tx pgx.Tx) error {
 	if err := dbsqlc.New(tx).OutboxNotify(ctx); err != nil {
 		return guard.Translate("outbox: notify", err)
@@ -187,6 +303,13 @@ func Requeue(ctx context.Context, tx pgx.Tx, id int64) (requeued bool, err error
 		return false, guard.Translate("outbox: requeue", err)
 	}
 	return n == 1, nil
+}
+
+// same reports whether a stored message has e's content. A nil payload is
+// stored as empty.
+func (e *Entry) same(scope, key, destination string, payload []byte, orderingKey string) bool {
+	return scope == e.Scope && key == e.Key && destination == e.Destination &&
+		bytes.Equal(payload, e.Payload) && orderingKey == e.OrderingKey
 }
 
 func (e *Entry) check() error {

@@ -40,4 +40,6 @@ type OutboxMessage struct {
 	LeasedUntil    pgtype.Timestamptz
 	DeliveredAt    pgtype.Timestamptz
 	LastError      pgtype.Text
+	TraceParent    pgtype.Text
+	TraceState     pgtype.Text
 }

@@ -11,6 +11,71 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+const outboxBacklog = `-- name: OutboxBacklog :many
+SELECT destination,
+       count(*) FILTER (WHERE state = 'pending') AS pending,
+       count(*) FILTER (WHERE state = 'parked') AS parked
+FROM outbox_message
+WHERE state IN ('pending', 'parked')
+  AND (coalesce(cardinality($1::text[]), 0) = 0
+       OR destination = ANY ($1::text[]))
+GROUP BY destination
+`
+
+type OutboxBacklogRow struct {
+	Destination string
+	Pending     int64
+	Parked      int64
+}
+
+// OutboxBacklog counts the pending and parked messages per destination, to
+// @destinations only when not empty, for the relay's metrics. It reads every
+// message that is not delivered.
+func (q *Queries) OutboxBacklog(ctx context.Context, destinations []string) ([]OutboxBacklogRow, error) {
+	rows, err := q.db.Query(ctx, outboxBacklog, destinations)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []OutboxBacklogRow
+	for rows.Next() {
+		var i OutboxBacklogRow
+		if err := rows.Scan(&i.Destination, &i.Pending, &i.Parked); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const outboxExtendLease = `-- name: OutboxExtendLease :execrows
+UPDATE outbox_message
+SET leased_until = now() + $1::interval,
+    next_attempt_at = now() + $1::interval
+WHERE id = $2::bigint
+  AND attempts = $3::int
+  AND state = 'pending'
+`
+
+type OutboxExtendLeaseParams struct {
+	Lease   pgtype.Interval
+	ID      int64
+	Attempt int32
+}
+
+// OutboxExtendLease moves the lease of a message being delivered to @lease
+// from now, if @attempt is still its newest lease and it is still pending.
+func (q *Queries) OutboxExtendLease(ctx context.Context, arg OutboxExtendLeaseParams) (int64, error) {
+	result, err := q.db.Exec(ctx, outboxExtendLease, arg.Lease, arg.ID, arg.Attempt)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const outboxGetByKey = `-- name: OutboxGetByKey :one
 SELECT id, scope, key, destination, payload, coalesce(ordering_key, '')::text AS ordering_key
 FROM outbox_message
@@ -42,10 +107,59 @@ func (q *Queries) OutboxGetByKey(ctx context.Context, idempotencyKey string) (Ou
 	return i, err
 }
 
+const outboxGetByKeys = `-- name: OutboxGetByKeys :many
+SELECT id, scope, key, destination, payload, coalesce(ordering_key, '')::text AS ordering_key,
+       idempotency_key
+FROM outbox_message
+WHERE idempotency_key = ANY ($1::text[])
+`
+
+type OutboxGetByKeysRow struct {
+	ID             int64
+	Scope          string
+	Key            string
+	Destination    string
+	Payload        []byte
+	OrderingKey    string
+	IdempotencyKey string
+}
+
+// OutboxGetByKeys reads the messages with these idempotency keys, as
+// OutboxGetByKey does one.
+func (q *Queries) OutboxGetByKeys(ctx context.Context, idempotencyKeys []string) ([]OutboxGetByKeysRow, error) {
+	rows, err := q.db.Query(ctx, outboxGetByKeys, idempotencyKeys)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []OutboxGetByKeysRow
+	for rows.Next() {
+		var i OutboxGetByKeysRow
+		if err := rows.Scan(
+			&i.ID,
+			&i.Scope,
+			&i.Key,
+			&i.Destination,
+			&i.Payload,
+			&i.OrderingKey,
+			&i.IdempotencyKey,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const outboxInsert = `-- name: OutboxInsert :one
-INSERT INTO outbox_message (scope, key, destination, payload, idempotency_key, ordering_key)
+INSERT INTO outbox_message (scope, key, destination, payload, idempotency_key, ordering_key,
+                            trace_parent, trace_state)
 VALUES ($1::text, $2::text, $3::text, $4::bytea,
-        $5::text, nullif($6::text, ''))
+        $5::text, nullif($6::text, ''),
+        nullif($7::text, ''), nullif($8::text, ''))
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id
 `
@@ -57,6 +171,8 @@ type OutboxInsertParams struct {
 	Payload        []byte
 	IdempotencyKey string
 	OrderingKey    string
+	TraceParent    string
+	TraceState     string
 }
 
 // OutboxInsert adds a pending message, or nothing when a message with the
@@ -70,21 +186,123 @@ func (q *Queries) OutboxInsert(ctx context.Context, arg OutboxInsertParams) (int
 		arg.Payload,
 		arg.IdempotencyKey,
 		arg.OrderingKey,
+		arg.TraceParent,
+		arg.TraceState,
 	)
 	var id int64
 	err := row.Scan(&id)
 	return id, err
 }
 
+const outboxInsertMany = `-- name: OutboxInsertMany :many
+INSERT INTO outbox_message (scope, key, destination, payload, idempotency_key, ordering_key,
+                            trace_parent, trace_state)
+SELECT e.scope, e.key, e.destination, e.payload, e.idempotency_key, nullif(e.ordering_key, ''),
+       nullif($1::text, ''), nullif($2::text, '')
+FROM (
+    -- Set-returning functions side by side in a select list advance
+    -- together: one row per index of the arrays, in order.
+    SELECT unnest($3::text[]) AS scope,
+           unnest($4::text[]) AS key,
+           unnest($5::text[]) AS destination,
+           unnest($6::bytea[]) AS payload,
+           unnest($7::text[]) AS idempotency_key,
+           unnest($8::text[]) AS ordering_key
+) AS e
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING id, idempotency_key
+`
+
+type OutboxInsertManyParams struct {
+	TraceParent     string
+	TraceState      string
+	Scopes          []string
+	Keys            []string
+	Destinations    []string
+	Payloads        [][]byte
+	IdempotencyKeys []string
+	OrderingKeys    []string
+}
+
+type OutboxInsertManyRow struct {
+	ID             int64
+	IdempotencyKey string
+}
+
+// OutboxInsertMany adds many pending messages in one statement, one row of
+// the arrays per message, in their order, and returns the ids and keys of
+// those it added; a message whose idempotency key is already taken (also by
+// an earlier row of the same call) is skipped, for OutboxGetByKeys to read.
+func (q *Queries) OutboxInsertMany(ctx context.Context, arg OutboxInsertManyParams) ([]OutboxInsertManyRow, error) {
+	rows, err := q.db.Query(ctx, outboxInsertMany,
+		arg.TraceParent,
+		arg.TraceState,
+		arg.Scopes,
+		arg.Keys,
+		arg.Destinations,
+		arg.Payloads,
+		arg.IdempotencyKeys,
+		arg.OrderingKeys,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []OutboxInsertManyRow
+	for rows.Next() {
+		var i OutboxInsertManyRow
+		if err := rows.Scan(&i.ID, &i.IdempotencyKey); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const outboxLease = `-- name: OutboxLease :many
-WITH due AS MATERIALIZED (
+WITH recorded AS (
+    UPDATE outbox_message AS m
+    SET state = CASE o.outcome
+                    WHEN 'delivered' THEN 'delivered'
+                    WHEN 'parked' THEN 'parked'
+                    ELSE 'pending'
+                END,
+        delivered_at = CASE WHEN o.outcome = 'delivered' THEN now() END,
+        leased_until = NULL,
+        attempts = CASE WHEN o.outcome = 'released' THEN m.attempts - 1 ELSE m.attempts END,
+        next_attempt_at = CASE
+                              WHEN o.outcome = 'retried' THEN now() + o.delay_us * interval '1 microsecond'
+                              WHEN o.outcome = 'released' THEN now()
+                              ELSE m.next_attempt_at
+                          END,
+        last_error = CASE WHEN o.outcome = 'delivered' THEN NULL ELSE o.last_error END
+    FROM (
+        SELECT unnest($1::bigint[]) AS id,
+               unnest($2::int[]) AS attempt,
+               unnest($3::text[]) AS outcome,
+               unnest($4::bigint[]) AS delay_us,
+               unnest($5::text[]) AS last_error
+    ) AS o
+    WHERE m.id = o.id
+      AND m.state = 'pending'
+      AND (o.outcome = 'delivered' OR m.attempts = o.attempt)
+    RETURNING m.id
+),
+due AS MATERIALIZED (
     SELECT candidate.id
     FROM outbox_message AS candidate
     WHERE candidate.state = 'pending'
       AND candidate.next_attempt_at <= now()
+      -- Read as one array, recorded runs to completion before the first
+      -- candidate is locked: this statement never waits for a row while it
+      -- holds the locks of its lease, so relays cannot deadlock.
+      AND candidate.id <> ALL ((SELECT coalesce(array_agg(r.id), '{}') FROM recorded AS r)::bigint[])
       AND (candidate.leased_until IS NULL OR candidate.leased_until <= now())
-      AND (coalesce(cardinality($2::text[]), 0) = 0
-           OR candidate.destination = ANY ($2::text[]))
+      AND (coalesce(cardinality($6::text[]), 0) = 0
+           OR candidate.destination = ANY ($6::text[]))
       AND (candidate.ordering_key IS NULL OR (
           NOT EXISTS (
               SELECT 1
@@ -105,26 +323,44 @@ WITH due AS MATERIALIZED (
           )
       ))
     ORDER BY candidate.next_attempt_at, candidate.id
-    LIMIT $3::int
+    LIMIT $7::int
     FOR UPDATE SKIP LOCKED
+),
+leased AS (
+    UPDATE outbox_message AS leased
+    SET attempts = leased.attempts + 1,
+        leased_until = now() + $8::interval,
+        next_attempt_at = now() + $8::interval
+    FROM due
+    WHERE leased.id = due.id
+    RETURNING leased.id, leased.scope, leased.key, leased.destination, leased.payload,
+              leased.idempotency_key, coalesce(leased.ordering_key, '')::text AS ordering_key,
+              leased.attempts, leased.created_at,
+              coalesce(leased.trace_parent, '')::text AS trace_parent,
+              coalesce(leased.trace_state, '')::text AS trace_state
 )
-UPDATE outbox_message AS leased
-SET attempts = leased.attempts + 1,
-    leased_until = now() + $1::interval
-FROM due
-WHERE leased.id = due.id
-RETURNING leased.id, leased.scope, leased.key, leased.destination, leased.payload,
-          leased.idempotency_key, coalesce(leased.ordering_key, '')::text AS ordering_key,
-          leased.attempts, leased.created_at
+SELECT 'leased'::text AS kind, id, scope, key, destination, payload, idempotency_key, ordering_key,
+       attempts, created_at, trace_parent, trace_state, now()::timestamptz AS leased_at
+FROM leased
+UNION ALL
+SELECT 'recorded'::text, id, ''::text, ''::text, ''::text, ''::bytea, ''::text, ''::text,
+       0::int, now()::timestamptz, ''::text, ''::text, now()::timestamptz
+FROM recorded
 `
 
 type OutboxLeaseParams struct {
-	Lease        pgtype.Interval
+	Ids          []int64
+	Attempts     []int32
+	Outcomes     []string
+	DelaysUs     []int64
+	LastErrors   []string
 	Destinations []string
 	MaxMessages  int32
+	Lease        pgtype.Interval
 }
 
 type OutboxLeaseRow struct {
+	Kind           string
 	ID             int64
 	Scope          string
 	Key            string
@@ -134,13 +370,24 @@ type OutboxLeaseRow struct {
 	OrderingKey    string
 	Attempts       int32
 	CreatedAt      pgtype.Timestamptz
+	TraceParent    string
+	TraceState     string
+	LeasedAt       pgtype.Timestamptz
 }
 
-// OutboxLease leases up to @max_messages due messages to the calling relay
-// for @lease and counts an attempt for each. Rows another relay is leasing
-// at this moment are skipped, not waited for, and a row whose lease
+// OutboxLease records the outcomes of the relay's last deliveries, as
+// OutboxRecord does (the rows with kind 'recorded' are the ids it
+// changed), and leases up to @max_messages due messages to the relay for
+// @lease, counting an attempt for each (the rows with kind 'leased'): one
+// statement, one round trip and one commit for both. A lease also moves
+// the message's next_attempt_at to the lease's end, when it is due again
+// if no outcome is recorded: leased messages thus leave the front of the
+// due index, which the relays' leases scan, instead of being passed over
+// by every one of them. Rows another relay is
+// leasing at this moment are skipped, not waited for, and a row whose lease
 // committed after this statement's snapshot is dropped when its lock is
-// taken, because the lock rechecks the row's newest version.
+// taken, because the lock rechecks the row's newest version. A message
+// whose outcome this statement records is not leased by it.
 //
 // A message with an ordering key is due only when no earlier message with
 // the same destination and ordering key is still pending, and no other
@@ -149,8 +396,19 @@ type OutboxLeaseRow struct {
 // wait for it. So at most one of them is leased at a time, except that two
 // relays leasing in the same instant in which the earlier message commits
 // can each lease one, since neither sees the other's uncommitted lease.
+// The message after one whose outcome this statement records is due only
+// from the next statement on.
 func (q *Queries) OutboxLease(ctx context.Context, arg OutboxLeaseParams) ([]OutboxLeaseRow, error) {
-	rows, err := q.db.Query(ctx, outboxLease, arg.Lease, arg.Destinations, arg.MaxMessages)
+	rows, err := q.db.Query(ctx, outboxLease,
+		arg.Ids,
+		arg.Attempts,
+		arg.Outcomes,
+		arg.DelaysUs,
+		arg.LastErrors,
+		arg.Destinations,
+		arg.MaxMessages,
+		arg.Lease,
+	)
 	if err != nil {
 		return nil, err
 	}
@@ -159,6 +417,7 @@ func (q *Queries) OutboxLease(ctx context.Context, arg OutboxLeaseParams) ([]Out
 	for rows.Next() {
 		var i OutboxLeaseRow
 		if err := rows.Scan(
+			&i.Kind,
 			&i.ID,
 			&i.Scope,
 			&i.Key,
@@ -168,6 +427,9 @@ func (q *Queries) OutboxLease(ctx context.Context, arg OutboxLeaseParams) ([]Out
 			&i.OrderingKey,
 			&i.Attempts,
 			&i.CreatedAt,
+			&i.TraceParent,
+			&i.TraceState,
+			&i.LeasedAt,
 		); err != nil {
 			return nil, err
 		}
@@ -189,27 +451,6 @@ func (q *Queries) OutboxListen(ctx context.Context) error {
 	return err
 }
 
-const outboxMarkDelivered = `-- name: OutboxMarkDelivered :execrows
-UPDATE outbox_message
-SET state = 'delivered',
-    delivered_at = now(),
-    leased_until = NULL,
-    last_error = NULL
-WHERE id = ANY ($1::bigint[])
-  AND state = 'pending'
-`
-
-// OutboxMarkDelivered records successful deliveries. It does not check whose
-// lease is newest: a delivery that succeeded is a fact, whichever relay made
-// it, and a message already delivered or parked is left alone.
-func (q *Queries) OutboxMarkDelivered(ctx context.Context, ids []int64) (int64, error) {
-	result, err := q.db.Exec(ctx, outboxMarkDelivered, ids)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
-}
-
 const outboxNotify = `-- name: OutboxNotify :exec
 SELECT pg_notify('idem_outbox', '')
 `
@@ -220,31 +461,15 @@ func (q *Queries) OutboxNotify(ctx context.Context) error {
 	return err
 }
 
-const outboxPark = `-- name: OutboxPark :execrows
-UPDATE outbox_message
-SET state = 'parked',
-    leased_until = NULL,
-    last_error = $1::text
-WHERE id = $2::bigint
-  AND attempts = $3::int
-  AND state = 'pending'
+const outboxNotifyProbe = `-- name: OutboxNotifyProbe :exec
+SELECT pg_notify('idem_outbox', $1::text)
 `
 
-type OutboxParkParams struct {
-	LastError string
-	ID        int64
-	Attempt   int32
-}
-
-// OutboxPark gives up on a message after its last failed attempt, if
-// @attempt is still its newest lease. Parked messages stay in the table,
-// with their last error, until someone deals with them.
-func (q *Queries) OutboxPark(ctx context.Context, arg OutboxParkParams) (int64, error) {
-	result, err := q.db.Exec(ctx, outboxPark, arg.LastError, arg.ID, arg.Attempt)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+// OutboxNotifyProbe sends a relay's own notification, with a payload that
+// tells it apart, to check that its listening connection hears them.
+func (q *Queries) OutboxNotifyProbe(ctx context.Context, payload string) error {
+	_, err := q.db.Exec(ctx, outboxNotifyProbe, payload)
+	return err
 }
 
 const outboxPurgeDelivered = `-- name: OutboxPurgeDelivered :execrows
@@ -279,31 +504,82 @@ func (q *Queries) OutboxPurgeDelivered(ctx context.Context, arg OutboxPurgeDeliv
 	return result.RowsAffected(), nil
 }
 
-const outboxRelease = `-- name: OutboxRelease :execrows
-UPDATE outbox_message
-SET leased_until = NULL,
-    attempts = attempts - 1,
-    last_error = $1::text
-WHERE id = $2::bigint
-  AND attempts = $3::int
-  AND state = 'pending'
+const outboxRecord = `-- name: OutboxRecord :many
+UPDATE outbox_message AS m
+SET state = CASE o.outcome
+                WHEN 'delivered' THEN 'delivered'
+                WHEN 'parked' THEN 'parked'
+                ELSE 'pending'
+            END,
+    delivered_at = CASE WHEN o.outcome = 'delivered' THEN now() END,
+    leased_until = NULL,
+    attempts = CASE WHEN o.outcome = 'released' THEN m.attempts - 1 ELSE m.attempts END,
+    next_attempt_at = CASE
+                          WHEN o.outcome = 'retried' THEN now() + o.delay_us * interval '1 microsecond'
+                          WHEN o.outcome = 'released' THEN now()
+                          ELSE m.next_attempt_at
+                      END,
+    last_error = CASE WHEN o.outcome = 'delivered' THEN NULL ELSE o.last_error END
+FROM (
+    SELECT unnest($1::bigint[]) AS id,
+           unnest($2::int[]) AS attempt,
+           unnest($3::text[]) AS outcome,
+           unnest($4::bigint[]) AS delay_us,
+           unnest($5::text[]) AS last_error
+) AS o
+WHERE m.id = o.id
+  AND m.state = 'pending'
+  AND (o.outcome = 'delivered' OR m.attempts = o.attempt)
+RETURNING m.id
 `
 
-type OutboxReleaseParams struct {
-	LastError string
-	ID        int64
-	Attempt   int32
+type OutboxRecordParams struct {
+	Ids        []int64
+	Attempts   []int32
+	Outcomes   []string
+	DelaysUs   []int64
+	LastErrors []string
 }
 
-// OutboxRelease ends an attempt that a stopping relay interrupted, if
-// @attempt is still the message's newest lease: the message is due again at
-// once, and the attempt is not counted.
-func (q *Queries) OutboxRelease(ctx context.Context, arg OutboxReleaseParams) (int64, error) {
-	result, err := q.db.Exec(ctx, outboxRelease, arg.LastError, arg.ID, arg.Attempt)
+// OutboxRecord stores the outcomes of a batch of deliveries in one
+// statement, one row of the arrays per message, and returns the ids it
+// changed. (OutboxLease records outcomes the same way; keep the two
+// alike.) @outcomes says what each attempt did:
+//
+//	delivered: the handler succeeded. It is recorded whichever relay made
+//	  it, even under a newer lease: a delivery that succeeded is a fact.
+//	retried: the attempt failed; the message is due again after
+//	  @delays_us microseconds.
+//	parked: the message is given up on, kept with its last error.
+//	released: a stopping relay interrupted the attempt; the message is due
+//	  again at once, and the attempt is not counted.
+//
+// All but delivered apply only while @attempts is still the message's
+// newest lease, and nothing changes a message that is no longer pending.
+func (q *Queries) OutboxRecord(ctx context.Context, arg OutboxRecordParams) ([]int64, error) {
+	rows, err := q.db.Query(ctx, outboxRecord,
+		arg.Ids,
+		arg.Attempts,
+		arg.Outcomes,
+		arg.DelaysUs,
+		arg.LastErrors,
+	)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	return result.RowsAffected(), nil
+	defer rows.Close()
+	var items []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		items = append(items, id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const outboxRequeue = `-- name: OutboxRequeue :execrows
@@ -320,38 +596,6 @@ WHERE id = $1::bigint
 // soon as a relay looks. It affects no row unless the message is parked.
 func (q *Queries) OutboxRequeue(ctx context.Context, id int64) (int64, error) {
 	result, err := q.db.Exec(ctx, outboxRequeue, id)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
-}
-
-const outboxRetry = `-- name: OutboxRetry :execrows
-UPDATE outbox_message
-SET leased_until = NULL,
-    next_attempt_at = now() + $1::interval,
-    last_error = $2::text
-WHERE id = $3::bigint
-  AND attempts = $4::int
-  AND state = 'pending'
-`
-
-type OutboxRetryParams struct {
-	Delay     pgtype.Interval
-	LastError string
-	ID        int64
-	Attempt   int32
-}
-
-// OutboxRetry ends a failed attempt and makes the message due again after
-// @delay, if @attempt is still the message's newest lease.
-func (q *Queries) OutboxRetry(ctx context.Context, arg OutboxRetryParams) (int64, error) {
-	result, err := q.db.Exec(ctx, outboxRetry,
-		arg.Delay,
-		arg.LastError,
-		arg.ID,
-		arg.Attempt,
-	)
 	if err != nil {
 		return 0, err
 	}
