@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -144,42 +145,61 @@ type claimed struct {
 	early bool
 }
 
-// claim takes the key's lock and reads its record (KeyLock), waiting for
-// the lock under the wait budget when it is taken and there is no record to
-// replay. With b nil it runs in tx; otherwise b holds Run's BEGIN, and the
-// claim is queued behind it and sent on conn in the same round trip; the
-// transaction begun is returned, also on error.
+// claim takes the key's lock (KeyLock) and reads its record (KeyGet), two
+// statements in one round trip, waiting for the lock under the wait budget
+// (KeyLockWait, KeyGet again) when it is taken and there is no record to
+// replay. It runs in tx; with tx nil, b holds Run's BEGIN, and the claim is
+// queued behind it and sent on conn in the same round trip. It returns the
+// transaction, the one b began if so, also on error.
 func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRef, o *options) (claimed, pgx.Tx, error) {
-	params := dbsqlc.KeyLockParams{LockID: k.lockID, Scope: k.scope, Key: k.key, LockTimeout: o.lockTimeout()}
-	var rec dbsqlc.KeyLockRow
-	var err error
+	var lock dbsqlc.KeyLockRow
+	var rec dbsqlc.KeyGetRow
+	var found bool
+	get := dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}
 	if b == nil {
-		rec, err = dbsqlc.New(tx).KeyLock(ctx, params)
-	} else {
-		dbsqlc.QueueKeyLock(b, params, &rec)
+		b = &pgx.Batch{}
+	}
+	dbsqlc.QueueKeyLock(b, k.lockID, &lock)
+	dbsqlc.QueueKeyGet(b, get, &rec, &found)
+	var err error
+	if tx == nil {
 		results := conn.SendBatch(ctx, b)
 		tx = results.Tx()
 		err = results.Close()
+	} else {
+		err = tx.SendBatch(ctx, b).Close()
 	}
 	if err != nil {
 		return claimed{outcome: outcomeFailed}, tx, translate("idem: claim key", err)
 	}
 
-	found := rec.State.Valid
 	if found && !rec.Expired {
-		c, err := judge(rec.State.String, rec.Fingerprint, rec.Response, k.fp)
+		c, err := judge(rec.State, rec.Fingerprint, rec.Response, k.fp)
 		return c, tx, err
 	}
-	if rec.Nested {
-		// Advisory locks are reentrant: only the list of held keys tells
-		// that fn's own transaction is running this key.
+	if running(tx, k.lockID) {
+		// Advisory locks are reentrant: only the connection's list of keys
+		// whose functions are running tells a Do inside fn on fn's own key.
 		return claimed{outcome: outcomeInProgress}, tx, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
 	}
+	if !lock.Locked {
+		wait := &pgx.Batch{}
+		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: o.lockTimeout(), LockID: k.lockID})
+		dbsqlc.QueueKeyGet(wait, get, &rec, &found)
+		if err := tx.SendBatch(ctx, wait).Close(); err != nil {
+			return claimed{outcome: outcomeFailed}, tx, translate("idem: wait for key", err)
+		}
+		if found && !rec.Expired {
+			c, err := judge(rec.State, rec.Fingerprint, rec.Response, k.fp)
+			return c, tx, err
+		}
+	}
+
 	c := claimed{outcome: outcomeClaimed, expired: found}
 	if found {
 		c.outcome = outcomeReclaimed
 	}
-	if !rec.ReadCommitted {
+	if !lock.ReadCommitted {
 		c.early = true
 		ok, err := dbsqlc.New(tx).KeyClaim(ctx, dbsqlc.KeyClaimParams{
 			Scope: k.scope, Key: k.key, Fingerprint: k.fp, Retention: o.retentionInterval(),
@@ -189,11 +209,46 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRe
 		}
 		if !ok {
 			// Only a writer that took no lock can have put a live record
-			// in the way since KeyLock read none.
+			// in the way since KeyGet read none.
 			return claimed{outcome: outcomeFailed}, tx, fmt.Errorf("idem: claim key: %w: the record changed while the key was locked", ErrSerialization)
 		}
 	}
 	return c, tx, nil
+}
+
+// runningKey is where a connection keeps the lock ids of the keys whose
+// functions are running on it, in pgconn's CustomData: a connection serves
+// one goroutine at a time, and a function runs inside its call, so the list
+// is exact, and it goes with the connection.
+const runningKey = "idem.running"
+
+// running reports whether the function of the key with lockID is running on
+// tx's connection: a nested call on the same key.
+func running(tx pgx.Tx, lockID int64) bool {
+	c := tx.Conn()
+	if c == nil {
+		return false
+	}
+	ids, _ := c.PgConn().CustomData()[runningKey].([]int64)
+	return slices.Contains(ids, lockID)
+}
+
+// enter records that the function of the key with lockID runs on tx's
+// connection, until the returned function is called.
+func enter(tx pgx.Tx, lockID int64) (leave func()) {
+	c := tx.Conn()
+	if c == nil {
+		return func() {}
+	}
+	data := c.PgConn().CustomData()
+	ids, _ := data[runningKey].([]int64)
+	data[runningKey] = append(ids, lockID)
+	return func() {
+		ids, _ := data[runningKey].([]int64)
+		if i := slices.Index(ids, lockID); i >= 0 {
+			data[runningKey] = slices.Delete(ids, i, i+1)
+		}
+	}
 }
 
 // judge decides what a duplicate gets from the live record in its way.
@@ -228,7 +283,11 @@ func execute[T any](ctx context.Context, tx pgx.Tx, k keyRef, c claimed,
 			}
 		}()
 	}
-	value, err := fn(ctx, tx)
+	leave := enter(tx, k.lockID)
+	value, err := func() (T, error) {
+		defer leave()
+		return fn(ctx, tx)
+	}()
 	if err != nil {
 		return res, s, c.failed(ctx, tx, k, o, fmt.Errorf("idem: %w", err))
 	}

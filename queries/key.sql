@@ -1,18 +1,37 @@
 -- name: KeyLock :one
--- KeyLock takes the key's lock and reads its record (see idem_key_claim in
--- the migrations). No record is fingerprint NULL; expired says whether the
--- record in the way has expired.
-SELECT c.nested::bool AS nested,
-       c.read_committed::bool AS read_committed,
-       c.fingerprint,
-       c.state,
-       c.response,
-       coalesce(c.expired, false)::bool AS expired
-FROM idem_key_claim(@lock_id::bigint, @scope::text, @key::text, @lock_timeout::text) AS c;
+-- KeyLock takes the key's lock, a transaction-scoped advisory lock on a hash
+-- of (scope, key), if it is free, without waiting. A duplicate waits on it
+-- (KeyLockWait) while the first attempt runs, and no record is written
+-- until that attempt stores its answer: the lock only keeps duplicates
+-- waiting, the primary key still decides which record is written.
+-- read_committed tells the caller which way to claim (see KeyClaim).
+SELECT pg_try_advisory_xact_lock(@lock_id::bigint) AS locked,
+       current_setting('transaction_isolation') = 'read committed' AS read_committed;
+
+-- name: KeyLockWait :exec
+-- KeyLockWait waits for the key's lock under the wait budget, then restores
+-- the caller's lock_timeout, in one statement: reading waited runs the wait
+-- before the restore.
+WITH budget AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', @lock_timeout::text, true) AS applied
+),
+waited AS MATERIALIZED (
+    SELECT pg_advisory_xact_lock(@lock_id::bigint)::text AS done
+    FROM budget
+    WHERE budget.applied IS NOT NULL
+)
+SELECT set_config('lock_timeout', budget.saved, waited.done IS NOT NULL)
+FROM budget
+CROSS JOIN waited;
 
 -- name: KeyGet :one
--- KeyGet reads the key's record, live or expired, outside the lock: for
--- Run's lookup before its transaction (WithLookupFirst).
+-- KeyGet reads the key's record, live or expired. Sent after KeyLock or
+-- KeyLockWait as a statement of its own, in the same round trip, it reads
+-- with a snapshot taken once the lock is held (at READ COMMITTED), so that
+-- a record committed by the lock's previous holder is seen: one statement
+-- would read with a snapshot taken before its lock. Run's lookup before its
+-- transaction (WithLookupFirst) uses it too.
 SELECT fingerprint, state, response, (expires_at <= now())::bool AS expired
 FROM idempotency_key
 WHERE scope = @scope::text

@@ -73,8 +73,12 @@ type KeyGetRow struct {
 	Expired     bool
 }
 
-// KeyGet reads the key's record, live or expired, outside the lock: for
-// Run's lookup before its transaction (WithLookupFirst).
+// KeyGet reads the key's record, live or expired. Sent after KeyLock or
+// KeyLockWait as a statement of its own, in the same round trip, it reads
+// with a snapshot taken once the lock is held (at READ COMMITTED), so that
+// a record committed by the lock's previous holder is seen: one statement
+// would read with a snapshot taken before its lock. Run's lookup before its
+// transaction (WithLookupFirst) uses it too.
 func (q *Queries) KeyGet(ctx context.Context, arg KeyGetParams) (KeyGetRow, error) {
 	row := q.db.QueryRow(ctx, keyGet, arg.Scope, arg.Key)
 	var i KeyGetRow
@@ -188,51 +192,54 @@ func (q *Queries) KeyInspect(ctx context.Context, arg KeyInspectParams) (KeyInsp
 }
 
 const keyLock = `-- name: KeyLock :one
-SELECT c.nested::bool AS nested,
-       c.read_committed::bool AS read_committed,
-       c.fingerprint,
-       c.state,
-       c.response,
-       coalesce(c.expired, false)::bool AS expired
-FROM idem_key_claim($1::bigint, $2::text, $3::text, $4::text) AS c
+SELECT pg_try_advisory_xact_lock($1::bigint) AS locked,
+       current_setting('transaction_isolation') = 'read committed' AS read_committed
 `
 
-type KeyLockParams struct {
-	LockID      int64
-	Scope       string
-	Key         string
-	LockTimeout string
-}
-
 type KeyLockRow struct {
-	Nested        bool
+	Locked        bool
 	ReadCommitted bool
-	Fingerprint   []byte
-	State         pgtype.Text
-	Response      []byte
-	Expired       bool
 }
 
-// KeyLock takes the key's lock and reads its record (see idem_key_claim in
-// the migrations). No record is fingerprint NULL; expired says whether the
-// record in the way has expired.
-func (q *Queries) KeyLock(ctx context.Context, arg KeyLockParams) (KeyLockRow, error) {
-	row := q.db.QueryRow(ctx, keyLock,
-		arg.LockID,
-		arg.Scope,
-		arg.Key,
-		arg.LockTimeout,
-	)
+// KeyLock takes the key's lock, a transaction-scoped advisory lock on a hash
+// of (scope, key), if it is free, without waiting. A duplicate waits on it
+// (KeyLockWait) while the first attempt runs, and no record is written
+// until that attempt stores its answer: the lock only keeps duplicates
+// waiting, the primary key still decides which record is written.
+// read_committed tells the caller which way to claim (see KeyClaim).
+func (q *Queries) KeyLock(ctx context.Context, lockID int64) (KeyLockRow, error) {
+	row := q.db.QueryRow(ctx, keyLock, lockID)
 	var i KeyLockRow
-	err := row.Scan(
-		&i.Nested,
-		&i.ReadCommitted,
-		&i.Fingerprint,
-		&i.State,
-		&i.Response,
-		&i.Expired,
-	)
+	err := row.Scan(&i.Locked, &i.ReadCommitted)
 	return i, err
+}
+
+const keyLockWait = `-- name: KeyLockWait :exec
+WITH budget AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', $1::text, true) AS applied
+),
+waited AS MATERIALIZED (
+    SELECT pg_advisory_xact_lock($2::bigint)::text AS done
+    FROM budget
+    WHERE budget.applied IS NOT NULL
+)
+SELECT set_config('lock_timeout', budget.saved, waited.done IS NOT NULL)
+FROM budget
+CROSS JOIN waited
+`
+
+type KeyLockWaitParams struct {
+	LockTimeout string
+	LockID      int64
+}
+
+// KeyLockWait waits for the key's lock under the wait budget, then restores
+// the caller's lock_timeout, in one statement: reading waited runs the wait
+// before the restore.
+func (q *Queries) KeyLockWait(ctx context.Context, arg KeyLockWaitParams) error {
+	_, err := q.db.Exec(ctx, keyLockWait, arg.LockTimeout, arg.LockID)
+	return err
 }
 
 const keyPurgeExpired = `-- name: KeyPurgeExpired :execrows

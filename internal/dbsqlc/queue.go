@@ -37,8 +37,21 @@ func (r errRow) Scan(...any) error { return r.err }
 
 // QueueKeyLock queues KeyLock on b; row is filled in when the batch's
 // results are read (BatchResults.Close).
-func QueueKeyLock(b *pgx.Batch, arg KeyLockParams, row *KeyLockRow) {
-	b.Queue(keyLock, arg.LockID, arg.Scope, arg.Key, arg.LockTimeout).QueryRow(func(r pgx.Row) error {
-		return r.Scan(&row.Nested, &row.ReadCommitted, &row.Fingerprint, &row.State, &row.Response, &row.Expired)
+func QueueKeyLock(b *pgx.Batch, lockID int64, row *KeyLockRow) {
+	b.Queue(keyLock, lockID).QueryRow(func(r pgx.Row) error {
+		return r.Scan(&row.Locked, &row.ReadCommitted)
+	})
+}
+
+// QueueKeyGet queues KeyGet on b; row is filled in and found set when the
+// batch's results are read. No record is not an error.
+func QueueKeyGet(b *pgx.Batch, arg KeyGetParams, row *KeyGetRow, found *bool) {
+	b.Queue(keyGet, arg.Scope, arg.Key).QueryRow(func(r pgx.Row) error {
+		err := r.Scan(&row.Fingerprint, &row.State, &row.Response, &row.Expired)
+		*found = err == nil
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil
+		}
+		return err
 	})
 }
