@@ -52,6 +52,9 @@ func commands() []command {
 }
 
 func main() {
+	// Output piped into a reader that quits (idem demo | head) must not kill
+	// the command before it drops what it created: writes fail instead.
+	signal.Ignore(syscall.SIGPIPE)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))

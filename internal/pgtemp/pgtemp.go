@@ -125,6 +125,7 @@ type Options struct {
 // Start initializes and starts a server. It gives up when ctx ends; the
 // returned Server must be stopped with Stop.
 func Start(ctx context.Context, opts Options) (*Server, error) {
+	removeStale(os.TempDir(), time.Minute)
 	binDir, err := Find()
 	if err != nil {
 		return nil, err
@@ -263,6 +264,41 @@ func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.C
 			return fmt.Errorf("postgres did not accept connections within a minute: %v\n%s", err, tail(log))
 		}
 	}
+}
+
+// removeStale removes the directories of earlier throwaway servers whose
+// process was killed before it could remove them (by SIGKILL, say: the
+// server itself dies with it): those with no live postmaster, older than
+// minAge so that a server still being initialized is left alone. What this
+// process may not remove it leaves.
+func removeStale(tmp string, minAge time.Duration) {
+	dirs, _ := filepath.Glob(filepath.Join(tmp, "idem-pg-*"))
+	for _, dir := range dirs {
+		info, err := os.Stat(dir)
+		if err != nil || !info.IsDir() || time.Since(info.ModTime()) < minAge {
+			continue
+		}
+		if pid, ok := postmasterPID(filepath.Join(dir, "data", "postmaster.pid")); ok && alive(pid) {
+			continue
+		}
+		_ = os.RemoveAll(dir)
+	}
+}
+
+func postmasterPID(path string) (int, bool) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0, false
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	pid, err := strconv.Atoi(strings.TrimSpace(line))
+	return pid, err == nil && pid > 0
+}
+
+// alive reports whether process pid exists (EPERM: it does, as another user).
+func alive(pid int) bool {
+	err := syscall.Kill(pid, 0)
+	return err == nil || errors.Is(err, syscall.EPERM)
 }
 
 // errExited is a server that exited while starting.

@@ -1,0 +1,64 @@
+//go:build unix
+
+package pgtemp
+
+import (
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+	"time"
+)
+
+// TestRemoveStaleRemovesOnlyDeadServersDirectories checks the clean-up of
+// directories left by a process killed before it removed its server's.
+func TestRemoveStaleRemovesOnlyDeadServersDirectories(t *testing.T) {
+	t.Parallel()
+	tmp := t.TempDir()
+	old := time.Now().Add(-time.Hour)
+	mkdir := func(name, pid string, mtime time.Time) string {
+		t.Helper()
+		dir := filepath.Join(tmp, name)
+		if err := os.MkdirAll(filepath.Join(dir, "data"), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if pid != "" {
+			if err := os.WriteFile(filepath.Join(dir, "data", "postmaster.pid"), []byte(pid+"\n/data\n"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.Chtimes(dir, mtime, mtime); err != nil {
+			t.Fatal(err)
+		}
+		return dir
+	}
+	// A pid that is surely not running: a child that has exited and been
+	// waited for.
+	dead := deadPID(t)
+	stale := mkdir("idem-pg-stale", strconv.Itoa(dead), old)
+	noPID := mkdir("idem-pg-nopid", "", old)
+	live := mkdir("idem-pg-live", strconv.Itoa(os.Getpid()), old)
+	young := mkdir("idem-pg-young", "", time.Now())
+	other := mkdir("not-ours", "", old)
+
+	removeStale(tmp, time.Minute)
+
+	for dir, want := range map[string]bool{stale: false, noPID: false, live: true, young: true, other: true} {
+		_, err := os.Stat(dir)
+		if exists := err == nil; exists != want {
+			t.Errorf("%s: exists %t, want %t", filepath.Base(dir), exists, want)
+		}
+	}
+}
+
+func deadPID(t *testing.T) int {
+	t.Helper()
+	p, err := os.StartProcess("/bin/sh", []string{"sh", "-c", "exit 0"}, &os.ProcAttr{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	return p.Pid
+}
