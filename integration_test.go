@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
@@ -450,6 +451,12 @@ func TestWaitBudgetExpires(t *testing.T) {
 	_, err = idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 1, &calls), idem.WithWait(0))
 	if !errors.Is(err, idem.ErrInProgress) {
 		t.Fatalf("WithWait(0): err = %v, want ErrInProgress", err)
+	}
+	// The message says it once, in idem's words; the driver's error stays
+	// in the chain for those who want it.
+	var pgErr *pgconn.PgError
+	if msg := err.Error(); strings.Count(msg, "idem:") != 1 || strings.Contains(msg, "ERROR:") || !errors.As(err, &pgErr) {
+		t.Fatalf("ErrInProgress reads %q; want one idem: prefix, no driver wording, and the driver's error in the chain", msg)
 	}
 }
 

@@ -30,21 +30,45 @@ const (
 )
 
 // Translate turns a driver error from one of the module's own statements
-// into ErrInProgress or ErrSerialization where it means one of them,
-// keeping the original in the chain, so that callers never inspect SQLSTATE
-// codes. op says what was being done.
+// into ErrInProgress or ErrSerialization where it means one of them, so
+// that callers never inspect SQLSTATE codes. op says what was being done.
+// A translated error reads as its sentinel and op, once, without the
+// driver's wording ("idem: key is in use by a concurrent attempt (claim key:
+// lock_timeout, SQLSTATE 55P03)"); the driver's error stays in the chain
+// for errors.As.
 func Translate(op string, err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		switch pgErr.Code {
 		case sqlstateLockNotAvailable:
-			return fmt.Errorf("%s: %w (%w)", op, ErrInProgress, err)
-		case sqlstateSerializationFailure, sqlstateDeadlockDetected:
-			return fmt.Errorf("%s: %w (%w)", op, ErrSerialization, err)
+			return &translated{sentinel: ErrInProgress, op: op, why: "the wait budget ran out", err: err}
+		case sqlstateSerializationFailure:
+			return &translated{sentinel: ErrSerialization, op: op, why: "serialization failure", err: err}
+		case sqlstateDeadlockDetected:
+			return &translated{sentinel: ErrSerialization, op: op, why: "deadlock", err: err}
 		}
 	}
 	return fmt.Errorf("%s: %w", op, err)
 }
+
+// translated is a driver error that means one of the sentinels.
+type translated struct {
+	sentinel error
+	op, why  string
+	err      error
+}
+
+func (t *translated) Error() string {
+	var pgErr *pgconn.PgError
+	code := ""
+	if errors.As(t.err, &pgErr) {
+		code = ", SQLSTATE " + pgErr.Code
+	}
+	op := strings.TrimPrefix(strings.TrimPrefix(t.op, "idem: "), "outbox: ")
+	return fmt.Sprintf("%s (%s: %s%s)", t.sentinel, op, t.why, code)
+}
+
+func (t *translated) Unwrap() []error { return []error{t.sentinel, t.err} }
 
 // IsRetryable reports whether err means the whole transaction may succeed
 // if run again from the start.
