@@ -92,7 +92,7 @@ func do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	}
 	// A failed statement aborts tx: nothing of it can commit.
 	if err := s.queue(ctx, dbsqlc.New(tx)); err != nil {
-		return Result[T]{}, translateStore(err)
+		return Result[T]{}, translateStore(c, err)
 	}
 	return res, nil
 }
@@ -152,6 +152,11 @@ type claimed struct {
 // queued behind it and sent on conn in the same round trip. It returns the
 // transaction, the one b began if so, also on error.
 func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRef, o *options) (claimed, pgx.Tx, error) {
+	if tx != nil && running(tx, k) {
+		// Advisory locks are reentrant: only the connection's list of keys
+		// whose functions are running tells a Do inside fn on fn's own key.
+		return claimed{outcome: outcomeInProgress}, tx, errNested
+	}
 	var lock dbsqlc.KeyLockRow
 	var rec dbsqlc.KeyGetRow
 	var found bool
@@ -173,14 +178,10 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRe
 		return claimed{outcome: outcomeFailed}, tx, translate("idem: claim key", err)
 	}
 
-	if found && !rec.Expired {
+	live := func() bool { return found && !rec.Expired }
+	if live() {
 		c, err := judge(rec.State, rec.Fingerprint, rec.Response, k.fp)
 		return c, tx, err
-	}
-	if running(tx, k.lockID) {
-		// Advisory locks are reentrant: only the connection's list of keys
-		// whose functions are running tells a Do inside fn on fn's own key.
-		return claimed{outcome: outcomeInProgress}, tx, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
 	}
 	if !lock.Locked {
 		wait := &pgx.Batch{}
@@ -189,7 +190,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRe
 		if err := tx.SendBatch(ctx, wait).Close(); err != nil {
 			return claimed{outcome: outcomeFailed}, tx, translate("idem: wait for key", err)
 		}
-		if found && !rec.Expired {
+		if live() {
 			c, err := judge(rec.State, rec.Fingerprint, rec.Response, k.fp)
 			return c, tx, err
 		}
@@ -216,40 +217,46 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRe
 	return c, tx, nil
 }
 
-// runningKey is where a connection keeps the lock ids of the keys whose
-// functions are running on it, in pgconn's CustomData: a connection serves
-// one goroutine at a time, and a function runs inside its call, so the list
-// is exact, and it goes with the connection.
+// errNested refuses a Do on a key inside that key's own fn.
+var errNested = fmt.Errorf("%w: its own function is running in this transaction (a Do on the key inside its fn)", ErrInProgress)
+
+// runningKey is where a connection keeps the keys whose functions are
+// running on it, in pgconn's CustomData: a connection serves one goroutine
+// at a time, and a function runs inside its call, so the list is exact, and
+// it goes with the connection.
 const runningKey = "idem.running"
 
-// running reports whether the function of the key with lockID is running on
-// tx's connection: a nested call on the same key.
-func running(tx pgx.Tx, lockID int64) bool {
+// running reports whether k's function is running on tx's connection: a
+// nested call on the same key.
+func running(tx pgx.Tx, k keyRef) bool {
 	c := tx.Conn()
 	if c == nil {
 		return false
 	}
-	ids, _ := c.PgConn().CustomData()[runningKey].([]int64)
-	return slices.Contains(ids, lockID)
+	keys, _ := c.PgConn().CustomData()[runningKey].([]keyRef)
+	return slices.ContainsFunc(keys, k.same)
 }
 
-// enter records that the function of the key with lockID runs on tx's
-// connection, until the returned function is called.
-func enter(tx pgx.Tx, lockID int64) (leave func()) {
+// enter records that k's function runs on tx's connection, until the
+// returned function is called.
+func enter(tx pgx.Tx, k keyRef) (leave func()) {
 	c := tx.Conn()
-	if c == nil {
+	if c == nil || c.PgConn().CustomData() == nil {
 		return func() {}
 	}
 	data := c.PgConn().CustomData()
-	ids, _ := data[runningKey].([]int64)
-	data[runningKey] = append(ids, lockID)
+	keys, _ := data[runningKey].([]keyRef)
+	data[runningKey] = append(keys, k)
 	return func() {
-		ids, _ := data[runningKey].([]int64)
-		if i := slices.Index(ids, lockID); i >= 0 {
-			data[runningKey] = slices.Delete(ids, i, i+1)
+		keys, _ := data[runningKey].([]keyRef)
+		if i := slices.IndexFunc(keys, k.same); i >= 0 {
+			data[runningKey] = slices.Delete(keys, i, i+1)
 		}
 	}
 }
+
+// same compares keys by scope and key, not by their lock's hash.
+func (k keyRef) same(other keyRef) bool { return k.scope == other.scope && k.key == other.key }
 
 // judge decides what a duplicate gets from the live record in its way.
 func judge(state string, storedFP, response, fp []byte) (claimed, error) {
@@ -283,7 +290,7 @@ func execute[T any](ctx context.Context, tx pgx.Tx, k keyRef, c claimed,
 			}
 		}()
 	}
-	leave := enter(tx, k.lockID)
+	leave := enter(tx, k)
 	value, err := func() (T, error) {
 		defer leave()
 		return fn(ctx, tx)
@@ -330,24 +337,35 @@ func (s store) queue(ctx context.Context, q *dbsqlc.Queries) error {
 	})
 }
 
-// errRecordChanged is what recording the operation gives when the key's
-// record changed while fn ran although the transaction held its lock: fn
-// itself wrote to it, or a writer that takes no lock (an older idem, a
-// hand-written statement) completed the key.
-var errRecordChanged = errors.New("idem: the key's record changed while its function ran (did fn write to it?)")
-
-// translateStore translates the errors of the statements that record an
-// operation. A unique violation (KeyInsert) or division_by_zero (KeyReplace,
-// KeyStoreResponse) means the record changed under the key's lock; the
-// transaction is aborted, so nothing of fn's commits. A retry of the whole
-// transaction (ErrSerialization) then finds the record and replays it.
-func translateStore(err error) error {
+// translateStore translates the errors of the statement that records an
+// operation. At READ COMMITTED a unique violation (KeyInsert) or
+// division_by_zero (KeyReplace) means the key was completed while fn ran,
+// although the transaction held its lock: by a writer that takes no lock
+// (an older idem during a rolling upgrade, a hand-written statement), or by
+// fn itself. The transaction is aborted, so nothing of fn's commits, and a
+// retry of the whole transaction (ErrSerialization) finds the record and
+// replays it. A claim written early (KeyStoreResponse) can only have been
+// changed by fn itself, in the same transaction: retrying would do it again.
+func translateStore(c claimed, err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && (pgErr.Code == "23505" || pgErr.Code == "22012") {
-		return fmt.Errorf("idem: store response: %w: %w", ErrSerialization, errRecordChanged)
+		if c.early {
+			return fmt.Errorf("idem: store response: the claim was removed or completed while its function ran (did fn write to the key's record?): %w", err)
+		}
+		return &recordChanged{err: err}
 	}
 	return translate("idem: store response", err)
 }
+
+// recordChanged is a record that a writer which took no lock completed
+// while fn ran (see translateStore).
+type recordChanged struct{ err error }
+
+func (r *recordChanged) Error() string {
+	return ErrSerialization.Error() + " (store response: the key was completed while its function ran, by a writer that took no lock, or by fn itself)"
+}
+
+func (r *recordChanged) Unwrap() []error { return []error{ErrSerialization, r.err} }
 
 // failed ends a claim whose operation failed with cause. At READ COMMITTED
 // nothing was written: the transaction holds only the key's lock, which

@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/guard"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
@@ -326,6 +327,78 @@ func TestSameKeyTwiceInOneTransaction(t *testing.T) {
 	}
 }
 
+// TestNestedDoIsRefusedAtEveryLevel runs a Do inside fn on fn's own key,
+// with another fingerprint (as a Once inside a Do has): at REPEATABLE READ
+// the outer call's claim is already written, and the nested call must still
+// be refused as nested, not judged a mismatch against it.
+func TestNestedDoIsRefusedAtEveryLevel(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	for _, iso := range []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable} {
+		key := "k-" + string(iso)
+		_, err := idem.Run(ctx, pool, scope, key, fpA, func(ctx context.Context, tx pgx.Tx) (int, error) {
+			_, err := idem.Do(ctx, tx, scope, key, fpB, func(context.Context, pgx.Tx) (int, error) { return 2, nil })
+			if !errors.Is(err, idem.ErrInProgress) {
+				t.Errorf("%s: nested Do with another fingerprint: %v, want ErrInProgress", iso, err)
+			}
+			ran, err := idem.Once(ctx, tx, scope, key, func(context.Context, pgx.Tx) error { return nil })
+			if ran || !errors.Is(err, idem.ErrInProgress) {
+				t.Errorf("%s: nested Once: ran %v, %v; want ErrInProgress", iso, ran, err)
+			}
+			return 1, nil
+		}, idem.WithTxOptions(pgx.TxOptions{IsoLevel: iso}))
+		if err != nil {
+			t.Fatalf("%s: %v", iso, err)
+		}
+	}
+}
+
+// TestKeysWhoseLocksCollideAreNotNested nests a Do on one key inside the fn
+// of another whose lock id is the same (a 48-bit hash collision): the
+// inner call is a different key, and runs.
+func TestKeysWhoseLocksCollideAreNotNested(t *testing.T) {
+	ctx, pool, _ := setup(t)
+	// A pair found by brute force; the scope is part of the hash.
+	scope, a, b := "s", "5c38ed5d79a66352ebf7", "47a4f6b5e87317ccd6db"
+	if guard.LockID(scope, a) != guard.LockID(scope, b) {
+		t.Fatal("the keys no longer collide: find another pair")
+	}
+	var calls atomic.Int64
+	_, err := idem.Run(ctx, pool, scope, a, fpA, func(ctx context.Context, tx pgx.Tx) (payment, error) {
+		inner, err := idem.Do(ctx, tx, scope, b, fpA, pay(scope, b, 2, &calls))
+		if err != nil || inner.Replayed {
+			return payment{}, fmt.Errorf("inner Do on a colliding key: %+v, %w", inner, err)
+		}
+		return pay(scope, a, 1, &calls)(ctx, tx)
+	})
+	if err != nil || calls.Load() != 2 {
+		t.Fatalf("Run: %v, %d calls; want both keys run", err, calls.Load())
+	}
+}
+
+// TestCommitFailureIsNotTakenForTheRecords fails the COMMIT that Run sends
+// with the record, through a deferred constraint fn violates: the error is
+// COMMIT's, reported once, not retried as a record that changed.
+func TestCommitFailureIsNotTakenForTheRecords(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	table := pgx.Identifier{"deferred_" + strings.ReplaceAll(scope, "-", "_")}.Sanitize()
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+table+` (v int, CONSTRAINT `+strings.Trim(table, `"`)+`_uq UNIQUE (v) DEFERRABLE INITIALLY DEFERRED)`); err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	_, err := idem.Run(ctx, pool, scope, "k", fpA, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		calls.Add(1)
+		_, err := tx.Exec(ctx, `INSERT INTO `+table+` VALUES (1), (1)`)
+		return 1, err
+	})
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "23505" || errors.Is(err, idem.ErrSerialization) || calls.Load() != 1 {
+		t.Fatalf("err = %v after %d calls; want COMMIT's unique violation, once, not ErrSerialization", err, calls.Load())
+	}
+	if countRecords(t, pool, scope) != 0 {
+		t.Fatal("a record committed although COMMIT failed")
+	}
+}
+
 func TestExpiredKeyIsReclaimedWithoutFingerprintCheck(t *testing.T) {
 	ctx, pool, scope := setup(t)
 	var calls atomic.Int64
@@ -620,7 +693,7 @@ func TestInvalidOptionsAreRejected(t *testing.T) {
 	ctx := context.Background()
 	fn := func(context.Context, pgx.Tx) (int, error) { return 1, nil }
 	for _, opt := range []idem.Option{
-		idem.WithRetention(0), idem.WithWait(-time.Second), idem.WithMaxResponseSize(0),
+		idem.WithRetention(0), idem.WithRetention(500 * time.Nanosecond), idem.WithWait(-time.Second), idem.WithMaxResponseSize(0),
 		idem.WithWait(25 * 24 * time.Hour), idem.WithWait(time.Duration(math.MaxInt64)),
 	} {
 		if _, err := idem.Do(ctx, panicTx{}, "s", "k", nil, fn, opt); !errors.Is(err, idem.ErrInvalidOption) {
@@ -1034,6 +1107,11 @@ func TestRecordChangedInsideFnCommitsNothing(t *testing.T) {
 		}, idem.WithTxOptions(pgx.TxOptions{IsoLevel: iso}))
 		if err == nil {
 			t.Fatalf("%s: Run succeeded although fn changed its record", iso)
+		}
+		// fn's own change to a claim written before it is not a race a
+		// retry can win: it is reported, not retried.
+		if iso == pgx.RepeatableRead && (calls.Load() != 1 || errors.Is(err, idem.ErrSerialization)) {
+			t.Fatalf("%s: %d calls, %v; want one call and no retry", iso, calls.Load(), err)
 		}
 	}
 	if countPayments(t, pool, scope) != 0 || countRecords(t, pool, scope) != 0 {

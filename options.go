@@ -79,10 +79,11 @@ func newOptions(opts []Option) (options, error) {
 // retries with the stored value. After that the record counts as absent and
 // the key can be claimed again. Choose it longer than the longest time in
 // which a client, or anything that stores and forwards its requests, may
-// retry. It must be positive. Defaults to 24h.
+// retry. It must be at least a microsecond, the resolution of PostgreSQL's
+// timestamps. Defaults to 24h.
 func WithRetention(d time.Duration) Option {
-	if d <= 0 {
-		return invalid("retention must be positive, got %s", d)
+	if d < time.Microsecond {
+		return invalid("retention must be at least 1µs, got %s", d)
 	}
 	return optionFunc(func(o *options) { o.retention = d })
 }

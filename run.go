@@ -6,7 +6,6 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
@@ -126,7 +125,7 @@ func commitWith(ctx context.Context, tx pgx.Tx, pipelined bool, s store) error {
 	if !pipelined {
 		if err := s.queue(ctx, dbsqlc.New(tx)); err != nil {
 			rollback(ctx, tx)
-			return translateStore(err)
+			return translateStore(s.c, err)
 		}
 		if err := tx.Commit(ctx); err != nil {
 			return translate("idem: commit", err)
@@ -139,26 +138,27 @@ func commitWith(ctx context.Context, tx pgx.Tx, pipelined bool, s store) error {
 	_ = s.queue(ctx, q) // queuing cannot fail
 	_ = q.TxCommit(ctx)
 	results := tx.SendBatch(ctx, batch)
-	var tag pgconn.CommandTag
+	// Each statement's error is its own: the record's goes to
+	// translateStore, COMMIT's (a deferred constraint, a serialization
+	// failure) to translate, as a COMMIT outside the pipeline would.
+	_, storeErr := results.Exec()
+	tag, commitErr := results.Exec()
+	closeErr := results.Close()
 	var err error
-	for range batch.Len() {
-		if tag, err = results.Exec(); err != nil {
-			break
-		}
+	switch {
+	case storeErr != nil:
+		err = translateStore(s.c, storeErr)
+	case commitErr != nil:
+		err = translate("idem: commit", commitErr)
+	case closeErr != nil:
+		err = translate("idem: commit", closeErr)
+	case tag.String() == "ROLLBACK":
+		err = translate("idem: commit", pgx.ErrTxCommitRollback)
 	}
-	if closeErr := results.Close(); err == nil {
-		err = closeErr
+	if err != nil && tx.Conn().PgConn().TxStatus() != 'I' {
+		rollback(ctx, tx)
 	}
-	if err == nil && tag.String() == "ROLLBACK" {
-		err = pgx.ErrTxCommitRollback
-	}
-	if err != nil {
-		if tx.Conn().PgConn().TxStatus() != 'I' {
-			rollback(ctx, tx)
-		}
-		return translateStore(err)
-	}
-	return nil
+	return err
 }
 
 // lookup reads the key's live record outside any transaction, and reports

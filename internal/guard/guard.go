@@ -18,7 +18,7 @@ const MaxIdentifierLength = 255
 // Errors that driver errors are translated into; see idem's documentation
 // of ErrInProgress and ErrSerialization.
 var (
-	ErrInProgress    = errors.New("idem: key is in use by a concurrent attempt")
+	ErrInProgress    = errors.New("idem: key is in use")
 	ErrSerialization = errors.New("idem: transaction must be retried")
 )
 
@@ -33,8 +33,8 @@ const (
 // into ErrInProgress or ErrSerialization where it means one of them, so
 // that callers never inspect SQLSTATE codes. op says what was being done.
 // A translated error reads as its sentinel and op, once, without the
-// driver's wording ("idem: key is in use by a concurrent attempt (claim key:
-// lock_timeout, SQLSTATE 55P03)"); the driver's error stays in the chain
+// driver's wording ("idem: key is in use (wait for key: the wait budget ran
+// out, SQLSTATE 55P03)"); the driver's error stays in the chain
 // for errors.As.
 func Translate(op string, err error) error {
 	var pgErr *pgconn.PgError
