@@ -195,6 +195,8 @@ func (tx *unreachableTx) QueryRow(context.Context, string, ...any) pgx.Row {
 	return unreachableRow{}
 }
 
+func (tx *unreachableTx) Conn() *pgx.Conn { return nil }
+
 func (tx *unreachableTx) SendBatch(context.Context, *pgx.Batch) pgx.BatchResults {
 	tx.uses++
 	return unreachableResults{}
