@@ -20,8 +20,9 @@ const DefaultPurgeBatch = 1000
 
 // Purge deletes every expired record, batch rows per transaction, and
 // returns how many it deleted. Short transactions keep each one's locks and
-// WAL small; rows that a concurrent reclaim holds are skipped rather than
-// waited for (the reclaim renews them anyway). Purging is never needed for
+// WAL small; rows another transaction holds are skipped rather than waited
+// for, and a reclaim whose expired record is purged under it inserts a new
+// one instead. Purging is never needed for
 // correctness: an expired record already counts as absent. It keeps the
 // table and its indexes small.
 //

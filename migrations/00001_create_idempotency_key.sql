@@ -1,8 +1,8 @@
 -- +goose Up
--- One row per client key. The primary key is the claim mechanism: an INSERT
--- that conflicts on (scope, key) is how a duplicate learns it is a duplicate.
--- fillfactor leaves room on each page so that storing the response after the
--- claim is a HOT update and writes no new index entries.
+-- One row per client key. The primary key arbitrates: of two INSERTs of one
+-- (scope, key), one conflicts. fillfactor leaves room on each page so that
+-- completing a claim written early (at REPEATABLE READ and SERIALIZABLE)
+-- is a HOT update and writes no new index entries.
 --
 -- IF NOT EXISTS lets a deployment create the table itself first, for example
 -- hash-partitioned by scope (see docs/partitioned-by-scope.sql).

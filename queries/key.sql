@@ -119,7 +119,10 @@ WHERE scope = @scope::text
 
 -- name: KeyPurgeExpired :execrows
 -- KeyPurgeExpired deletes up to @max_rows expired records, oldest expiry
--- first, skipping rows another transaction holds (a reclaim in flight).
+-- first, skipping rows another transaction holds (a claim written early
+-- at REPEATABLE READ over an expired record). A reclaim at READ COMMITTED
+-- holds no row until it writes: if this deletes the expired record first,
+-- the reclaim's KeyReplace inserts instead.
 DELETE FROM idempotency_key
 WHERE (scope, key) IN (
     SELECT expired.scope, expired.key

@@ -255,7 +255,10 @@ WHERE (scope, key) IN (
 `
 
 // KeyPurgeExpired deletes up to @max_rows expired records, oldest expiry
-// first, skipping rows another transaction holds (a reclaim in flight).
+// first, skipping rows another transaction holds (a claim written early
+// at REPEATABLE READ over an expired record). A reclaim at READ COMMITTED
+// holds no row until it writes: if this deletes the expired record first,
+// the reclaim's KeyReplace inserts instead.
 func (q *Queries) KeyPurgeExpired(ctx context.Context, maxRows int32) (int64, error) {
 	result, err := q.db.Exec(ctx, keyPurgeExpired, maxRows)
 	if err != nil {
