@@ -130,7 +130,9 @@ type Config struct {
 	// ListenConnConfig is where the relay opens its connection to listen
 	// for [Notify]: a direct connection to the database, for relays whose
 	// db goes through a pooler in transaction mode (PgBouncer's
-	// pool_mode=transaction), which does not pass notifications on. Each
+	// pool_mode=transaction), which does not pass notifications on (and
+	// keeps the LISTEN that a relay sends through it on one of its server
+	// connections, where later notifications arrive for no client). Each
 	// relay opens one such connection while it runs. Defaults to the
 	// pool's connection settings when db is a *pgxpool.Pool, and to no
 	// listening connection otherwise: the relay then only polls.
