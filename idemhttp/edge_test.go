@@ -238,7 +238,7 @@ func TestInProgressProblem(t *testing.T) {
 	h := newBlockingHandler(t, tenant, http.StatusCreated)
 	srv := serve(t, pool, idemhttp.Config{Wait: 50 * time.Millisecond}, h)
 	firstDone := sendAsync(srv.Client(), newPost(t, srv, "/payments", tenant, "k", `{}`))
-	<-h.started
+	h.awaitStarted(t, firstDone)
 	wantProblem(t, post(t, srv, "/payments", tenant, "k", `{}`), http.StatusConflict, idemhttp.DefaultProblemTypeBase, idemhttp.ProblemKeyInProgress)
 	h.unblock()
 	if first := <-firstDone; first.status != http.StatusCreated {

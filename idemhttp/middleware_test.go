@@ -438,6 +438,24 @@ func newBlockingHandler(t *testing.T, tenant string, firstStatus int) *blockingH
 
 func (h *blockingHandler) unblock() { h.releaseOnce.Do(func() { close(h.release) }) }
 
+// awaitStarted returns the pid that the handler reports once it has
+// started on the request answered by first. It fails the test at once when
+// that request is answered without the handler having started (the
+// database cannot be reached, say), and after a minute when neither
+// happens, rather than wait forever.
+func (h *blockingHandler) awaitStarted(t *testing.T, first <-chan response) int32 {
+	t.Helper()
+	select {
+	case pid := <-h.started:
+		return pid
+	case res := <-first:
+		t.Fatalf("first request answered %d %s before its handler started", res.status, res.body)
+	case <-time.After(time.Minute):
+		t.Fatal("the first request's handler did not start within a minute")
+	}
+	return 0
+}
+
 func (h *blockingHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	n := h.calls.Add(1)
 	tx := idemhttp.Tx(r.Context())
@@ -501,7 +519,7 @@ func TestConcurrentDuplicateWaitsAndReplays(t *testing.T) {
 	srv := serve(t, pool, idemhttp.Config{Wait: time.Minute}, h)
 
 	firstDone := sendAsync(srv.Client(), newPost(t, srv, "/payments", tenant, "k", `{}`))
-	pid := <-h.started
+	pid := h.awaitStarted(t, firstDone)
 	secondDone := sendAsync(srv.Client(), newPost(t, srv, "/payments", tenant, "k", `{}`))
 	waitForBlocked(ctx, t, pool, pid)
 	h.unblock()
@@ -525,7 +543,7 @@ func TestConcurrentDuplicateRunsWhenFirstRollsBack(t *testing.T) {
 	srv := serve(t, pool, idemhttp.Config{Wait: time.Minute}, h)
 
 	firstDone := sendAsync(srv.Client(), newPost(t, srv, "/payments", tenant, "k", `{}`))
-	pid := <-h.started
+	pid := h.awaitStarted(t, firstDone)
 	secondDone := sendAsync(srv.Client(), newPost(t, srv, "/payments", tenant, "k", `{}`))
 	waitForBlocked(ctx, t, pool, pid)
 	h.unblock()
@@ -548,7 +566,7 @@ func TestConcurrentDuplicatePastWaitGets409(t *testing.T) {
 	srv := serve(t, pool, idemhttp.Config{Wait: 50 * time.Millisecond}, h)
 
 	firstDone := sendAsync(srv.Client(), newPost(t, srv, "/payments", tenant, "k", `{}`))
-	<-h.started
+	h.awaitStarted(t, firstDone)
 	// The first request holds the key until released, so this one's wait
 	// runs out whatever the machine's speed.
 	busy := post(t, srv, "/payments", tenant, "k", `{}`)

@@ -75,6 +75,7 @@ func startRelay(t *testing.T, ctx context.Context, db idem.TxBeginner, handler o
 	if config.Logger == nil {
 		config.Logger = testLogger(t)
 	}
+	listenDirectly(t, db, &config)
 	relay, err := outbox.NewRelay(db, handler, &config)
 	if err != nil {
 		t.Fatal(err)
@@ -94,6 +95,29 @@ func startRelay(t *testing.T, ctx context.Context, db idem.TxBeginner, handler o
 	}
 	t.Cleanup(stop)
 	return stop
+}
+
+// directListen returns the connection settings a relay in the tests
+// listens for notifications with: the throwaway database reached directly,
+// not through the transaction pooler the tests may run behind
+// (TEST_PGBOUNCER=1), as the README's "Behind PgBouncer" advises.
+func directListen(t *testing.T) *pgx.ConnConfig {
+	t.Helper()
+	return env.DirectPool(t).Config().ConnConfig
+}
+
+// listenDirectly gives a relay on a pool, when the tests run behind a
+// transaction pooler, the direct connection to listen on that production
+// gives it (the README's "Behind PgBouncer"), unless config names one
+// already. A relay that listened through the pooler would leave LISTEN on
+// the pooler's server connections, whose notifications then reach clients
+// that did not ask for them, and PgBouncer 1.18 exits when one arrives on
+// a server connection that it is cancelling a query on.
+func listenDirectly(t *testing.T, db idem.TxBeginner, config *outbox.Config) {
+	t.Helper()
+	if _, ok := db.(*pgxpool.Pool); ok && config.ListenConnConfig == nil && testdb.BehindPooler() {
+		config.ListenConnConfig = directListen(t)
+	}
 }
 
 // waitFor polls cond until it holds, or fails the test after a minute.

@@ -40,16 +40,12 @@ func TestRelayListensOnListenConnConfig(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close(context.Background()) })
-	listen, err := pgx.ParseConfig(env.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
 	observer, relays := notifying(t)
 	delivered := make(chan string, 1)
 	runRelay(t, ctx, conn, func(ctx context.Context, msg outbox.Message) error {
 		delivered <- msg.Key
 		return nil
-	}, outbox.Config{Destinations: []string{dest}, PollInterval: time.Hour, ListenConnConfig: listen, Observer: observer})
+	}, outbox.Config{Destinations: []string{dest}, PollInterval: time.Hour, ListenConnConfig: directListen(t), Observer: observer})
 	enqueueAndAwait(t, ctx, pool, delivered, entries(scope, dest, 3), 20*time.Second,
 		"with an hour between polls, only a notification delivers it")
 	if listening, polling := relays(); listening != 1 || polling != 0 {

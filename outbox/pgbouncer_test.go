@@ -1,90 +1,77 @@
 //go:build pgbouncer
 
-// The tests in this file need a PgBouncer: run them with
+// The tests in this file need a PgBouncer in transaction mode in front of
+// the test server: .ci/pgbouncer runs them, with
 //
-//	TEST_PGBOUNCER_URL=postgres://postgres@127.0.0.1:6432/postgres?sslmode=disable \
-//		go test -tags pgbouncer -run PgBouncer ./outbox/
+//	TEST_PGBOUNCER=1 TEST_PGBOUNCER_MODES=... TEST_DIRECT_DATABASE_URL=... \
+//		TEST_DATABASE_URL=<through PgBouncer> go test -tags pgbouncer ./outbox/
 //
-// where PgBouncer (pool_mode = transaction) listens in front of the server
-// of TEST_DATABASE_URL, with a wildcard database entry (* = host=... port=...)
-// so that it reaches the tests' throwaway database.
+// (see internal/testdb). Without PgBouncer they fail rather than skip; a
+// run without the pgbouncer build tag leaves them out.
 
 package outbox_test
 
 import (
 	"context"
-	"net/url"
-	"os"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 	"github.com/pgidem/idem/outbox"
 )
 
-// Behind a real PgBouncer in transaction mode (TEST_PGBOUNCER_URL, with
-// PgBouncer in front of the test server, and the pgbouncer build tag), a
-// relay that listens through it
-// hears nothing and says so; given a direct connection to listen on, it is
-// woken by Notify sent through PgBouncer.
+// Behind a real PgBouncer in transaction mode, a relay that listens
+// through it hears nothing and says so, once in its log and in its
+// metrics, and polls; given a direct connection to listen on
+// (Config.ListenConnConfig), it is woken by Notify sent through PgBouncer.
 func TestRelayBehindPgBouncer(t *testing.T) {
-	ctx, _, scope, dest := setup(t)
-	bouncer := os.Getenv("TEST_PGBOUNCER_URL")
-	if bouncer == "" {
-		t.Fatal("the pgbouncer build tag needs TEST_PGBOUNCER_URL: a PgBouncer in transaction mode in front of the test server")
+	if !testdb.BehindPooler() {
+		t.Fatal("the pgbouncer build tag needs TEST_PGBOUNCER=1, TEST_DATABASE_URL through a PgBouncer in transaction mode " +
+			"and TEST_DIRECT_DATABASE_URL: run bash .ci/pgbouncer")
 	}
-	// The test database, through PgBouncer.
-	direct, err := url.Parse(env.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	via, err := url.Parse(bouncer)
-	if err != nil {
-		t.Fatal(err)
-	}
-	via.Path = direct.Path
-	config, err := pgxpool.ParseConfig(via.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	// PgBouncer before 1.21 keeps no prepared statement across
-	// transactions: pgx's statement cache does not work through it.
-	config.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
-	pool, err := pgxpool.NewWithConfig(ctx, config)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	ctx, pool, scope, dest := setup(t) // pool goes through PgBouncer
 
 	t.Run("listening through PgBouncer", func(t *testing.T) {
+		// In a database of its own, dropped at the end: the LISTEN that the
+		// relay sends through PgBouncer stays on one of PgBouncer's server
+		// connections after the relay's own connection closed, and the
+		// notifications of the other tests must not reach it (see
+		// listenDirectly).
+		pooled := migratedDatabase(t, ctx)
 		observer, relays := notifying(t)
 		logger, logs := capturingLogger(t)
 		delivered := make(chan string, 1)
-		runRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
+		runRelay(t, ctx, pooled, func(ctx context.Context, msg outbox.Message) error {
 			delivered <- msg.Key
 			return nil
-		}, outbox.Config{Destinations: []string{dest}, PollInterval: 20 * time.Millisecond, Observer: observer, Logger: logger},
-			time.Minute, time.Second, time.Minute)
+		}, outbox.Config{
+			Destinations: []string{dest}, PollInterval: 20 * time.Millisecond, Observer: observer, Logger: logger,
+			ListenConnConfig: pooled.Config().ConnConfig, // what a relay on a pool listens on by default
+		}, time.Minute, time.Second, time.Minute)
 		waitFor(t, "the relay to say it hears no notifications", func() bool { return logs.count(notHearing) > 0 })
+		if n := logs.count(notHearing); n != 1 {
+			t.Errorf("the relay said %d times that it hears no notifications, want once", n)
+		}
 		if listening, polling := relays(); listening != 0 || polling != 1 {
 			t.Errorf("idem.outbox.relays: %d listening, %d polling; want 1 polling", listening, polling)
 		}
-		enqueueAndAwait(t, ctx, pool, delivered, entries(scope, dest, 2), 20*time.Second, "the relay does not poll")
+		enqueueAndAwait(t, ctx, pooled, delivered, entries(scope, dest, 2), 20*time.Second, "the relay does not poll")
 	})
 	t.Run("listening directly", func(t *testing.T) {
-		listen, err := pgx.ParseConfig(env.URL(t))
-		if err != nil {
-			t.Fatal(err)
-		}
 		observer, relays := notifying(t)
 		logger, logs := capturingLogger(t)
 		delivered := make(chan string, 1)
 		runRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
 			delivered <- msg.Key
 			return nil
-		}, outbox.Config{Destinations: []string{dest}, PollInterval: time.Hour, ListenConnConfig: listen, Observer: observer, Logger: logger})
+		}, outbox.Config{
+			Destinations: []string{dest}, PollInterval: time.Hour,
+			ListenConnConfig: directListen(t), Observer: observer, Logger: logger,
+		})
 		all := entries(scope, dest, 5)[2:]
 		enqueueAndAwait(t, ctx, pool, delivered, all, 20*time.Second, "with an hour between polls, only a notification delivers it")
 		if n := logs.count(notHearing); n != 0 {
@@ -94,4 +81,22 @@ func TestRelayBehindPgBouncer(t *testing.T) {
 			t.Errorf("idem.outbox.relays: %d listening, %d polling; want 1 listening", listening, polling)
 		}
 	})
+}
+
+// migratedDatabase returns a pool, through the pooler, on a database of the
+// test's own with idem's migrations applied, closed and dropped when the
+// test ends.
+func migratedDatabase(t *testing.T, ctx context.Context) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(ctx, env.EmptyDatabase(t)) // dropped after the pool closed
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	sqlDB := stdlib.OpenDBFromPool(pool)
+	defer sqlDB.Close()
+	if err := idem.Migrate(ctx, sqlDB); err != nil {
+		t.Fatal(err)
+	}
+	return pool
 }

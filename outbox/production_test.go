@@ -27,6 +27,7 @@ func runRelay(t *testing.T, ctx context.Context, db idem.TxBeginner, handler out
 	if config.Logger == nil {
 		config.Logger = testLogger(t)
 	}
+	listenDirectly(t, db, &config)
 	relay, err := outbox.NewRelay(db, handler, &config)
 	if err != nil {
 		t.Fatal(err)

@@ -119,7 +119,20 @@ func TestLargestDurationsMeanForever(t *testing.T) {
 	handler := func(ctx context.Context, msg outbox.Message) error {
 		got.add(msg)
 		if msg.ID == fresh {
-			<-release
+			// Held until release; a relay stopped before that (a check
+			// below failed) ends the call, so that the test fails rather
+			// than hang. The test closes release before it stops the
+			// relays, so a call that sees its context end after release
+			// was closed still succeeds.
+			select {
+			case <-release:
+			case <-ctx.Done():
+				select {
+				case <-release:
+				default:
+					return ctx.Err()
+				}
+			}
 		} else {
 			markerDone.Store(true)
 		}

@@ -282,17 +282,16 @@ func TestCrashOnLastAttemptParks(t *testing.T) {
 func TestNotifyWakesListeningRelays(t *testing.T) {
 	ctx, pool, scope, dest := setup(t)
 	delivered := make(chan string, 1)
-	// The relay listens on a connection with its pool's settings, and
-	// LISTEN needs a session of its own: behind a transaction pooler the
-	// relay's pool reaches PostgreSQL directly (the README's "Behind
-	// PgBouncer"), while Notify still commits through the pooler.
-	relayPool := env.DirectPool(t)
-	// A relay that would not poll again for an hour: only a notification
-	// can make it deliver within the test.
-	startRelay(t, ctx, relayPool, func(ctx context.Context, msg outbox.Message) error {
+	// As in production (the README's "Behind PgBouncer"): the relay's
+	// statements and Notify's transactions go through the pool, which
+	// behind a transaction pooler reaches PostgreSQL through it, while the
+	// relay listens on a direct connection, since LISTEN needs a session of
+	// its own. A relay that would not poll again for an hour: only a
+	// notification can make it deliver within the test.
+	startRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
 		delivered <- msg.Key
 		return nil
-	}, outbox.Config{Destinations: []string{dest}, PollInterval: time.Hour})
+	}, outbox.Config{Destinations: []string{dest}, PollInterval: time.Hour, ListenConnConfig: directListen(t)})
 	enqueueAndAwait(t, ctx, pool, delivered, entries(scope, dest, 3), time.Minute, "the notification did not wake the relay")
 }
 
