@@ -195,6 +195,10 @@ type Design struct {
 //     write the payment and complete the key in a second transaction;
 //   - single-statement: the claim and the payment in one statement, for a
 //     response known before the write (see the README);
+//   - key-row-only: not a design but the floor of every design that writes
+//     a key row: the payment, then the key's row pipelined with COMMIT,
+//     nothing read, locked or waited for (a duplicate fails on the primary
+//     key instead of getting an answer);
 //   - claim-first: idem's own earlier design, kept to measure against: BEGIN
 //     and a claim row inserted in progress in one round trip, fn, then the
 //     response stored over the claim (a second tuple version) and COMMIT in
@@ -271,6 +275,26 @@ ON CONFLICT (scope, key) DO NOTHING`, scope, key)
 				return p, err
 			}
 			return p, json.Unmarshal(stored, &p)
+		}},
+		{Name: "key-row-only", Pay: func(ctx context.Context, key string, amount int64) (Payment, error) {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				return Payment{}, err
+			}
+			defer tx.Rollback(ctx)
+			p, err := Insert(ctx, tx, scope, key, amount)
+			if err != nil {
+				return p, err
+			}
+			response, err := json.Marshal(p)
+			if err != nil {
+				return p, err
+			}
+			b := &pgx.Batch{}
+			b.Queue(`INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
+VALUES ($1, $2, $3, 'done', $4::text::jsonb, now() + interval '24 hours')`, scope, key, fp, string(response))
+			b.Queue(`COMMIT`)
+			return p, tx.SendBatch(ctx, b).Close()
 		}},
 		{Name: "claim-first", Pay: func(ctx context.Context, key string, amount int64) (Payment, error) {
 			return claimFirst(ctx, pool, scope, key, fp, amount)

@@ -36,7 +36,7 @@ func BenchmarkRunVsBare(b *testing.B) {
 	scope := testdb.Name("bench")
 	phases := bench.StandardPhases(pool, scope)
 	for _, d := range bench.Designs(pool, scope) {
-		if d.Name == "claim-first" {
+		if d.Name == "claim-first" || d.Name == "key-row-only" {
 			phases = append(phases, bench.DesignPhases([]bench.Design{d})...)
 		}
 	}
