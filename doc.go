@@ -85,8 +85,10 @@ first (see docs/partitioned-by-scope.sql in the repository).
 Scopes and keys are checked before anything reaches the database: 1 to
 [MaxKeyLength] bytes of UTF-8 without NUL, or [ErrInvalidScope] and
 [ErrInvalidKey]. Values that cannot be stored give [ErrResponseTooLarge] or
-[ErrResponseNotStorable]. Every error the package returns can be checked with
-errors.Is against its sentinel values; driver errors from its own statements
-are translated, so callers never inspect SQLSTATE codes.
+[ErrResponseNotStorable]. The package's own failures are sentinel values,
+checked with errors.Is; driver errors that mean one of them (a wait that ran
+out, a serialization failure) are translated, so callers never inspect
+SQLSTATE codes for those. Other driver errors come back wrapped, the
+driver's error in the chain.
 */
 package idem

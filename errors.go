@@ -40,7 +40,8 @@ var ErrFingerprintMismatch = errors.New("idem: key reused with a different reque
 var ErrInProgress = guard.ErrInProgress
 
 // ErrResponseTooLarge is returned when the function's value, encoded as JSON,
-// exceeds the limit set with [WithMaxResponseSize]. Nothing is stored, and
+// exceeds the limit set with [WithMaxResponseSize]. Nothing is stored (a
+// claim written early, at REPEATABLE READ or SERIALIZABLE, is removed), and
 // the caller's transaction stays usable; roll it back, since fn's writes
 // have no record.
 var ErrResponseTooLarge = errors.New("idem: response too large to store")
@@ -48,9 +49,10 @@ var ErrResponseTooLarge = errors.New("idem: response too large to store")
 // ErrResponseNotStorable is returned when the function's value cannot be
 // stored for replay: it cannot be encoded as JSON, or its encoding is
 // something PostgreSQL's jsonb rejects (a NUL character, a lone UTF-16
-// surrogate, invalid UTF-8, a number beyond numeric's range). Nothing is
-// sent, and the caller's transaction stays usable; roll it back, since fn's
-// writes have no record.
+// surrogate, invalid UTF-8, a number beyond numeric's range). The value is
+// not sent (a claim written early, at REPEATABLE READ or SERIALIZABLE, is
+// removed), and the caller's transaction stays usable; roll it back, since
+// fn's writes have no record.
 var ErrResponseNotStorable = errors.New("idem: response cannot be stored")
 
 // ErrSerialization is returned when PostgreSQL aborted the transaction to

@@ -16,7 +16,7 @@ import (
 )
 
 // MaxKeyLength is the longest key or scope accepted, in bytes.
-const MaxKeyLength = guard.MaxIdentifierLength
+const MaxKeyLength = 255
 
 // Result is what [Do] and [Run] return on success.
 type Result[T any] struct {
@@ -52,13 +52,15 @@ type Result[T any] struct {
 // [ErrSerialization]: retry the whole transaction, or use [Run], which does.
 //
 // When fn returns an error, Do returns it wrapped (errors.Is works) and
-// records nothing; roll back. What each error leaves of tx: after
-// [ErrInProgress], [ErrSerialization] and database errors tx is aborted
-// and can only roll back; after [ErrInvalidScope], [ErrInvalidKey],
-// [ErrInvalidOption], [ErrFingerprintMismatch], [ErrResponseTooLarge],
-// [ErrResponseNotStorable] and fn's own errors, tx is as fn left it, and the
-// key stays held by tx until it ends. Invalid scopes, keys and options are
-// rejected before anything is sent to the database.
+// records nothing; roll back. What each error leaves of tx: after a wait
+// that ran out ([ErrInProgress]), a serialization failure or deadlock
+// ([ErrSerialization]) or another database error, tx is aborted and can only
+// roll back. After [ErrInvalidScope], [ErrInvalidKey] and [ErrInvalidOption]
+// nothing was sent; after the refusal of a nested call ([ErrInProgress]),
+// [ErrFingerprintMismatch], [ErrResponseTooLarge], [ErrResponseNotStorable]
+// and fn's own errors, tx is as fn left it, and a key it claimed stays
+// locked by tx until tx ends. Invalid scopes, keys and options are rejected
+// before anything is sent to the database.
 func Do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...Option,
 ) (_ Result[T], err error) {

@@ -1118,3 +1118,11 @@ func TestRecordChangedInsideFnCommitsNothing(t *testing.T) {
 		t.Fatalf("committed %d payments, %d records; want none", countPayments(t, pool, scope), countRecords(t, pool, scope))
 	}
 }
+
+// TestMaxKeyLengthIsTheEnforcedLimit keeps the documented constant and the
+// check the calls make the same.
+func TestMaxKeyLengthIsTheEnforcedLimit(t *testing.T) {
+	if idem.MaxKeyLength != guard.MaxIdentifierLength {
+		t.Fatalf("idem.MaxKeyLength = %d, but keys are checked against %d", idem.MaxKeyLength, guard.MaxIdentifierLength)
+	}
+}

@@ -16,7 +16,7 @@ var migrationFiles embed.FS
 // MigrationTable is the table in which [Migrate] records the applied
 // versions. It is not goose's default, so an application's own goose
 // migrations and this package's never mistake each other's versions.
-const MigrationTable = migration.Table
+const MigrationTable = "idem_goose_version"
 
 // Migrations returns the embedded goose migrations, for applications that
 // run goose themselves. Run them with their own version table (see

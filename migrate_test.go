@@ -108,3 +108,11 @@ func TestMigrationsFSHoldsTheGooseFiles(t *testing.T) {
 		}
 	}
 }
+
+// TestMigrationTableIsTheOneMigrateUses keeps the documented constant and
+// the table goose is set up with the same.
+func TestMigrationTableIsTheOneMigrateUses(t *testing.T) {
+	if idem.MigrationTable != migration.Table {
+		t.Fatalf("idem.MigrationTable = %q, but migrations record in %q", idem.MigrationTable, migration.Table)
+	}
+}

@@ -13,6 +13,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/pgidem/idem/internal/observer"
 )
 
 // ObserverConfig configures [NewObserver]. The zero value records nothing.
@@ -80,23 +82,15 @@ func NewObserver(cfg ObserverConfig) (*Observer, error) {
 	return o, nil
 }
 
-// Tracer returns the tracer the observer records spans with, or nil when it
-// has no TracerProvider, so that idem's other packages (the outbox's relay)
-// record through the same observer.
-func (o *Observer) Tracer() trace.Tracer {
-	if o == nil {
-		return nil
+func init() {
+	// The outbox's relay records through the same Observer as the core.
+	observer.Instruments = func(observer any) (trace.Tracer, metric.Meter) {
+		o, _ := observer.(*Observer)
+		if o == nil {
+			return nil, nil
+		}
+		return o.tracer, o.meter
 	}
-	return o.tracer
-}
-
-// Meter returns the meter the observer's instruments belong to, or nil when
-// it has no MeterProvider, for the same use as [Observer.Tracer].
-func (o *Observer) Meter() metric.Meter {
-	if o == nil {
-		return nil
-	}
-	return o.meter
 }
 
 // observation is one call being observed. Its methods do nothing on a nil
@@ -168,6 +162,9 @@ func (obs *observation) end(ctx context.Context, scope, key string, err error) {
 			o.logger.LogAttrs(ctx, slog.LevelWarn, "idem: key reused with a different request",
 				slog.String("scope", scope), slog.String("key", o.loggedKey(key)))
 		case outcomeInProgress:
+			if errors.Is(err, errNested) {
+				break // a programming error the caller sees, not a wait
+			}
 			o.logger.LogAttrs(ctx, slog.LevelInfo, "idem: duplicate gave up waiting for a concurrent attempt",
 				slog.String("scope", scope), slog.String("key", o.loggedKey(key)))
 		}

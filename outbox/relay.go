@@ -28,6 +28,7 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/observer"
 )
 
 // Handler delivers one message to its destination. It returns nil once the
@@ -315,8 +316,9 @@ func NewRelay(db idem.TxBeginner, handler Handler, config *Config) (*Relay, erro
 	if c.ListenConnConfig != nil {
 		r.listenConfig = c.ListenConnConfig.Copy()
 	}
-	r.tracer = c.Observer.Tracer()
-	if meter := c.Observer.Meter(); meter != nil {
+	tracer, meter := observer.Instruments(c.Observer)
+	r.tracer = tracer
+	if meter != nil {
 		var err error
 		if r.metrics, err = newMetrics(meter); err != nil {
 			return nil, fmt.Errorf("outbox: observer: %w", err)

@@ -46,7 +46,7 @@ func commands() []command {
 		{"bench", "compare idem.Run with a bare transaction and other designs, side by side", runBench},
 		{"migrate", "apply, roll back or list the embedded migrations: migrate up|down|status", runMigrate},
 		{"purge", "delete expired records in batches", runPurge},
-		{"stats", "count records by state and show the table's size", runStats},
+		{"stats", "show the operations running now, records by state, the table's size and the outbox backlog", runStats},
 		{"inspect", "show one record: inspect SCOPE KEY", runInspect},
 	}
 }

@@ -14,7 +14,7 @@ import (
 // Table is the table in which the applied versions are recorded. It is not
 // goose's default, so an application's own goose migrations and idem's
 // never mistake each other's versions.
-const Table = "idem_goose_version"
+const Table = "idem_goose_version" // idem.MigrationTable
 
 // lockID is the advisory lock that serializes concurrent runs (several
 // replicas starting at once). It is not goose's default id, so it never
