@@ -3,6 +3,7 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -43,17 +44,33 @@ func TestWhichErrorsLeaveTheCallersTransactionUsable(t *testing.T) {
 		fn     func(context.Context, pgx.Tx) (int, error)
 		want   error
 		usable bool
+		opts   []idem.Option
 	}{
-		{"invalid key", scope, "", fpA, nil, idem.ErrInvalidKey, true},
-		{"invalid scope", "", "k", fpA, nil, idem.ErrInvalidScope, true},
-		{"fingerprint mismatch", scope, "done", fpB, nil, idem.ErrFingerprintMismatch, true},
+		{"invalid key", scope, "", fpA, nil, idem.ErrInvalidKey, true, nil},
+		{"invalid scope", "", "k", fpA, nil, idem.ErrInvalidScope, true, nil},
+		{"fingerprint mismatch", scope, "done", fpB, nil, idem.ErrFingerprintMismatch, true, nil},
 		{"fn's own error", scope, "fn-error", fpA,
-			func(context.Context, pgx.Tx) (int, error) { return 0, boom }, boom, true},
+			func(context.Context, pgx.Tx) (int, error) { return 0, boom }, boom, true, nil},
 		{"fn's failed statement", scope, "fn-sql", fpA,
 			func(ctx context.Context, tx pgx.Tx) (int, error) {
 				_, err := tx.Exec(ctx, `SELECT 1/0`)
 				return 0, err
-			}, nil, false},
+			}, nil, false, nil},
+		{"response too large", scope, "too-large", fpA,
+			func(context.Context, pgx.Tx) (int, error) { return 123456, nil }, idem.ErrResponseTooLarge, true,
+			[]idem.Option{idem.WithMaxResponseSize(3)}},
+		{"nested call refused", scope, "nested", fpA,
+			func(ctx context.Context, tx pgx.Tx) (int, error) {
+				_, err := idem.Do(ctx, tx, scope, "nested", fpA, func(context.Context, pgx.Tx) (int, error) { return 2, nil })
+				if !errors.Is(err, idem.ErrInProgress) {
+					return 0, fmt.Errorf("nested Do: %v, want ErrInProgress", err)
+				}
+				_, err = tx.Exec(ctx, `SELECT 1`)
+				if err != nil {
+					return 0, fmt.Errorf("after the nested refusal: %w", err)
+				}
+				return 0, boom
+			}, boom, true, nil},
 	}
 	for _, c := range cases {
 		tx, err := pool.Begin(ctx)
@@ -64,7 +81,7 @@ func TestWhichErrorsLeaveTheCallersTransactionUsable(t *testing.T) {
 		if fn == nil {
 			fn = func(context.Context, pgx.Tx) (int, error) { t.Errorf("%s: fn ran", c.name); return 0, nil }
 		}
-		_, err = idem.Do(ctx, tx, c.scope, c.key, c.fp, fn)
+		_, err = idem.Do(ctx, tx, c.scope, c.key, c.fp, fn, c.opts...)
 		if err == nil || (c.want != nil && !errors.Is(err, c.want)) {
 			t.Errorf("%s: %v, want %v", c.name, err, c.want)
 		}
