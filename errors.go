@@ -2,6 +2,7 @@ package idem
 
 import (
 	"errors"
+	"fmt"
 
 	"github.com/pgidem/idem/internal/guard"
 )
@@ -38,6 +39,17 @@ var ErrFingerprintMismatch = errors.New("idem: key reused with a different reque
 // the statement that waited failed inside it: roll it back. The client
 // should retry later with the same key.
 var ErrInProgress = guard.ErrInProgress
+
+// ErrReadOnly is returned when the transaction is read-only, or the server
+// a standby (a connection that reached a replica, as after a failover when
+// the connection string does not ask for target_session_attrs=read-write):
+// idem cannot record a key there. Nothing was written and no lock taken;
+// the transaction stays usable. Run the call in a read-write transaction
+// on the primary.
+var ErrReadOnly = errors.New("idem: transaction is read-only")
+
+// errReadOnly is ErrReadOnly as the claim reports it.
+var errReadOnly = fmt.Errorf("%w (a read-only transaction, or a standby server): idem records keys only in a read-write transaction on the primary", ErrReadOnly)
 
 // ErrResponseTooLarge is returned when the function's value, encoded as JSON,
 // exceeds the limit set with [WithMaxResponseSize]. Nothing is stored (a

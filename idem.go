@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -47,7 +48,14 @@ type Result[T any] struct {
 //
 // A duplicate that arrives while another transaction holds the key waits
 // for it (see [WithWait]): it replays what that transaction committed, or
-// runs fn itself if it rolled back, or gives up with [ErrInProgress]. Under
+// runs fn itself if it rolled back, or gives up with [ErrInProgress]. A
+// transaction holds a key on its lock, an advisory lock, for up to
+// [MaxKeyLocks] keys, and beyond that on a record in progress; replays and
+// mismatches hold nothing. The one case where a duplicate learns of the
+// holder only when it stores its own record is a key held by a record in
+// progress and claimed by a transaction on its lock: it then fails with
+// [ErrSerialization] after fn, which rolls fn's writes back, and [Run]
+// and [WithTx] retry it into a replay. Under
 // REPEATABLE READ or SERIALIZABLE, a key completed after tx's snapshot gives
 // [ErrSerialization]: retry the whole transaction, or use [Run], which does.
 //
@@ -59,8 +67,10 @@ type Result[T any] struct {
 // nothing was sent; after the refusal of a nested call ([ErrInProgress]),
 // [ErrFingerprintMismatch], [ErrResponseTooLarge], [ErrResponseNotStorable]
 // and fn's own errors, tx is as fn left it, and a key it claimed stays
-// locked by tx until tx ends. Invalid scopes, keys and options are rejected
-// before anything is sent to the database.
+// held by tx until tx ends, or until a ROLLBACK TO SAVEPOINT taken before
+// the claim undoes it. In a read-only transaction, or on a standby, Do
+// returns [ErrReadOnly] and tx stays usable. Invalid scopes, keys and
+// options are rejected before anything is sent to the database.
 func Do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...Option,
 ) (_ Result[T], err error) {
@@ -150,23 +160,35 @@ type claimed struct {
 // claim takes the key's lock (KeyLock) and reads its record (KeyGet), two
 // statements in one round trip, waiting for the lock under the wait budget
 // (KeyLockWait, KeyGet again) when it is taken and there is no record to
-// replay. It runs in tx; with tx nil, b holds Run's BEGIN, and the claim is
-// queued behind it and sent on conn in the same round trip. It returns the
-// transaction, the one b began if so, also on error.
+// replay. A key with a live record takes no lock. A transaction that holds
+// MaxKeyLocks key locks already claims with a record in progress instead
+// (claimRow). It runs in tx; with tx nil, b holds Run's BEGIN, and the claim
+// is queued behind it and sent on conn in the same round trip. It returns
+// the transaction, the one b began if so, also on error.
 func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRef, o *options) (claimed, pgx.Tx, error) {
-	if tx != nil && running(tx, k) {
-		// Advisory locks are reentrant: only the connection's list of keys
-		// whose functions are running tells a Do inside fn on fn's own key.
-		return claimed{outcome: outcomeInProgress}, tx, errNested
+	if tx != nil {
+		if running(tx, k) {
+			// Advisory locks are reentrant: only the connection's list of
+			// keys whose functions are running tells a Do inside fn on fn's
+			// own key.
+			return claimed{outcome: outcomeInProgress}, tx, errNested
+		}
+		conn = tx.Conn()
 	}
+	if b == nil {
+		b = &pgx.Batch{}
+	}
+	if o.idleTimeout > 0 {
+		_ = dbsqlc.Queue(b).TxIdleTimeout(ctx, millis(o.idleTimeout))
+	}
+	held := heldLocks(conn)
 	var lock dbsqlc.KeyLockRow
 	var rec dbsqlc.KeyGetRow
 	var found bool
 	get := dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}
-	if b == nil {
-		b = &pgx.Batch{}
-	}
-	dbsqlc.QueueKeyLock(b, k.lockID, &lock)
+	dbsqlc.QueueKeyLock(b, dbsqlc.KeyLockParams{
+		FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID,
+	}, &lock)
 	dbsqlc.QueueKeyGet(b, get, &rec, &found)
 	var err error
 	if tx == nil {
@@ -179,21 +201,32 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRe
 	if err != nil {
 		return claimed{outcome: outcomeFailed}, tx, translate("idem: claim key", err)
 	}
+	held.count(lock)
+	if lock.ReadOnly {
+		return claimed{outcome: outcomeInvalid}, tx, errReadOnly
+	}
 
-	live := func() bool { return found && !rec.Expired }
-	if live() {
-		c, err := judge(rec.State, rec.Fingerprint, rec.Response, k.fp)
+	// A record committed in progress was not written by idem, which never
+	// commits one: its operation recorded no answer, and it is taken over
+	// like an expired record (see KeyClaim).
+	done := func() bool { return found && !rec.Expired && rec.State == stateDone }
+	if done() {
+		c, err := judge(rec.Fingerprint, rec.Response, k.fp)
 		return c, tx, err
 	}
-	if !lock.Locked {
+	switch lock.Lock {
+	case lockSkipped:
+		c, err := claimRow(ctx, tx, k, o, found)
+		return c, tx, err
+	case lockBusy:
 		wait := &pgx.Batch{}
-		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: o.lockTimeout(), LockID: k.lockID})
+		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: millis(o.wait), LockID: k.lockID})
 		dbsqlc.QueueKeyGet(wait, get, &rec, &found)
 		if err := tx.SendBatch(ctx, wait).Close(); err != nil {
 			return claimed{outcome: outcomeFailed}, tx, translate("idem: wait for key", err)
 		}
-		if live() {
-			c, err := judge(rec.State, rec.Fingerprint, rec.Response, k.fp)
+		if done() {
+			c, err := judge(rec.Fingerprint, rec.Response, k.fp)
 			return c, tx, err
 		}
 	}
@@ -217,6 +250,108 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRe
 		}
 	}
 	return c, tx, nil
+}
+
+// The lock column of KeyLock.
+const (
+	lockSkipped = 0 // not tried: a live record, a full count, or read-only
+	lockTaken   = 1
+	lockBusy    = 2 // another transaction holds it
+)
+
+// MaxKeyLocks is the most key locks one transaction holds. A key's lock is
+// a transaction-scoped advisory lock, and advisory locks take entries in
+// the server's shared lock table, whose size all sessions of all databases
+// share (max_locks_per_transaction × (max_connections +
+// max_prepared_transactions) entries, 64 × 100 at the defaults). A
+// transaction that claims more keys than this claims the rest by writing
+// each key's record in progress before its function runs, which takes no
+// lock-table entry per key: a duplicate then waits on that record, under
+// the same wait budget, instead of on the lock. Replays and mismatches take
+// no lock at all. So however many keys a transaction claims, and however
+// many transactions do, idem holds at most MaxKeyLocks entries per
+// connection, well under max_locks_per_transaction.
+const MaxKeyLocks = 16
+
+// claimRow claims k in tx by writing its record in progress (KeyClaimWait),
+// waiting under the wait budget for a transaction that holds the record,
+// then reading it again (KeyGet), in one round trip. When the holder
+// committed, its record is replayed; when it rolled back, the claim goes
+// ahead. expired says whether the claim's first read found a record that
+// is no longer live.
+func claimRow(ctx context.Context, tx pgx.Tx, k keyRef, o *options, expired bool) (claimed, error) {
+	var row dbsqlc.KeyClaimWaitRow
+	var rec dbsqlc.KeyGetRow
+	var found bool
+	b := &pgx.Batch{}
+	dbsqlc.QueueKeyClaimWait(b, dbsqlc.KeyClaimWaitParams{
+		LockTimeout: millis(o.wait), Scope: k.scope, Key: k.key, Fingerprint: k.fp, Retention: o.retentionInterval(),
+	}, &row)
+	dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return claimed{outcome: outcomeFailed}, translate("idem: claim key", err)
+	}
+	if row.Claimed {
+		c := claimed{outcome: outcomeClaimed, early: true}
+		if expired {
+			c.outcome = outcomeReclaimed
+		}
+		return c, nil
+	}
+	if found && !rec.Expired && rec.State == stateDone {
+		return judge(rec.Fingerprint, rec.Response, k.fp)
+	}
+	// Under REPEATABLE READ a record committed since the snapshot fails
+	// the INSERT itself; at READ COMMITTED, KeyGet sees what was in the way.
+	return claimed{outcome: outcomeFailed}, fmt.Errorf("idem: claim key: %w: the record changed while it was claimed", ErrSerialization)
+}
+
+// heldKey is where a connection keeps its count of the key locks its
+// current transaction holds, in pgconn's CustomData.
+const heldKey = "idem.held"
+
+// held counts the key locks of one transaction: the one that started at
+// since (its now()). The count only grows until the transaction ends:
+// locks that a ROLLBACK TO SAVEPOINT released are still counted, which
+// errs on the side of fewer locks.
+type held struct {
+	since time.Time
+	n     int
+}
+
+// heldLocks returns conn's count, or a count of its own for a connection
+// that keeps none.
+func heldLocks(conn *pgx.Conn) *held {
+	if conn == nil || conn.PgConn().CustomData() == nil {
+		return &held{}
+	}
+	data := conn.PgConn().CustomData()
+	h, ok := data[heldKey].(*held)
+	if !ok {
+		h = &held{}
+		data[heldKey] = h
+	}
+	return h
+}
+
+// fullSince is KeyLock's @full_since: the start of the transaction whose
+// count is full, or a time no transaction starts at.
+func (h *held) fullSince() pgtype.Timestamptz {
+	if h.n < MaxKeyLocks {
+		return pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
+	}
+	return pgtype.Timestamptz{Time: h.since, Valid: true}
+}
+
+// count adds what KeyLock did to the count of its transaction. A lock that
+// was busy is counted too: the claim waits for it, and then holds it.
+func (h *held) count(lock dbsqlc.KeyLockRow) {
+	if !lock.TxStart.Time.Equal(h.since) {
+		h.since, h.n = lock.TxStart.Time, 0
+	}
+	if lock.Lock != lockSkipped {
+		h.n++
+	}
 }
 
 // errNested refuses a Do on a key inside that key's own fn.
@@ -260,15 +395,11 @@ func enter(tx pgx.Tx, k keyRef) (leave func()) {
 // same compares keys by scope and key, not by their lock's hash.
 func (k keyRef) same(other keyRef) bool { return k.scope == other.scope && k.key == other.key }
 
-// judge decides what a duplicate gets from the live record in its way.
-func judge(state string, storedFP, response, fp []byte) (claimed, error) {
-	switch {
-	case !bytes.Equal(storedFP, fp):
+// judge decides what a duplicate gets from the live, completed record in
+// its way.
+func judge(storedFP, response, fp []byte) (claimed, error) {
+	if !bytes.Equal(storedFP, fp) {
 		return claimed{outcome: outcomeMismatch}, ErrFingerprintMismatch
-	case state != stateDone:
-		// Another transaction's claim in progress cannot be seen: only the
-		// calling transaction's own (written before fn at REPEATABLE READ).
-		return claimed{outcome: outcomeInProgress}, fmt.Errorf("%w: the calling transaction holds the key itself", ErrInProgress)
 	}
 	return claimed{outcome: outcomeReplayed, stored: response}, nil
 }

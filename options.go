@@ -50,6 +50,7 @@ func invalid(format string, args ...any) Option {
 type options struct {
 	retention       time.Duration
 	wait            time.Duration
+	idleTimeout     time.Duration
 	txOptions       pgx.TxOptions
 	maxResponseSize int
 	lookupFirst     bool
@@ -110,14 +111,36 @@ func WithWait(d time.Duration) Option {
 // largest value, in milliseconds, is the largest int32.
 const maxWait = math.MaxInt32 * time.Millisecond
 
-// lockTimeout spells the wait budget in whole milliseconds, rounded up, and
-// never zero, which PostgreSQL would read as "wait forever".
-func (o *options) lockTimeout() string {
-	ms := int64(o.wait / time.Millisecond)
-	if o.wait%time.Millisecond != 0 {
+// millis spells a duration for a PostgreSQL timeout setting: in whole
+// milliseconds, rounded up, and never zero, which PostgreSQL reads as "no
+// timeout".
+func millis(d time.Duration) string {
+	ms := int64(d / time.Millisecond)
+	if d%time.Millisecond != 0 {
 		ms++
 	}
 	return strconv.FormatInt(max(ms, 1), 10)
+}
+
+// WithIdleTimeout bounds how long the call's transaction may sit idle,
+// waiting for its client, from the claim until the transaction ends: the
+// claim sets PostgreSQL's idle_in_transaction_session_timeout for that
+// transaction only (SET LOCAL), in its own round trip. A client that
+// vanishes without closing its connection (a frozen host, a network
+// partition) otherwise keeps the key locked until the server's TCP
+// keepalives give up on it, about 2h11m with Linux's defaults; with this
+// option the server ends the session, and with it the transaction and the
+// key's lock, after d of silence. The function's own statements are not
+// limited, only the gaps between them: choose d longer than the longest
+// pause the function makes between two statements. Zero means no bound of
+// idem's (the server's or role's own setting applies); negative values
+// and values beyond the setting's range (about 24 days) are rejected.
+// Defaults to zero.
+func WithIdleTimeout(d time.Duration) Option {
+	if d < 0 || d > maxWait {
+		return invalid("idle timeout must be between 0 and %s, got %s", maxWait, d)
+	}
+	return optionFunc(func(o *options) { o.idleTimeout = d })
 }
 
 // WithLookupFirst makes [Run] read the key before it begins a transaction.

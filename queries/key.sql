@@ -4,9 +4,40 @@
 -- (KeyLockWait) while the first attempt runs, and no record is written
 -- until that attempt stores its answer: the lock only keeps duplicates
 -- waiting, the primary key still decides which record is written.
--- read_committed tells the caller which way to claim (see KeyClaim).
-SELECT pg_try_advisory_xact_lock(@lock_id::bigint) AS locked,
-       current_setting('transaction_isolation') = 'read committed' AS read_committed;
+--
+-- lock says what happened to the lock: lockTaken (1) or lockBusy (2) when
+-- it was tried, or lockSkipped (0) when it was not, and the lock table was
+-- left alone:
+-- - the key has a live, completed record: a replay or a mismatch needs no
+--   lock, so that a redelivered batch costs no lock-table entry per key;
+-- - the transaction already holds as many key locks as it may. The caller
+--   counts them and sends, once its count is full, the start of the
+--   transaction that took them as @full_since; now() is the start of the
+--   current one, so a new transaction starts its count again. Advisory
+--   locks live in the server's shared lock table, which every session of
+--   every database shares: a transaction that took one per key could fill
+--   it and make other sessions fail. Past the limit the claim writes its
+--   record in progress instead (KeyClaimWait);
+-- - the transaction is read-only (or the server is a standby), where
+--   nothing can be recorded: the caller refuses it.
+-- tx_start is the transaction's start, for the caller's count;
+-- read_committed tells it which way to claim (see KeyClaim).
+SELECT CASE
+           WHEN current_setting('transaction_read_only')::bool THEN 0
+           WHEN now() = @full_since::timestamptz THEN 0
+           WHEN EXISTS (
+               SELECT FROM idempotency_key
+               WHERE scope = @scope::text
+                 AND key = @key::text
+                 AND expires_at > now()
+                 AND state = 'done'
+           ) THEN 0
+           WHEN pg_try_advisory_xact_lock(@lock_id::bigint) THEN 1
+           ELSE 2
+       END::int AS lock,
+       now()::timestamptz AS tx_start,
+       current_setting('transaction_isolation') = 'read committed' AS read_committed,
+       current_setting('transaction_read_only')::bool AS read_only;
 
 -- name: KeyLockWait :exec
 -- KeyLockWait waits for the key's lock under the wait budget, then restores
@@ -66,7 +97,10 @@ WITH stored AS (
         response = excluded.response,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
+    -- An expired record is taken over, and so is one committed in
+    -- progress, which idem never commits (see KeyClaim).
     WHERE existing.expires_at <= now()
+       OR existing.state = 'in_progress'
     RETURNING 1
 )
 SELECT 1 / count(*) FROM stored;
@@ -77,8 +111,12 @@ SELECT 1 / count(*) FROM stored;
 -- the key's previous holder, so KeyGet cannot see its record; an INSERT can:
 -- a conflict with a row the snapshot cannot see aborts with a serialization
 -- failure, and Run retries into a replay, before fn is ever called. An
--- expired record is taken over. claimed is false only when a live record
--- the snapshot can see is in the way.
+-- expired record is taken over, and so is a record committed in progress:
+-- idem never commits one (a claim written early is completed or removed
+-- in its transaction), so it was left by a writer that is not idem (a
+-- hand-written statement, an older version, a restore of such data), and
+-- stands for an operation that recorded no answer. claimed is false only
+-- when a live record the snapshot can see is in the way.
 WITH claimed AS (
     INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, expires_at)
     VALUES (@scope::text, @key::text, @fingerprint::bytea, 'in_progress',
@@ -90,9 +128,48 @@ WITH claimed AS (
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
     WHERE existing.expires_at <= now()
+       OR existing.state = 'in_progress'
     RETURNING 1
 )
 SELECT (count(*) > 0)::bool AS claimed FROM claimed;
+
+-- name: KeyClaimWait :one
+-- KeyClaimWait is KeyClaim for a transaction that holds as many key locks as
+-- it may (see KeyLock), at any isolation level: the record in progress,
+-- written before fn, is what keeps the key, and it holds no entry in the
+-- server's shared lock table. A duplicate's INSERT waits on it, under the
+-- wait budget, as it would on the key's lock: at READ COMMITTED, when the
+-- holder commits, claimed is false and the caller reads the record again
+-- (KeyGet) to replay it; when it rolls back, the INSERT goes ahead. The
+-- caller's lock_timeout is restored once the INSERT is done, as in
+-- KeyLockWait.
+WITH budget AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', @lock_timeout::text, true) AS applied
+),
+claimed AS (
+    INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, expires_at)
+    SELECT @scope::text, @key::text, @fingerprint::bytea, 'in_progress',
+           now() + @retention::interval
+    FROM budget
+    WHERE budget.applied IS NOT NULL
+    ON CONFLICT (scope, key) DO UPDATE
+    SET fingerprint = excluded.fingerprint,
+        state = excluded.state,
+        response = NULL,
+        created_at = excluded.created_at,
+        expires_at = excluded.expires_at
+    WHERE existing.expires_at <= now()
+       OR existing.state = 'in_progress'
+    RETURNING 1
+),
+counted AS MATERIALIZED (
+    SELECT count(*) AS n FROM claimed
+)
+SELECT (counted.n > 0)::bool AS claimed,
+       (set_config('lock_timeout', budget.saved, counted.n >= 0) IS NOT NULL)::bool AS restored
+FROM budget
+CROSS JOIN counted;
 
 -- name: KeyStoreResponse :exec
 -- KeyStoreResponse completes a claim that KeyClaim wrote in the same

@@ -37,9 +37,17 @@ func (r errRow) Scan(...any) error { return r.err }
 
 // QueueKeyLock queues KeyLock on b; row is filled in when the batch's
 // results are read (BatchResults.Close).
-func QueueKeyLock(b *pgx.Batch, lockID int64, row *KeyLockRow) {
-	b.Queue(keyLock, lockID).QueryRow(func(r pgx.Row) error {
-		return r.Scan(&row.Locked, &row.ReadCommitted)
+func QueueKeyLock(b *pgx.Batch, arg KeyLockParams, row *KeyLockRow) {
+	b.Queue(keyLock, arg.FullSince, arg.Scope, arg.Key, arg.LockID).QueryRow(func(r pgx.Row) error {
+		return r.Scan(&row.Lock, &row.TxStart, &row.ReadCommitted, &row.ReadOnly)
+	})
+}
+
+// QueueKeyClaimWait queues KeyClaimWait on b; row is filled in when the
+// batch's results are read.
+func QueueKeyClaimWait(b *pgx.Batch, arg KeyClaimWaitParams, row *KeyClaimWaitRow) {
+	b.Queue(keyClaimWait, arg.LockTimeout, arg.Scope, arg.Key, arg.Fingerprint, arg.Retention).QueryRow(func(r pgx.Row) error {
+		return r.Scan(&row.Claimed, &row.Restored)
 	})
 }
 

@@ -12,7 +12,7 @@ func TestQueuedScansMatchTheGeneratedRows(t *testing.T) {
 	for _, c := range []struct {
 		row     any
 		scanned int
-	}{{KeyLockRow{}, 2}, {KeyGetRow{}, 4}} {
+	}{{KeyLockRow{}, 4}, {KeyGetRow{}, 4}, {KeyClaimWaitRow{}, 2}} {
 		if n := reflect.TypeOf(c.row).NumField(); n != c.scanned {
 			t.Errorf("%T has %d columns; queue.go scans %d", c.row, n, c.scanned)
 		}

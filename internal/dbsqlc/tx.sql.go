@@ -19,3 +19,16 @@ func (q *Queries) TxCommit(ctx context.Context) error {
 	_, err := q.db.Exec(ctx, txCommit)
 	return err
 }
+
+const txIdleTimeout = `-- name: TxIdleTimeout :exec
+SELECT set_config('idle_in_transaction_session_timeout', $1::text, true)
+`
+
+// TxIdleTimeout bounds, for the rest of the transaction only, how long it
+// may sit idle waiting for its client (WithIdleTimeout): a client that
+// vanishes without closing its connection then loses its session, and the
+// key it held, after that long instead of when TCP gives up on it.
+func (q *Queries) TxIdleTimeout(ctx context.Context, timeout string) error {
+	_, err := q.db.Exec(ctx, txIdleTimeout, timeout)
+	return err
+}
