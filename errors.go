@@ -77,6 +77,17 @@ var ErrResponseNotStorable = errors.New("idem: response cannot be stored")
 // the retry replays the key's answer.
 var ErrSerialization = guard.ErrSerialization
 
+// ErrConnInTransaction is returned by [Run], [WithTx], [Purge],
+// [StartPurger] and the outbox's Relay.Run when db is a *pgx.Conn or
+// *pgxpool.Conn that is in a transaction, open or failed: they begin and
+// end transactions of their own, and on such a connection BEGIN is only a
+// warning, so their COMMIT or ROLLBACK would end the caller's transaction
+// part-way. Nothing is sent: the caller's transaction is as it was, still
+// the caller's to commit or roll back. Pass the pool or an idle
+// connection, or, to make a write exactly-once in the caller's
+// transaction, call [Do] with it.
+var ErrConnInTransaction = guard.ErrConnInTransaction
+
 // translate turns driver errors from the package's own statements into the
 // package's sentinel errors (see [guard.Translate]).
 func translate(op string, err error) error { return guard.Translate(op, err) }

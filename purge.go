@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/guard"
 )
 
 // DefaultPurgeBatch is the number of records a purge deletes per
@@ -32,6 +33,9 @@ func Purge(ctx context.Context, db TxBeginner, batch int) (int64, error) {
 	if err := checkBatch(batch); err != nil {
 		return 0, err
 	}
+	if err := guard.CheckIdle(db, purgeAdvice); err != nil {
+		return 0, err
+	}
 	var total int64
 	for {
 		deleted, err := purgeBatch(ctx, db, batch)
@@ -41,6 +45,10 @@ func Purge(ctx context.Context, db TxBeginner, batch int) (int64, error) {
 		}
 	}
 }
+
+// purgeAdvice says what to do instead of purging on a connection in a
+// transaction: each batch commits a transaction of its own.
+const purgeAdvice = "a purge commits transactions of its own: pass the pool or an idle connection"
 
 func checkBatch(batch int) error {
 	if batch < 1 || batch > math.MaxInt32 {
@@ -107,6 +115,11 @@ func StartPurger(ctx context.Context, db TxBeginner, cfg PurgerConfig) (*Purger,
 	}
 	if cfg.Pause < 0 || cfg.Interval < 0 {
 		return nil, fmt.Errorf("%w: purger pause and interval must not be negative", ErrInvalidOption)
+	}
+	// Once the purger runs, the connection is its alone: checked now, it
+	// fails the start rather than every pass.
+	if err := guard.CheckIdle(db, purgeAdvice); err != nil {
+		return nil, err
 	}
 	if cfg.Pause == 0 {
 		cfg.Pause = 10 * time.Millisecond

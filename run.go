@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/guard"
 )
 
 // Run begins a transaction on db, runs [Do] in it with the same arguments,
@@ -25,6 +26,9 @@ import (
 // statements in a transaction of their own, and a replay two. A
 // [pgx.TxOptions] BeginQuery or CommitQuery is run as given, in a round
 // trip of its own.
+//
+// db must not be in a transaction: a connection that is in one gives
+// [ErrConnInTransaction].
 func Run[T any](ctx context.Context, db TxBeginner, scope, key string, fp []byte,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error), opts ...Option,
 ) (_ Result[T], err error) {
@@ -60,6 +64,9 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 		return Result[T]{}, fmt.Errorf("idem: acquire connection: %w", err)
 	}
 	defer release()
+	if err := guard.CheckIdle(conn, "Run begins its own transaction: pass the pool, or call Do with the caller's transaction"); err != nil {
+		return Result[T]{}, err
+	}
 
 	if conn != nil && o.lookupFirst {
 		stored, found, err := lookup(ctx, dbsqlc.New(conn), k)

@@ -32,8 +32,14 @@ type TxBeginner interface {
 // transaction's locks are released at once, but for at most one second:
 // WithTx, [Run] and [Do] return at most about a second after ctx ends, even
 // on a connection that no longer answers.
+//
+// db must not be in a transaction: a connection that is in one gives
+// [ErrConnInTransaction], and fn is not run.
 func WithTx(ctx context.Context, db TxBeginner, txOptions pgx.TxOptions, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	return retry(ctx, func() error {
+		if err := guard.CheckIdle(db, "WithTx begins its own transaction: pass the pool, or run fn in the caller's transaction"); err != nil {
+			return err
+		}
 		tx, err := db.BeginTx(ctx, txOptions)
 		if err != nil {
 			return translate("idem: begin", err)

@@ -227,11 +227,13 @@ type Relay struct {
 // them to handler. A nil config means every default.
 //
 // db is usually a *pgxpool.Pool. A relay given a *pgx.Conn or a
-// *pgxpool.Conn runs its statements on that connection one at a time, and
-// must be the connection's only user while it runs; if the connection
-// breaks, the relay cannot replace it, and logs the failure at every poll
-// until it stops. Any other TxBeginner must be safe for concurrent use: the
-// relay begins transactions on it from several goroutines.
+// *pgxpool.Conn runs its statements on that connection one at a time, each
+// a transaction of its own, and must be the connection's only user while
+// it runs: Run refuses a connection that is in a transaction, with
+// [idem.ErrConnInTransaction]. If the connection breaks, the relay cannot
+// replace it, and logs the failure at every poll until it stops. Any other
+// TxBeginner must be safe for concurrent use: the relay begins
+// transactions on it from several goroutines.
 //
 // When db is a *pgxpool.Pool, or [Config.ListenConnConfig] is set, the
 // relay also opens one connection of its own while it runs, outside any
@@ -328,7 +330,8 @@ func NewRelay(db idem.TxBeginner, handler Handler, config *Config) (*Relay, erro
 }
 
 // Run delivers messages until ctx ends, then returns nil. Database errors
-// do not stop it: it logs them and tries again at the next poll.
+// do not stop it: it logs them and tries again at the next poll. A
+// connection that is in a transaction (see [NewRelay]) is refused at once.
 //
 // When ctx ends, the handlers in flight see their context end too. Run
 // waits for them and records their outcomes before it returns: deliveries
@@ -348,6 +351,9 @@ func (r *Relay) Run(ctx context.Context) error {
 		return errors.New("outbox: the relay is already running")
 	}
 	defer r.running.Store(false)
+	if err := guard.CheckIdle(r.db, "a relay runs statements of its own on it: pass the pool, or a connection that is idle and the relay's alone"); err != nil {
+		return fmt.Errorf("outbox: relay: %w", err)
+	}
 
 	notes := &notifications{relay: r}
 	notes.start(ctx)

@@ -9,7 +9,9 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // MaxIdentifierLength is the longest scope, key or name accepted, in bytes.
@@ -21,6 +23,37 @@ var (
 	ErrInProgress    = errors.New("idem: key is in use")
 	ErrSerialization = errors.New("idem: transaction must be retried")
 )
+
+// ErrConnInTransaction refuses a connection that is in a transaction where
+// the module would begin one of its own; see idem's documentation of it.
+var ErrConnInTransaction = errors.New("idem: connection is in a transaction")
+
+// CheckIdle returns an error wrapping ErrConnInTransaction when db is a
+// connection (a *pgx.Conn or a *pgxpool.Conn) in a transaction, open or
+// failed, and nil otherwise. Call it before sending anything on db: on such
+// a connection BEGIN is only a warning, and the COMMIT or ROLLBACK that
+// follows would end the transaction in progress. advice says what to do
+// instead. Other TxBeginners cannot be checked, and a closed connection
+// passes: its own error says more.
+func CheckIdle(db any, advice string) error {
+	var conn *pgx.Conn
+	switch db := db.(type) {
+	case *pgx.Conn:
+		conn = db
+	case *pgxpool.Conn:
+		conn = db.Conn()
+	}
+	if conn == nil || conn.IsClosed() {
+		return nil
+	}
+	switch conn.PgConn().TxStatus() {
+	case 'I':
+		return nil
+	case 'E':
+		return fmt.Errorf("%w (a failed one, waiting for its ROLLBACK): %s", ErrConnInTransaction, advice)
+	}
+	return fmt.Errorf("%w: %s", ErrConnInTransaction, advice)
+}
 
 // SQLSTATE codes that are translated.
 const (
