@@ -83,9 +83,13 @@ type soakConfig struct {
 	PaymentTimeout time.Duration
 
 	// TerminateEvery is how often one of the soak's backends that is in a
-	// transaction is terminated with pg_terminate_backend.
+	// transaction is terminated with pg_terminate_backend. Paced by the
+	// clock, it waits after each fault for an attempt to be answered, so
+	// that a machine too slow to answer between two ticks still gets
+	// through.
 	TerminateEvery time.Duration
-	// CutEvery is how often the proxy cuts a connection at random.
+	// CutEvery is how often the proxy cuts a connection at random, waiting
+	// after each cut for an attempt to be answered, as TerminateEvery does.
 	CutEvery time.Duration
 	// CutBeforeCommit is the chance that the proxy cuts a connection
 	// instead of passing a COMMIT on to the server.
@@ -103,6 +107,10 @@ type soakConfig struct {
 	RestartEvery time.Duration
 	// Verbose adds an example error of every kind of failed attempt.
 	Verbose bool
+
+	// startupDelay makes every connection through the proxy that much
+	// slower to start, as on a busy machine. Tests set it.
+	startupDelay time.Duration
 }
 
 // defaultSoakConfig returns the configuration of "idem soak" without flags:
@@ -155,8 +163,8 @@ own, removed at the end.`)
 	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "concurrent clients, one connection each")
 	fs.DurationVar(&cfg.Duration, "duration", cfg.Duration, "stop starting payments after this long (0: make all of -payments)")
 	fs.DurationVar(&cfg.PaymentTimeout, "payment-timeout", cfg.PaymentTimeout, "longest a payment may take, retries included, before it counts as a failure")
-	fs.DurationVar(&cfg.TerminateEvery, "terminate-every", cfg.TerminateEvery, "terminate one of the soak's backends in a transaction this often (0: never)")
-	fs.DurationVar(&cfg.CutEvery, "cut-every", cfg.CutEvery, "cut one proxied connection at random this often (0: never)")
+	fs.DurationVar(&cfg.TerminateEvery, "terminate-every", cfg.TerminateEvery, "terminate one of the soak's backends in a transaction this often, and not again before an attempt is answered (0: never)")
+	fs.DurationVar(&cfg.CutEvery, "cut-every", cfg.CutEvery, "cut one proxied connection at random this often, and not again before an attempt is answered (0: never)")
 	fs.Float64Var(&cfg.CutBeforeCommit, "cut-before-commit", cfg.CutBeforeCommit, "chance that a COMMIT is dropped with its connection before it reaches the server")
 	fs.Float64Var(&cfg.CutAfterCommit, "cut-after-commit", cfg.CutAfterCommit, "chance that the reply to a COMMIT is dropped with its connection after the server committed")
 	fs.Float64Var(&cfg.TimeoutRate, "timeout-rate", cfg.TimeoutRate, "chance that an attempt runs under a deadline of at most "+soakShortTimeoutMax.String()+" and is abandoned")
@@ -296,7 +304,7 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 	appName := "idem-" + run.scope
 
 	adminConn := admin.Config().ConnConfig
-	proxy, err := newChaosProxy(dialerFor(adminConn.Host, adminConn.Port), cfg.CutBeforeCommit, cfg.CutAfterCommit)
+	proxy, err := newChaosProxy(dialerFor(adminConn.Host, adminConn.Port), cfg.CutBeforeCommit, cfg.CutAfterCommit, cfg.startupDelay)
 	if err != nil {
 		return nil, err
 	}
@@ -320,10 +328,18 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 	var terminated, restarts atomic.Int64
 	var restartErr error
 	if cfg.TerminateEvery > 0 {
-		chaos.Go(func() { terminated.Store(terminateLoop(chaosCtx, admin, appName, cfg.TerminateEvery)) })
+		gate := run.progressGate()
+		chaos.Go(func() { terminated.Store(terminateLoop(chaosCtx, admin, appName, cfg.TerminateEvery, gate)) })
 	}
 	if cfg.CutEvery > 0 {
-		chaos.Go(func() { every(chaosCtx, cfg.CutEvery, func() { proxy.cutRandom() }) })
+		gate := run.progressGate()
+		chaos.Go(func() {
+			every(chaosCtx, cfg.CutEvery, func() {
+				if gate.open() && proxy.cutRandom() {
+					gate.passed()
+				}
+			})
+		})
 	}
 	if cfg.RestartCommand != "" {
 		chaos.Go(func() { restartErr = restartLoop(chaosCtx, cfg.RestartCommand, cfg.RestartEvery, &restarts, stdout) })
@@ -571,6 +587,27 @@ func (r *soakRun) attempt(ctx context.Context, key string, amount int64, fp []by
 	return res, err
 }
 
+// clockGate holds back a fault paced by the clock until an attempt has
+// been answered since the last one it let through. A machine too slow to
+// answer between two ticks, which would otherwise have every attempt hit,
+// then meets at most one such fault per answer. It belongs to one
+// goroutine.
+type clockGate struct {
+	answered func() int64
+	last     int64
+}
+
+// progressGate returns a gate that counts the run's answered attempts.
+func (r *soakRun) progressGate() *clockGate {
+	return &clockGate{answered: func() int64 { return r.executed.Load() + r.replayed.Load() }, last: -1}
+}
+
+// open reports whether an attempt was answered since the last fault.
+func (g *clockGate) open() bool { return g.answered() > g.last }
+
+// passed records that a fault went through.
+func (g *clockGate) passed() { g.last = g.answered() }
+
 func (r *soakRun) recordFailure(kind string, err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -624,13 +661,16 @@ func isDefinitive(err error) bool {
 	return false
 }
 
-// terminateLoop terminates, every interval, one of the backends named
-// appName that is inside a transaction, and returns how many it
-// terminated. Backends of other applications, of other databases and the
-// loop's own are never chosen.
-func terminateLoop(ctx context.Context, admin *pgxpool.Pool, appName string, interval time.Duration) int64 {
+// terminateLoop terminates, every interval that gate lets through, one of
+// the backends named appName that is inside a transaction, and returns how
+// many it terminated. Backends of other applications, of other databases
+// and the loop's own are never chosen.
+func terminateLoop(ctx context.Context, admin *pgxpool.Pool, appName string, interval time.Duration, gate *clockGate) int64 {
 	var terminated int64
 	every(ctx, interval, func() {
+		if !gate.open() {
+			return
+		}
 		var ok bool
 		err := admin.QueryRow(ctx, `
 			SELECT pg_terminate_backend(pid)
@@ -646,6 +686,7 @@ func terminateLoop(ctx context.Context, admin *pgxpool.Pool, appName string, int
 		// restarting: try again at the next tick.
 		if err == nil && ok {
 			terminated++
+			gate.passed()
 		}
 	})
 	return terminated

@@ -69,6 +69,44 @@ func TestSoakLosesAndDoublesNothingUnderFaults(t *testing.T) {
 	}
 }
 
+// TestSoakClockPacedFaultsWaitForAnAnswer runs the soak with faults every
+// 20ms through a proxy that makes every connection slower to start than
+// that, as a busy machine does (the CI failure: most attempts could not
+// connect, and payments went unanswered for minutes). After each fault the
+// next waits for an attempt to be answered, and a fault fails at most one
+// attempt: the soak gets through at any speed.
+func TestSoakClockPacedFaultsWaitForAnAnswer(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	defer cancel()
+
+	cfg := soakConfig{
+		// A database of its own: soaks that run at once in one database
+		// race to create their table.
+		DatabaseURL:    env.EmptyDatabase(t),
+		Payments:       30,
+		Clients:        2,
+		PaymentTimeout: time.Minute,
+		TerminateEvery: 20 * time.Millisecond,
+		CutEvery:       20 * time.Millisecond,
+		startupDelay:   100 * time.Millisecond,
+	}
+	var out bytes.Buffer
+	rep, err := soak(ctx, cfg, &out)
+	t.Logf("soak output:\n%s", out.String())
+	if err != nil {
+		t.Fatalf("soak: %v", err)
+	}
+	if rep.Answered != cfg.Payments || rep.Lost != 0 || rep.Doubled != 0 {
+		t.Errorf("%d answered, %d lost, %d doubled; want %d, 0, 0", rep.Answered, rep.Lost, rep.Doubled, cfg.Payments)
+	}
+	// At most one fault of each kind per answer (and one before the
+	// first), each failing at most one attempt.
+	if limit := int64(rep.Operations) + 2*(int64(rep.Operations)+1); rep.Attempts > limit {
+		t.Errorf("%d attempts for %d payments, more than %d: faults did not wait for answers", rep.Attempts, rep.Operations, limit)
+	}
+}
+
 // TestProxyRecognizesCommit checks that the proxy finds a COMMIT however
 // the client sends it: as a simple query, or prepared (sqlc's text, with
 // its comment) and then bound by name.
