@@ -128,6 +128,21 @@ func (p *chaosProxy) cutRandom() bool {
 	return true
 }
 
+// cutClient cuts the connection whose client end is at addr, and reports
+// whether it was open.
+func (p *chaosProxy) cutClient(addr net.Addr) bool {
+	p.mu.Lock()
+	var victim *proxiedConn
+	for c := range p.conns {
+		if c.client.RemoteAddr().String() == addr.String() {
+			victim = c
+			break
+		}
+	}
+	p.mu.Unlock()
+	return victim != nil && victim.close()
+}
+
 func (p *chaosProxy) accept() {
 	for {
 		client, err := p.listener.Accept()
