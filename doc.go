@@ -71,6 +71,17 @@ command (cmd/idem) migrates, purges, inspects and measures; idem stats and
 idem inspect show the operations running now, which at READ COMMITTED have
 no record yet, from the advisory locks in pg_locks.
 
+Each call holds a transaction-scoped advisory lock on its key, from its
+claim until its transaction ends. Its bigint id is 0x1de0 in the top 16
+bits and a 48-bit hash of scope and key below: the ids 0x1de0000000000000
+to 0x1de0ffffffffffff, which pg_locks shows as locktype advisory, objsubid
+1, classid >> 16 = 7648. idem stats and idem inspect count every advisory
+lock in that range as an operation, so their counts are an estimate: an
+application's own lock with an id there counts too. An application that
+takes advisory locks by bigint id should keep them out of the range; ids
+spread over all bigints, as hashtextextended's are, land in it once in
+65,536.
+
 # Set-up
 
 The table lives in embedded goose migrations. [Migrate] applies them with

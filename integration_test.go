@@ -699,6 +699,16 @@ func TestInvalidOptionsAreRejected(t *testing.T) {
 		if _, err := idem.Do(ctx, panicTx{}, "s", "k", nil, fn, opt); !errors.Is(err, idem.ErrInvalidOption) {
 			t.Errorf("err = %v, want ErrInvalidOption", err)
 		}
+		// CheckOptions tells beforehand what the call would say.
+		if err := idem.CheckOptions(idem.WithLookupFirst(), opt); !errors.Is(err, idem.ErrInvalidOption) {
+			t.Errorf("CheckOptions: %v, want ErrInvalidOption", err)
+		}
+	}
+	if err := idem.CheckOptions(idem.WithRetention(time.Microsecond), idem.WithWait(0), idem.WithMaxResponseSize(1)); err != nil {
+		t.Errorf("CheckOptions of the smallest values that work: %v", err)
+	}
+	if err := idem.CheckOptions(); err != nil {
+		t.Errorf("CheckOptions of none: %v", err)
 	}
 }
 

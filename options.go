@@ -76,6 +76,17 @@ func newOptions(opts []Option) (options, error) {
 	return o, nil
 }
 
+// CheckOptions reports the first of opts that was made from a value that
+// cannot work, with the error that a call given it would return, which
+// wraps [ErrInvalidOption]; nil when every one can. It sends nothing
+// anywhere. A package that takes idem's settings in a configuration of its
+// own checks them with it when it is set up, so that a value that cannot
+// work stops a program from starting instead of failing every call.
+func CheckOptions(opts ...Option) error {
+	_, err := newOptions(opts)
+	return err
+}
+
 // WithRetention sets how long a completed record blocks its key and answers
 // retries with the stored value. After that the record counts as absent and
 // the key can be claimed again. Choose it longer than the longest time in

@@ -110,7 +110,9 @@ type Config struct {
 	Header string
 
 	// Retention is how long a stored response answers retries of its key
-	// (see [idem.WithRetention]). Defaults to [idem.DefaultRetention], 24h.
+	// (see [idem.WithRetention]). It must be at least a microsecond, the
+	// resolution of PostgreSQL's timestamps. Defaults to
+	// [idem.DefaultRetention], 24h.
 	Retention time.Duration
 
 	// Wait is how long a request waits for a concurrent request with the
@@ -247,7 +249,7 @@ func Key(ctx context.Context) string {
 // handler must do nothing that a rollback cannot undo.
 //
 // New panics when db or cfg.Scope is nil, or when cfg holds a value that
-// cannot work, such as a negative retention or a wait longer than
+// cannot work, such as a retention under a microsecond or a wait longer than
 // PostgreSQL's lock_timeout can express: a misconfigured server must not
 // start.
 func New(db idem.TxBeginner, cfg Config) func(http.Handler) http.Handler {
@@ -287,8 +289,6 @@ func newMiddleware(db idem.TxBeginner, cfg Config) (*middleware, error) {
 		return nil, errors.New("idemhttp: New needs a database, got nil")
 	case cfg.Scope == nil:
 		return nil, errors.New("idemhttp: Config.Scope is required: it keeps one tenant's keys from meeting another's")
-	case cfg.Retention < 0:
-		return nil, fmt.Errorf("idemhttp: Config.Retention must not be negative, got %s", cfg.Retention)
 	case cfg.Wait > maxWait:
 		// idem would reject it on every request, each answered 500.
 		return nil, fmt.Errorf("idemhttp: Config.Wait must not exceed %s, the longest lock_timeout, got %s", maxWait, cfg.Wait)
@@ -301,6 +301,13 @@ func newMiddleware(db idem.TxBeginner, cfg Config) (*middleware, error) {
 		return nil, fmt.Errorf("idemhttp: Config.MaxResponseBytes must not exceed %d, got %d", maxMaxResponseBytes, cfg.MaxResponseBytes)
 	case cfg.Header != "" && !isToken(cfg.Header):
 		return nil, fmt.Errorf("idemhttp: Config.Header %q is not a valid header field name", cfg.Header)
+	}
+	if cfg.Retention != 0 {
+		// idem's own rule, at least a microsecond: idem would otherwise
+		// reject the retention on every keyed request, each answered 500.
+		if err := idem.CheckOptions(idem.WithRetention(cfg.Retention)); err != nil {
+			return nil, fmt.Errorf("idemhttp: Config.Retention: %w", err)
+		}
 	}
 	if cfg.ProblemTypeBase != "" {
 		if err := checkProblemTypeBase(cfg.ProblemTypeBase); err != nil {
@@ -372,6 +379,10 @@ func newMiddleware(db idem.TxBeginner, cfg Config) (*middleware, error) {
 	}
 	if cfg.Observer != nil {
 		m.opts = append(m.opts, idem.WithObserver(cfg.Observer))
+	}
+	// Whatever else idem would reject on every request stops New too.
+	if err := idem.CheckOptions(m.opts...); err != nil {
+		return nil, fmt.Errorf("idemhttp: Config holds a value that idem rejects: %w", err)
 	}
 	return m, nil
 }

@@ -772,9 +772,13 @@ func TestNewRejectsConfigThatCannotWork(t *testing.T) {
 		"nil scope":          {pool, idemhttp.Config{}, "Scope"},
 		"nil database":       {nil, idemhttp.Config{Scope: scope}, "database"},
 		"negative retention": {pool, idemhttp.Config{Scope: scope, Retention: -time.Second}, "Retention"},
-		"negative body":      {pool, idemhttp.Config{Scope: scope, MaxBodyBytes: -1}, "MaxBodyBytes"},
-		"bad header name":    {pool, idemhttp.Config{Scope: scope, Header: "Idempotency Key"}, "Header"},
-		"bad method":         {pool, idemhttp.Config{Scope: scope, Methods: []string{"POST "}}, "Methods"},
+		// idem.WithRetention wants at least a microsecond, the resolution
+		// of PostgreSQL's timestamps; without the check in New, every keyed
+		// request would answer 500.
+		"sub-microsecond retention": {pool, idemhttp.Config{Scope: scope, Retention: 500 * time.Nanosecond}, "Retention"},
+		"negative body":             {pool, idemhttp.Config{Scope: scope, MaxBodyBytes: -1}, "MaxBodyBytes"},
+		"bad header name":           {pool, idemhttp.Config{Scope: scope, Header: "Idempotency Key"}, "Header"},
+		"bad method":                {pool, idemhttp.Config{Scope: scope, Methods: []string{"POST "}}, "Methods"},
 		// idem rejects a wait that lock_timeout cannot express; without the
 		// check in New, every keyed request would answer 500.
 		"wait too long":     {pool, idemhttp.Config{Scope: scope, Wait: math.MaxInt32*time.Millisecond + time.Millisecond}, "Wait"},

@@ -170,15 +170,22 @@ holds are skipped, not waited for.`)
 func runStats(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet(stdout, "stats", `stats
 
-Prints the operations running now (the advisory locks their transactions
-hold on their keys, as pg_locks shows them: at READ COMMITTED a running
-operation has no record until it commits) and the duplicates waiting for
-them; for idem's tables: the records done, in progress (written before
-their function runs, at REPEATABLE READ and SERIALIZABLE), and past expiry
-(awaiting purge); how many scopes hold records; the oldest live record; the
-table's and its indexes' size on disk; and the outbox's pending messages
-(with the oldest one's age), parked messages awaiting a decision, and
-delivered messages awaiting purge. It only reads.`)
+Prints the operations running now and the duplicates waiting for them; for
+idem's tables: the records done, in progress (written before their function
+runs, at REPEATABLE READ and SERIALIZABLE), and past expiry (awaiting
+purge); how many scopes hold records; the oldest live record; the table's
+and its indexes' size on disk; and the outbox's pending messages (with the
+oldest one's age), parked messages awaiting a decision, and delivered
+messages awaiting purge. It only reads.
+
+At READ COMMITTED a running operation has no record until it commits: its
+lock is all there is to see. The running and waiting counts are the
+advisory locks whose id carries idem's tag, held and awaited in this
+database, as pg_locks shows them: 0x1de0 in the id's top 16 bits
+(locktype advisory, objsubid 1, classid >> 16 = 7648). They are an estimate:
+an application's own advisory lock whose bigint id falls in that range
+counts as an operation too, and 1 in 65,536 of ids spread over all bigints,
+as hashtextextended's are, does. Locks taken with two int keys never count.`)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -200,8 +207,10 @@ delivered messages awaiting purge. It only reads.`)
 		return fmt.Errorf("stats: operations in flight: %w", err)
 	}
 	w := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(w, "operations running now\t%d%s\n", f.Running, since(f.OldestStart, " (oldest began %s ago)"))
-	fmt.Fprintf(w, "duplicates waiting for them\t%d\n", f.Waiting)
+	// Labelled with what they count, which may include an application's
+	// own locks (see the help above).
+	fmt.Fprintf(w, "operations running now (advisory locks with idem's tag)\t%d%s\n", f.Running, since(f.OldestStart, " (oldest began %s ago)"))
+	fmt.Fprintf(w, "duplicates waiting (advisory lock waits with idem's tag)\t%d\n", f.Waiting)
 	fmt.Fprintf(w, "records done\t%d\n", s.Done)
 	fmt.Fprintf(w, "records in progress\t%d\n", s.InProgress)
 	fmt.Fprintf(w, "records past expiry, awaiting purge\t%d\n", s.Expired)
@@ -247,10 +256,16 @@ func bytesize(n int64) string {
 func runInspect(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet(stdout, "inspect", `inspect [-show-response] SCOPE KEY
 
-Prints one key: whether an operation is running on it now (its lock, from
-pg_locks), and its record: state, fingerprint, creation and expiry, and the
-size of its stored response, which is shown only with -show-response.
-Flags may come before or after SCOPE and KEY.`)
+Prints one key: whether an operation is running on it now, and its record:
+state, fingerprint, creation and expiry, and the size of its stored
+response, which is shown only with -show-response.
+Flags may come before or after SCOPE and KEY.
+
+Whether the key is running comes from pg_locks, as an estimate: it is an
+advisory lock with the key's id, held in this database, that its
+duplicates wait for. Another key whose 48-bit hash is the same shares that
+id, and so would an application's own lock of that very id: either shows as
+running too.`)
 	show := fs.Bool("show-response", false, "print the stored response, which may hold personal data (redacted by default)")
 	operands, err := parseInterspersed(fs, args)
 	if err != nil {
@@ -269,6 +284,8 @@ Flags may come before or after SCOPE and KEY.`)
 	if err != nil {
 		return fmt.Errorf("inspect: %w", err)
 	}
+	// Labelled with what it looks at (see the help above).
+	const runningLabel = "running now (advisory lock with its id)"
 	running := "no"
 	if f.Running > 0 {
 		running = fmt.Sprintf("yes%s, %d duplicate(s) waiting", since(f.OldestStart, ", its transaction began %s ago"), f.Waiting)
@@ -276,10 +293,10 @@ Flags may come before or after SCOPE and KEY.`)
 	r, err := dbsqlc.New(pool).KeyInspect(ctx, dbsqlc.KeyInspectParams{Scope: scope, Key: key})
 	if errors.Is(err, pgx.ErrNoRows) {
 		if f.Running > 0 {
-			fmt.Fprintf(stdout, "scope %q, key %q: no record yet; running now: %s\n", scope, key, running)
+			fmt.Fprintf(stdout, "scope %q, key %q: no record yet; %s: %s\n", scope, key, runningLabel, running)
 			return nil
 		}
-		return fmt.Errorf("no record for scope %q, key %q, and no operation running on it", scope, key)
+		return fmt.Errorf("no record for scope %q, key %q, and no advisory lock with its id: no operation running on it", scope, key)
 	}
 	if err != nil {
 		return fmt.Errorf("inspect: %w", err)
@@ -299,7 +316,7 @@ Flags may come before or after SCOPE and KEY.`)
 	fmt.Fprintf(w, "scope\t%s\n", scope)
 	fmt.Fprintf(w, "key\t%s\n", key)
 	fmt.Fprintf(w, "state\t%s\n", state)
-	fmt.Fprintf(w, "running now\t%s\n", running)
+	fmt.Fprintf(w, "%s\t%s\n", runningLabel, running)
 	fmt.Fprintf(w, "fingerprint\t%s\n", strings.ToLower(hex.EncodeToString(r.Fingerprint)))
 	fmt.Fprintf(w, "created\t%s\n", r.CreatedAt.Time.Format(time.RFC3339Nano))
 	fmt.Fprintf(w, "expires\t%s\n", r.ExpiresAt.Time.Format(time.RFC3339Nano))

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/guard"
 )
 
 // runCommand runs the command line args against databaseURL and returns
@@ -113,7 +114,7 @@ func TestMigrateStatsInspectPurge(t *testing.T) {
 	}
 
 	out := mustRun("records done", "stats")
-	if !strings.Contains(out, "past expiry, awaiting purge  1") || !strings.Contains(out, "scopes                               1") {
+	if !regexp.MustCompile(`past expiry, awaiting purge +1\n`).MatchString(out) || !regexp.MustCompile(`\nscopes +1\n`).MatchString(out) {
 		t.Errorf("stats:\n%q", out)
 	}
 	out = mustRun("state", "inspect", "tenant", "live")
@@ -146,28 +147,84 @@ func TestMigrateStatsInspectPurge(t *testing.T) {
 	}()
 	waitFor(t, func() bool {
 		_, out := runCommand(t, url, "stats")
-		return regexp.MustCompile(`duplicates waiting for them +1\n`).MatchString(out)
+		return regexp.MustCompile(`duplicates waiting \(advisory lock waits with idem's tag\) +1\n`).MatchString(out)
 	})
-	if out := mustRun("operations running now", "stats"); !regexp.MustCompile(`operations running now +1 \(oldest began`).MatchString(out) {
+	if out := mustRun("operations running now", "stats"); !regexp.MustCompile(`operations running now \(advisory locks with idem's tag\) +1 \(oldest began`).MatchString(out) {
 		t.Errorf("stats while one operation runs:\n%s", out)
 	}
-	mustRun("no record yet; running now: yes, its transaction began", "inspect", "tenant", "running")
+	mustRun("no record yet; running now (advisory lock with its id): yes, its transaction began", "inspect", "tenant", "running")
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if err := <-waiter; err != nil {
 		t.Fatalf("the waiting duplicate: %v", err)
 	}
-	if out := mustRun("running now", "inspect", "tenant", "running"); !regexp.MustCompile(`running now +no\n`).MatchString(out) {
+	if out := mustRun("running now", "inspect", "tenant", "running"); !regexp.MustCompile(`running now \(advisory lock with its id\) +no\n`).MatchString(out) {
 		t.Errorf("inspect after the operation committed:\n%s", out)
 	}
-	if out := mustRun("operations running now", "stats"); !regexp.MustCompile(`operations running now +0\n`).MatchString(out) {
+	if out := mustRun("operations running now", "stats"); !regexp.MustCompile(`operations running now \(advisory locks with idem's tag\) +0\n`).MatchString(out) {
 		t.Errorf("stats after the operation committed:\n%s", out)
 	}
 
 	mustRun("purged 1 expired records", "purge", "-batch", "2147483647")
 	mustRun("purged 0 expired records", "purge")
 	mustRun("rolled back", "migrate", "down")
+}
+
+// TestStatsAndInspectSayTheyCountLocksByIdemsTag checks that stats and
+// inspect say where their running and waiting counts come from: advisory
+// locks whose id carries idem's tag, which an application's own lock in
+// that range carries too, and is counted with them. Its locks outside the
+// range, or of the two-key form, are not.
+func TestStatsAndInspectSayTheyCountLocksByIdemsTag(t *testing.T) {
+	url := env.EmptyDatabase(t)
+	ctx := context.Background()
+	if code, out := runCommand(t, url, "migrate", "up"); code != exitOK {
+		t.Fatalf("migrate up: exit %d\n%s", code, out)
+	}
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	const inRange = int64(guard.LockTag)<<48 | 12345
+	for _, lock := range []string{
+		fmt.Sprintf("SELECT pg_advisory_xact_lock(%d)", inRange),              // counted
+		"SELECT pg_advisory_xact_lock(12345)",                                 // outside the tag
+		fmt.Sprintf("SELECT pg_advisory_xact_lock(%d, 1)", guard.LockTag<<16), // two keys: objsubid 2
+	} {
+		if _, err := tx.Exec(ctx, lock); err != nil {
+			t.Fatal(err)
+		}
+	}
+	code, out := runCommand(t, url, "stats")
+	if code != exitOK {
+		t.Fatalf("stats: exit %d\n%s", code, out)
+	}
+	if !regexp.MustCompile(`operations running now \(advisory locks with idem's tag\) +1 \(oldest began`).MatchString(out) ||
+		!regexp.MustCompile(`duplicates waiting \(advisory lock waits with idem's tag\) +0\n`).MatchString(out) {
+		t.Errorf("stats does not say that it counts the locks with idem's tag, or counts other locks:\n%s", out)
+	}
+	code, out = runCommand(t, url, "inspect", "tenant", "absent")
+	if code != exitFailure || !strings.Contains(out, "no advisory lock with its id") {
+		t.Errorf("inspect of a key with no record and no lock: exit %d, want %d and where it looked:\n%s", code, exitFailure, out)
+	}
+	for args, want := range map[string][]string{
+		"stats -h":   {"advisory locks whose id carries idem's tag", "0x1de0", "an estimate"},
+		"inspect -h": {"advisory lock with the key's id", "an estimate"},
+	} {
+		_, out := runCommand(t, "", strings.Fields(args)...)
+		for _, w := range want {
+			if !strings.Contains(out, w) {
+				t.Errorf("idem %s does not say %q:\n%s", args, w, out)
+			}
+		}
+	}
 }
 
 // TestOperatorCommandsSayWhereTheyAct checks that migrate, purge, stats

@@ -37,6 +37,9 @@ type chaosProxy struct {
 	// seen in one direction or the other gets its connection cut.
 	cutBeforeCommit float64
 	cutAfterCommit  float64
+	// startupDelay holds back the server's first ReadyForQuery on every
+	// connection, as a busy machine makes connecting slow. Tests set it.
+	startupDelay time.Duration
 
 	mu     sync.Mutex
 	conns  map[*proxiedConn]struct{}
@@ -68,8 +71,8 @@ func (c *proxiedConn) close() bool {
 }
 
 // newChaosProxy starts a proxy on 127.0.0.1 that forwards every connection
-// to the server that dial reaches.
-func newChaosProxy(dial func(ctx context.Context) (net.Conn, error), cutBeforeCommit, cutAfterCommit float64) (*chaosProxy, error) {
+// to the server that dial reaches, each startupDelay slower to start.
+func newChaosProxy(dial func(ctx context.Context) (net.Conn, error), cutBeforeCommit, cutAfterCommit float64, startupDelay time.Duration) (*chaosProxy, error) {
 	listener, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, fmt.Errorf("proxy: listen: %w", err)
@@ -79,6 +82,7 @@ func newChaosProxy(dial func(ctx context.Context) (net.Conn, error), cutBeforeCo
 		dial:            dial,
 		cutBeforeCommit: cutBeforeCommit,
 		cutAfterCommit:  cutAfterCommit,
+		startupDelay:    startupDelay,
 		conns:           make(map[*proxiedConn]struct{}),
 	}
 	p.wg.Go(p.accept)
@@ -122,6 +126,21 @@ func (p *chaosProxy) cutRandom() bool {
 	}
 	p.cutsRandom.Add(1)
 	return true
+}
+
+// cutClient cuts the connection whose client end is at addr, and reports
+// whether it was open.
+func (p *chaosProxy) cutClient(addr net.Addr) bool {
+	p.mu.Lock()
+	var victim *proxiedConn
+	for c := range p.conns {
+		if c.client.RemoteAddr().String() == addr.String() {
+			victim = c
+			break
+		}
+	}
+	p.mu.Unlock()
+	return victim != nil && victim.close()
 }
 
 func (p *chaosProxy) accept() {
@@ -260,10 +279,17 @@ func (p *chaosProxy) pumpFrontend(c *proxiedConn) {
 func (p *chaosProxy) pumpBackend(c *proxiedConn) {
 	in := &messageReader{r: bufio.NewReaderSize(c.server, 32<<10)}
 	out := bufio.NewWriterSize(c.client, 32<<10)
+	started := false
 	for {
 		msg, err := in.next()
 		if err != nil {
 			return
+		}
+		if msg[0] == 'Z' && !started {
+			// The connection is the proxy's, and can be cut, while the
+			// client still waits for it.
+			started = true
+			time.Sleep(p.startupDelay)
 		}
 		if msg[0] == 'C' && string(cstring(msg[5:])) == "COMMIT" && rand.Float64() < p.cutAfterCommit {
 			if out.Flush() == nil {

@@ -83,10 +83,26 @@ type soakConfig struct {
 	PaymentTimeout time.Duration
 
 	// TerminateEvery is how often one of the soak's backends that is in a
-	// transaction is terminated with pg_terminate_backend.
+	// transaction is terminated with pg_terminate_backend. Paced by the
+	// clock, it waits after each fault for an attempt to be answered, so
+	// that a machine too slow to answer between two ticks still gets
+	// through.
 	TerminateEvery time.Duration
-	// CutEvery is how often the proxy cuts a connection at random.
+	// CutEvery is how often the proxy cuts a connection at random, waiting
+	// after each cut for an attempt to be answered, as TerminateEvery does.
 	CutEvery time.Duration
+	// TerminateEveryWrites, when positive, terminates the backend of one
+	// business write in that many, inside the write's transaction, before
+	// its COMMIT. These faults are paced by the soak's progress, not by
+	// the clock: the machine's speed changes how long a soak takes, not
+	// which faults it meets. A payment's write after one that such a fault
+	// hit (this one or CutEveryWrites) is never hit, so every payment gets
+	// through.
+	TerminateEveryWrites int
+	// CutEveryWrites, when positive, cuts the connection of one business
+	// write in that many, inside its transaction, as TerminateEveryWrites
+	// terminates one.
+	CutEveryWrites int
 	// CutBeforeCommit is the chance that the proxy cuts a connection
 	// instead of passing a COMMIT on to the server.
 	CutBeforeCommit float64
@@ -103,6 +119,10 @@ type soakConfig struct {
 	RestartEvery time.Duration
 	// Verbose adds an example error of every kind of failed attempt.
 	Verbose bool
+
+	// startupDelay makes every connection through the proxy that much
+	// slower to start, as on a busy machine. Tests set it.
+	startupDelay time.Duration
 }
 
 // defaultSoakConfig returns the configuration of "idem soak" without flags:
@@ -135,6 +155,8 @@ func (c soakConfig) validate() error {
 		return fmt.Errorf("-clients must be between 1 and 64, got %d", c.Clients)
 	case c.Duration < 0 || c.TerminateEvery < 0 || c.CutEvery < 0:
 		return errors.New("-duration, -terminate-every and -cut-every must not be negative")
+	case c.TerminateEveryWrites < 0 || c.CutEveryWrites < 0:
+		return errors.New("-terminate-every-writes and -cut-every-writes must not be negative")
 	case c.PaymentTimeout <= 0:
 		return errors.New("-payment-timeout must be positive")
 	case c.RestartCommand != "" && c.RestartEvery <= 0:
@@ -150,13 +172,21 @@ func runSoak(ctx context.Context, args []string, stdout io.Writer) error {
 
 Makes many payments while injecting faults, then checks that none was lost
 or doubled. Like demo, it runs in a database (or schema, or server) of its
-own, removed at the end.`)
+own, removed at the end.
+
+-terminate-every and -cut-every pace their faults by the clock, so a slower
+machine meets more of them per payment (each waits for an attempt to be
+answered before the next). -terminate-every-writes and -cut-every-writes
+pace theirs by the payments' writes, whatever the machine's speed: set the
+clock-paced ones to 0 and use these where that speed is unknown, as in CI.`)
 	fs.IntVar(&cfg.Payments, "payments", cfg.Payments, fmt.Sprintf("logical payments to make (at most %d)", maxSoakPayments))
 	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "concurrent clients, one connection each")
 	fs.DurationVar(&cfg.Duration, "duration", cfg.Duration, "stop starting payments after this long (0: make all of -payments)")
 	fs.DurationVar(&cfg.PaymentTimeout, "payment-timeout", cfg.PaymentTimeout, "longest a payment may take, retries included, before it counts as a failure")
-	fs.DurationVar(&cfg.TerminateEvery, "terminate-every", cfg.TerminateEvery, "terminate one of the soak's backends in a transaction this often (0: never)")
-	fs.DurationVar(&cfg.CutEvery, "cut-every", cfg.CutEvery, "cut one proxied connection at random this often (0: never)")
+	fs.DurationVar(&cfg.TerminateEvery, "terminate-every", cfg.TerminateEvery, "terminate one of the soak's backends in a transaction this often, and not again before an attempt is answered (0: never)")
+	fs.DurationVar(&cfg.CutEvery, "cut-every", cfg.CutEvery, "cut one proxied connection at random this often, and not again before an attempt is answered (0: never)")
+	fs.IntVar(&cfg.TerminateEveryWrites, "terminate-every-writes", cfg.TerminateEveryWrites, "terminate the backend of one payment write in `N`, in its transaction before COMMIT; never two of a payment's writes in a row (0: never)")
+	fs.IntVar(&cfg.CutEveryWrites, "cut-every-writes", cfg.CutEveryWrites, "cut the connection of one payment write in `N`, in its transaction before COMMIT; never two of a payment's writes in a row (0: never)")
 	fs.Float64Var(&cfg.CutBeforeCommit, "cut-before-commit", cfg.CutBeforeCommit, "chance that a COMMIT is dropped with its connection before it reaches the server")
 	fs.Float64Var(&cfg.CutAfterCommit, "cut-after-commit", cfg.CutAfterCommit, "chance that the reply to a COMMIT is dropped with its connection after the server committed")
 	fs.Float64Var(&cfg.TimeoutRate, "timeout-rate", cfg.TimeoutRate, "chance that an attempt runs under a deadline of at most "+soakShortTimeoutMax.String()+" and is abandoned")
@@ -207,6 +237,12 @@ type soakFaults struct {
 	CutAfterCommit int64
 	// CutRandom counts connections cut at a random moment.
 	CutRandom int64
+	// TerminatedInWrite counts backends terminated inside a business
+	// write's transaction (TerminateEveryWrites).
+	TerminatedInWrite int64
+	// CutInWrite counts connections cut inside a business write's
+	// transaction (CutEveryWrites).
+	CutInWrite int64
 	// Restarts counts runs of the restart command.
 	Restarts int64
 }
@@ -252,8 +288,18 @@ type soakRun struct {
 	cfg   soakConfig
 	pool  *pgxpool.Pool // through the proxy
 	scope string
+	// admin, appName and proxy inject the faults tied to writes: admin is
+	// the unproxied pool, appName names the soak's own backends.
+	admin   *pgxpool.Pool
+	appName string
+	proxy   *chaosProxy
 
 	attempts, executed, replayed, writes, timedOut atomic.Int64
+	// terminatesDue and cutsDue count the faults tied to writes that are
+	// due and not injected yet; terminatedInWrite and cutInWrite count
+	// those injected.
+	terminatesDue, cutsDue        atomic.Int64
+	terminatedInWrite, cutInWrite atomic.Int64
 
 	mu       sync.Mutex
 	failures map[string]int64
@@ -288,19 +334,22 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 	run := &soakRun{
 		cfg:      cfg,
 		scope:    "soak-" + randomSuffix(),
+		admin:    admin,
 		failures: make(map[string]int64),
 		samples:  make(map[string]string),
 	}
 	// The terminator finds the soak's own backends by this name, and only
 	// them.
 	appName := "idem-" + run.scope
+	run.appName = appName
 
 	adminConn := admin.Config().ConnConfig
-	proxy, err := newChaosProxy(dialerFor(adminConn.Host, adminConn.Port), cfg.CutBeforeCommit, cfg.CutAfterCommit)
+	proxy, err := newChaosProxy(dialerFor(adminConn.Host, adminConn.Port), cfg.CutBeforeCommit, cfg.CutAfterCommit, cfg.startupDelay)
 	if err != nil {
 		return nil, err
 	}
 	defer proxy.close()
+	run.proxy = proxy
 	run.pool, err = proxiedPool(ctx, admin, proxy.addr().Port, appName, cfg.Clients)
 	if err != nil {
 		return nil, err
@@ -320,10 +369,18 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 	var terminated, restarts atomic.Int64
 	var restartErr error
 	if cfg.TerminateEvery > 0 {
-		chaos.Go(func() { terminated.Store(terminateLoop(chaosCtx, admin, appName, cfg.TerminateEvery)) })
+		gate := run.progressGate()
+		chaos.Go(func() { terminated.Store(terminateLoop(chaosCtx, admin, appName, cfg.TerminateEvery, gate)) })
 	}
 	if cfg.CutEvery > 0 {
-		chaos.Go(func() { every(chaosCtx, cfg.CutEvery, func() { proxy.cutRandom() }) })
+		gate := run.progressGate()
+		chaos.Go(func() {
+			every(chaosCtx, cfg.CutEvery, func() {
+				if gate.open() && proxy.cutRandom() {
+					gate.passed()
+				}
+			})
+		})
 	}
 	if cfg.RestartCommand != "" {
 		chaos.Go(func() { restartErr = restartLoop(chaosCtx, cfg.RestartCommand, cfg.RestartEvery, &restarts, stdout) })
@@ -346,12 +403,14 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 		Writes:     run.writes.Load(),
 		Failures:   run.failures,
 		Faults: soakFaults{
-			Terminated:      terminated.Load(),
-			TimedOut:        run.timedOut.Load(),
-			CutBeforeCommit: proxy.cutsBeforeCommit.Load(),
-			CutAfterCommit:  proxy.cutsAfterCommit.Load(),
-			CutRandom:       proxy.cutsRandom.Load(),
-			Restarts:        restarts.Load(),
+			Terminated:        terminated.Load(),
+			TimedOut:          run.timedOut.Load(),
+			CutBeforeCommit:   proxy.cutsBeforeCommit.Load(),
+			CutAfterCommit:    proxy.cutsAfterCommit.Load(),
+			CutRandom:         proxy.cutsRandom.Load(),
+			TerminatedInWrite: run.terminatedInWrite.Load(),
+			CutInWrite:        run.cutInWrite.Load(),
+			Restarts:          restarts.Load(),
 		},
 		Connections: proxy.accepted.Load(),
 		Elapsed:     elapsed,
@@ -434,6 +493,12 @@ func describeFaults(cfg soakConfig) string {
 	if cfg.CutEvery > 0 {
 		parts = append(parts, fmt.Sprintf("cut a connection every %s", cfg.CutEvery))
 	}
+	if cfg.TerminateEveryWrites > 0 {
+		parts = append(parts, fmt.Sprintf("terminate the backend of one write in %d", cfg.TerminateEveryWrites))
+	}
+	if cfg.CutEveryWrites > 0 {
+		parts = append(parts, fmt.Sprintf("cut the connection of one write in %d", cfg.CutEveryWrites))
+	}
 	if cfg.CutBeforeCommit > 0 || cfg.CutAfterCommit > 0 {
 		parts = append(parts, fmt.Sprintf("cut %.0f%% of COMMITs before the server, %.0f%% after", cfg.CutBeforeCommit*100, cfg.CutAfterCommit*100))
 	}
@@ -505,8 +570,12 @@ func (r *soakRun) pay(ctx context.Context, i int) (soakPayment, error) {
 	defer cancel()
 
 	var lastErr error
+	// hit says whether a fault tied to writes hit the payment's last
+	// attempt: the next one is spared.
+	hit := false
 	for attempt := 1; attempt <= soakMaxAttempts; attempt++ {
-		res, err := r.attempt(ctx, key, amount, fp)
+		var res idem.Result[soakPayment]
+		res, hit, err = r.attempt(ctx, key, amount, fp, hit)
 		if err == nil {
 			if res.Replayed {
 				r.replayed.Add(1)
@@ -531,8 +600,10 @@ func (r *soakRun) pay(ctx context.Context, i int) (soakPayment, error) {
 }
 
 // attempt is one call of idem.Run, possibly under a deadline short enough
-// that the client walks away from it mid-flight.
-func (r *soakRun) attempt(ctx context.Context, key string, amount int64, fp []byte) (idem.Result[soakPayment], error) {
+// that the client walks away from it mid-flight, or with a fault tied to
+// writes injected in its transaction, unless spare. It reports whether
+// such a fault was injected.
+func (r *soakRun) attempt(ctx context.Context, key string, amount int64, fp []byte, spare bool) (idem.Result[soakPayment], bool, error) {
 	timeout := soakAttemptTimeout
 	abandon := rand.Float64() < r.cfg.TimeoutRate
 	if abandon {
@@ -548,14 +619,25 @@ func (r *soakRun) attempt(ctx context.Context, key string, amount int64, fp []by
 		opts = append(opts, idem.WithLookupFirst())
 	}
 	r.attempts.Add(1)
+	injected := false
 	res, err := idem.Run(attemptCtx, r.pool, r.scope, key, fp, func(ctx context.Context, tx pgx.Tx) (soakPayment, error) {
-		r.writes.Add(1)
+		// Run may call fn again in the same attempt; one fault is enough.
+		fault := r.dueFault(r.writes.Add(1), spare || injected)
+		// Before the write, the claim alone is at stake; after it, the
+		// payment's row too.
+		before := rand.IntN(2) == 0
+		if fault != noFault && before {
+			injected = r.inject(ctx, tx, fault)
+		}
 		p := soakPayment{Key: key, AmountCents: amount}
 		err := tx.QueryRow(ctx,
 			`INSERT INTO idem_soak_payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
 			r.scope, key, amount).Scan(&p.ID)
 		if err != nil {
 			return p, err
+		}
+		if fault != noFault && !before {
+			injected = r.inject(ctx, tx, fault)
 		}
 		// The work a real payment does before it commits keeps the
 		// transaction open, so that the chaos hits some mid-way.
@@ -568,8 +650,100 @@ func (r *soakRun) attempt(ctx context.Context, key string, amount int64, fp []by
 		}
 		r.recordFailure(failureKind(err, timedOut), err)
 	}
-	return res, err
+	return res, injected, err
 }
+
+// soakFault is a fault tied to writes.
+type soakFault int
+
+const (
+	noFault soakFault = iota
+	terminateFault
+	cutFault
+)
+
+// dueFault counts write as one more business write, and returns the fault
+// it is to meet: one that the count made due, now or at an earlier write
+// that was spared, unless this one is spared too. A write meets at most
+// one.
+func (r *soakRun) dueFault(write int64, spare bool) soakFault {
+	if n := int64(r.cfg.TerminateEveryWrites); n > 0 && write%n == 0 {
+		r.terminatesDue.Add(1)
+	}
+	if n := int64(r.cfg.CutEveryWrites); n > 0 && write%n == 0 {
+		r.cutsDue.Add(1)
+	}
+	switch {
+	case spare:
+		return noFault
+	case takeOne(&r.terminatesDue):
+		return terminateFault
+	case takeOne(&r.cutsDue):
+		return cutFault
+	}
+	return noFault
+}
+
+// takeOne takes one from due, and reports whether there was one.
+func takeOne(due *atomic.Int64) bool {
+	for {
+		n := due.Load()
+		if n <= 0 {
+			return false
+		}
+		if due.CompareAndSwap(n, n-1) {
+			return true
+		}
+	}
+}
+
+// inject injects fault into tx's transaction: it terminates the backend
+// through the unproxied pool, or has the proxy cut the connection. It
+// reports whether the fault hit; one that did not stays due.
+func (r *soakRun) inject(ctx context.Context, tx pgx.Tx, fault soakFault) bool {
+	conn := tx.Conn().PgConn()
+	switch fault {
+	case terminateFault:
+		var ok bool
+		err := r.admin.QueryRow(ctx, `
+			SELECT pg_terminate_backend(pid)
+			FROM pg_stat_activity
+			WHERE pid = $1 AND application_name = $2`, int64(conn.PID()), r.appName).Scan(&ok)
+		if err == nil && ok {
+			r.terminatedInWrite.Add(1)
+			return true
+		}
+		r.terminatesDue.Add(1)
+	case cutFault:
+		if r.proxy.cutClient(conn.Conn().LocalAddr()) {
+			r.cutInWrite.Add(1)
+			return true
+		}
+		r.cutsDue.Add(1)
+	}
+	return false
+}
+
+// clockGate holds back a fault paced by the clock until an attempt has
+// been answered since the last one it let through. A machine too slow to
+// answer between two ticks, which would otherwise have every attempt hit,
+// then meets at most one such fault per answer. It belongs to one
+// goroutine.
+type clockGate struct {
+	answered func() int64
+	last     int64
+}
+
+// progressGate returns a gate that counts the run's answered attempts.
+func (r *soakRun) progressGate() *clockGate {
+	return &clockGate{answered: func() int64 { return r.executed.Load() + r.replayed.Load() }, last: -1}
+}
+
+// open reports whether an attempt was answered since the last fault.
+func (g *clockGate) open() bool { return g.answered() > g.last }
+
+// passed records that a fault went through.
+func (g *clockGate) passed() { g.last = g.answered() }
 
 func (r *soakRun) recordFailure(kind string, err error) {
 	r.mu.Lock()
@@ -624,13 +798,16 @@ func isDefinitive(err error) bool {
 	return false
 }
 
-// terminateLoop terminates, every interval, one of the backends named
-// appName that is inside a transaction, and returns how many it
-// terminated. Backends of other applications, of other databases and the
-// loop's own are never chosen.
-func terminateLoop(ctx context.Context, admin *pgxpool.Pool, appName string, interval time.Duration) int64 {
+// terminateLoop terminates, every interval that gate lets through, one of
+// the backends named appName that is inside a transaction, and returns how
+// many it terminated. Backends of other applications, of other databases
+// and the loop's own are never chosen.
+func terminateLoop(ctx context.Context, admin *pgxpool.Pool, appName string, interval time.Duration, gate *clockGate) int64 {
 	var terminated int64
 	every(ctx, interval, func() {
+		if !gate.open() {
+			return
+		}
 		var ok bool
 		err := admin.QueryRow(ctx, `
 			SELECT pg_terminate_backend(pid)
@@ -646,6 +823,7 @@ func terminateLoop(ctx context.Context, admin *pgxpool.Pool, appName string, int
 		// restarting: try again at the next tick.
 		if err == nil && ok {
 			terminated++
+			gate.passed()
 		}
 	})
 	return terminated
@@ -801,12 +979,14 @@ func (r *soakRun) print(w io.Writer, rep *soakReport) {
 	fmt.Fprintf(w, "business writes run:  %d (%d rolled back by faults)\n", rep.Writes, rep.Writes-rep.Rows)
 	fmt.Fprintf(w, "connections opened:   %d (through the proxy, cancel requests included)\n", rep.Connections)
 	f := rep.Faults
-	fmt.Fprintf(w, "faults injected:      %d\n", f.Terminated+f.TimedOut+f.CutBeforeCommit+f.CutAfterCommit+f.CutRandom+f.Restarts)
+	fmt.Fprintf(w, "faults injected:      %d\n", f.Terminated+f.TimedOut+f.CutBeforeCommit+f.CutAfterCommit+f.CutRandom+f.TerminatedInWrite+f.CutInWrite+f.Restarts)
 	fmt.Fprintf(w, "  backends terminated in a transaction:         %d\n", f.Terminated)
 	fmt.Fprintf(w, "  calls abandoned by a client timeout:          %d\n", f.TimedOut)
 	fmt.Fprintf(w, "  connections cut before COMMIT reached server: %d\n", f.CutBeforeCommit)
 	fmt.Fprintf(w, "  connections cut after COMMIT, before reply:   %d\n", f.CutAfterCommit)
 	fmt.Fprintf(w, "  connections cut at a random moment:           %d\n", f.CutRandom)
+	fmt.Fprintf(w, "  backends terminated inside a write:           %d\n", f.TerminatedInWrite)
+	fmt.Fprintf(w, "  connections cut inside a write:               %d\n", f.CutInWrite)
 	fmt.Fprintf(w, "  PostgreSQL restarts:                          %d\n", f.Restarts)
 	fmt.Fprintf(w, "payments in the table: %d for %d logical operations (lost %d, doubled %d)\n",
 		rep.Rows, rep.Operations, rep.Lost, rep.Doubled)
