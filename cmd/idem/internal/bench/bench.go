@@ -6,7 +6,9 @@ package bench
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -87,8 +89,16 @@ type Phase struct {
 
 // Stats is what a phase measured.
 type Stats struct {
-	Ops       int64
-	Elapsed   time.Duration
+	Ops     int64
+	Elapsed time.Duration
+	// Mallocs and Bytes are the heap allocations the process made while
+	// the phase ran (runtime.MemStats), whatever goroutine made them: the
+	// phase's clients, but also the pool's background work and, when the
+	// benchmark runs through a DelayProxy, the proxy (which allocates
+	// nothing per message once its buffers exist). Phases run one at a
+	// time, so no other phase's work is counted.
+	Mallocs   uint64
+	Bytes     uint64
 	latencies []time.Duration
 }
 
@@ -104,10 +114,27 @@ func (s *Stats) Percentile(p float64) time.Duration {
 	return s.latencies[min(int(p*float64(len(s.latencies))), len(s.latencies)-1)]
 }
 
+// AllocsPerOp is the number of heap allocations per operation.
+func (s *Stats) AllocsPerOp() float64 { return float64(s.Mallocs) / float64(s.Ops) }
+
+// BytesPerOp is the number of heap bytes allocated per operation.
+func (s *Stats) BytesPerOp() float64 { return float64(s.Bytes) / float64(s.Ops) }
+
 func (s *Stats) add(o *Stats) {
 	s.Ops += o.Ops
 	s.Elapsed += o.Elapsed
+	s.Mallocs += o.Mallocs
+	s.Bytes += o.Bytes
 	s.latencies = append(s.latencies, o.latencies...)
+}
+
+// numbered returns prefix followed by n in decimal, in one allocation,
+// as strconv.Itoa costs the Go benchmarks, so that the harness's own work
+// adds as little as it can to a phase's allocations.
+func numbered(prefix string, n int64) string {
+	b := make([]byte, 0, 32)
+	b = append(b, prefix...)
+	return string(strconv.AppendInt(b, n, 10))
 }
 
 // Insert is the business write: one payment row.
@@ -122,16 +149,17 @@ func Insert(ctx context.Context, tx pgx.Tx, scope, key string, amount int64) (Pa
 // StandardPhases returns the phases every comparison has: the bare
 // transaction (the floor for this write), then idem.Run on new keys (first
 // executions) and on keys that completed before (replays), each both ways:
-// claim first (the default) and with idem.WithLookupFirst. Replays use keys
-// that earlier first executions completed, so a first-execution phase must
-// run before any replay phase.
+// claim first (the default) and with idem.WithLookupFirst, and last
+// idem.Do on new keys in a transaction of the caller's (idem.WithTx), as
+// BenchmarkDo measures it. Replays use keys that earlier first executions
+// completed, so a first-execution phase must run before any replay phase.
 func StandardPhases(pool *pgxpool.Pool, scope string) []Phase {
-	var completed atomic.Int64
+	var completed, done atomic.Int64
 	fp := idem.Fingerprint([]byte("benchmark payment"))
-	key := func(n int64) string { return fmt.Sprintf("k-%d", n) }
 	run := func(ctx context.Context, n int64, opts ...idem.Option) (idem.Result[Payment], error) {
-		return idem.Run(ctx, pool, scope, key(n), fp, func(ctx context.Context, tx pgx.Tx) (Payment, error) {
-			return Insert(ctx, tx, scope, key(n), n)
+		key := numbered("k-", n)
+		return idem.Run(ctx, pool, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (Payment, error) {
+			return Insert(ctx, tx, scope, key, n)
 		}, opts...)
 	}
 	first := func(opts ...idem.Option) func(context.Context, int64) error {
@@ -174,18 +202,36 @@ func StandardPhases(pool *pgxpool.Pool, scope string) []Phase {
 		{Name: "run-replay", Op: replay()},
 		{Name: "lookup-first", Op: first(idem.WithLookupFirst())},
 		{Name: "lookup-replay", Op: replay(idem.WithLookupFirst())},
+		{Name: "do-first", Op: func(ctx context.Context, _ int64) error {
+			n := done.Add(1)
+			key := numbered("d-", n)
+			return idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+				res, err := idem.Do(ctx, tx, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (Payment, error) {
+					return Insert(ctx, tx, scope, key, n)
+				})
+				if err == nil && res.Replayed {
+					err = fmt.Errorf("key %s replayed on its first execution", key)
+				}
+				return err
+			})
+		}},
 	}
 }
 
-// Measure runs ops operations of phase on clients goroutines and times them.
+// Measure runs ops operations of phase on clients goroutines and times them,
+// and counts the heap allocations made meanwhile.
 func Measure(ctx context.Context, phase Phase, clients int, ops int64) (*Stats, error) {
 	var next atomic.Int64
 	var firstErr error
 	var mu sync.Mutex
-	latencies := make([][]time.Duration, clients)
+	// Operation i's latency goes to latencies[i-1]: nothing grows while
+	// the clients run.
+	latencies := make([]time.Duration, ops)
 	var wg sync.WaitGroup
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
 	start := time.Now()
-	for c := range clients {
+	for range clients {
 		wg.Go(func() {
 			for {
 				i := next.Add(1)
@@ -201,16 +247,20 @@ func Measure(ctx context.Context, phase Phase, clients int, ops int64) (*Stats, 
 					mu.Unlock()
 					return
 				}
-				latencies[c] = append(latencies[c], time.Since(t0))
+				latencies[i-1] = time.Since(t0)
 			}
 		})
 	}
 	wg.Wait()
-	s := &Stats{Ops: ops, Elapsed: time.Since(start)}
-	for _, l := range latencies {
-		s.latencies = append(s.latencies, l...)
-	}
-	return s, firstErr
+	elapsed := time.Since(start)
+	runtime.ReadMemStats(&after)
+	return &Stats{
+		Ops:       ops,
+		Elapsed:   elapsed,
+		Mallocs:   after.Mallocs - before.Mallocs,
+		Bytes:     after.TotalAlloc - before.TotalAlloc,
+		latencies: latencies,
+	}, firstErr
 }
 
 // Interleave runs rounds of every phase in turn, opsPerPhase operations each

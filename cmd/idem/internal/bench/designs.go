@@ -247,9 +247,10 @@ func DesignPhases(designs []Design) []Phase {
 	var next atomic.Int64
 	phases := make([]Phase, len(designs))
 	for i, d := range designs {
+		prefix := d.Name + "-"
 		phases[i] = Phase{Name: d.Name, Op: func(ctx context.Context, _ int64) error {
 			n := next.Add(1)
-			_, err := d.Pay(ctx, fmt.Sprintf("%s-%d", d.Name, n), n)
+			_, err := d.Pay(ctx, numbered(prefix, n), n)
 			return err
 		}}
 	}
