@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -32,7 +33,8 @@ import (
 // back what was held; once a connection's buffers exist, passing messages
 // allocates nothing, so the proxy does not show in the benchmark's counts
 // of allocations. The proxy listens on 127.0.0.1 only, and does not read
-// what it passes: TLS goes through it.
+// what it passes: TLS goes through it. It counts round trips, as the times
+// a client sent something after the proxy had passed it a reply.
 type DelayProxy struct {
 	listener net.Listener
 	dial     func(ctx context.Context) (net.Conn, error)
@@ -42,12 +44,17 @@ type DelayProxy struct {
 	conns  map[*delayedConn]struct{}
 	closed bool
 	wg     sync.WaitGroup
+
+	roundTrips atomic.Int64
 }
 
 // delayedConn is one client connection and its connection to the server.
 type delayedConn struct {
 	client, server net.Conn
 	closeOnce      sync.Once
+	// replied is set when the client was passed something from the server,
+	// and cleared when the client next sends: each clearing is a round trip.
+	replied atomic.Bool
 }
 
 func (c *delayedConn) close() {
@@ -74,6 +81,13 @@ func NewDelayProxy(dial func(ctx context.Context) (net.Conn, error), roundTrip t
 
 // Addr returns the address the proxy listens on.
 func (p *DelayProxy) Addr() *net.TCPAddr { return p.listener.Addr().(*net.TCPAddr) }
+
+// RoundTrips returns how many round trips the proxy's connections made so
+// far: the times a client sent something after it had been passed a reply.
+// Statements a client pipelines count once, even when the server answers
+// the first before the client has sent the last, so long as the client
+// sends them within the delay.
+func (p *DelayProxy) RoundTrips() int64 { return p.roundTrips.Load() }
 
 // Close stops accepting, closes every connection and waits for the proxy's
 // goroutines to end.
@@ -111,6 +125,7 @@ func (p *DelayProxy) serve(client net.Conn) {
 		return
 	}
 	c := &delayedConn{client: client, server: server}
+	c.replied.Store(true) // the startup message opens the first round trip
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
@@ -133,6 +148,9 @@ func (p *DelayProxy) serve(client net.Conn) {
 		for {
 			n, err := client.Read(buf)
 			if n > 0 {
+				if c.replied.Swap(false) {
+					p.roundTrips.Add(1)
+				}
 				if _, werr := server.Write(buf[:n]); werr != nil {
 					break
 				}
@@ -145,7 +163,7 @@ func (p *DelayProxy) serve(client net.Conn) {
 	})
 	// What the server sends is held; when the server ends the connection,
 	// what it sent before still reaches the client, late like the rest.
-	pumps.Go(func() { p.hold(server, client); c.close() })
+	pumps.Go(func() { p.hold(c); c.close() })
 	pumps.Wait()
 }
 
@@ -159,21 +177,25 @@ type chunk struct {
 // far ahead waits, as a full network would make the server wait.
 const maxHeld = 64
 
-// hold copies src to dst, each chunk read from src written delay later,
-// in order. Buffers go back to a free list, so that a steady stream
-// allocates none.
-func (p *DelayProxy) hold(src, dst net.Conn) {
+// hold copies the server's side of c to the client's, each chunk read
+// written delay later, in order. Buffers go back to a free list, so that a
+// steady stream allocates none.
+func (p *DelayProxy) hold(c *delayedConn) {
+	src, dst := c.server, c.client
 	queue := make(chan chunk, maxHeld)
 	free := make(chan []byte, maxHeld+2)
 	var writer sync.WaitGroup
 	writer.Go(func() {
 		failed := false
-		for c := range queue {
+		for ch := range queue {
 			if !failed {
-				if wait := time.Until(c.due); wait > 0 {
+				if wait := time.Until(ch.due); wait > 0 {
 					time.Sleep(wait)
 				}
-				if _, err := dst.Write(c.buf); err != nil {
+				// Before the write: once written, the client may answer
+				// before this goroutine runs again.
+				c.replied.Store(true)
+				if _, err := dst.Write(ch.buf); err != nil {
 					// Close both, so that the reader stops too; keep
 					// draining the queue until it does.
 					failed = true
@@ -181,7 +203,7 @@ func (p *DelayProxy) hold(src, dst net.Conn) {
 				}
 			}
 			select {
-			case free <- c.buf[:cap(c.buf)]:
+			case free <- ch.buf[:cap(ch.buf)]:
 			default:
 			}
 		}

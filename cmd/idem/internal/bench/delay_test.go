@@ -97,6 +97,12 @@ func TestDelayProxyAddsTheRoundTripAndKeepsTheOrder(t *testing.T) {
 		rts = append(rts, time.Since(t0))
 	}
 	slices.Sort(rts)
+	// The 200 writes made at least one round trip (the first ones may have
+	// gone before the echo of any came back) and at most a few; each ping
+	// one more.
+	if n := p.RoundTrips(); n < 6 || n > 5+10 {
+		t.Errorf("%d round trips counted, want 5 pings and a few for the burst", n)
+	}
 	if rts[0] < delay || rts[2] > delay*3/2 {
 		t.Errorf("round trips through a %v proxy took %v", delay, rts)
 	}
