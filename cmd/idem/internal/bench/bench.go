@@ -97,9 +97,13 @@ type Stats struct {
 	// benchmark runs through a DelayProxy, the proxy (which allocates
 	// nothing per message once its buffers exist). Phases run one at a
 	// time, so no other phase's work is counted.
-	Mallocs   uint64
-	Bytes     uint64
-	latencies []time.Duration
+	Mallocs uint64
+	Bytes   uint64
+	// RoundTrips is how many round trips the phase made, when its Meter
+	// could count them (Counted).
+	RoundTrips int64
+	Counted    bool
+	latencies  []time.Duration
 }
 
 // Throughput is operations per second.
@@ -120,11 +124,16 @@ func (s *Stats) AllocsPerOp() float64 { return float64(s.Mallocs) / float64(s.Op
 // BytesPerOp is the number of heap bytes allocated per operation.
 func (s *Stats) BytesPerOp() float64 { return float64(s.Bytes) / float64(s.Ops) }
 
+// RoundTripsPerOp is the number of round trips per operation.
+func (s *Stats) RoundTripsPerOp() float64 { return float64(s.RoundTrips) / float64(s.Ops) }
+
 func (s *Stats) add(o *Stats) {
 	s.Ops += o.Ops
 	s.Elapsed += o.Elapsed
 	s.Mallocs += o.Mallocs
 	s.Bytes += o.Bytes
+	s.RoundTrips += o.RoundTrips
+	s.Counted = o.Counted
 	s.latencies = append(s.latencies, o.latencies...)
 }
 
@@ -218,9 +227,37 @@ func StandardPhases(pool *pgxpool.Pool, scope string) []Phase {
 	}
 }
 
-// Measure runs ops operations of phase on clients goroutines and times them,
-// and counts the heap allocations made meanwhile.
+// Meter measures phases. Its zero value times them and counts their heap
+// allocations.
+type Meter struct {
+	// RoundTrips, when set, returns a running count of round trips to the
+	// server, such as DelayProxy.RoundTrips: the Meter also records how
+	// many each phase made.
+	RoundTrips func() int64
+}
+
+// Measure is Meter{}.Measure.
 func Measure(ctx context.Context, phase Phase, clients int, ops int64) (*Stats, error) {
+	return Meter{}.Measure(ctx, phase, clients, ops)
+}
+
+// Interleave is Meter{}.Interleave.
+func Interleave(ctx context.Context, phases []Phase, clients, rounds int, opsPerPhase int64) (map[string]*Stats, error) {
+	return Meter{}.Interleave(ctx, phases, clients, rounds, opsPerPhase)
+}
+
+// Measure runs ops operations of phase on clients goroutines and times them,
+// and counts the heap allocations made meanwhile (and the round trips).
+//
+// The operations run on a context that cannot be cancelled, as in the Go
+// benchmarks (context.Background): on a cancellable one, pgx arranges to
+// be told of the cancellation for each round trip (context.AfterFunc),
+// which costs about four allocations per round trip, the same in every
+// phase, and would hide the figures that differ. When ctx ends, Measure
+// starts no more operations and returns ctx's error once those running
+// are done.
+func (m Meter) Measure(ctx context.Context, phase Phase, clients int, ops int64) (*Stats, error) {
+	opCtx := context.WithoutCancel(ctx)
 	var next atomic.Int64
 	var firstErr error
 	var mu sync.Mutex
@@ -229,17 +266,21 @@ func Measure(ctx context.Context, phase Phase, clients int, ops int64) (*Stats, 
 	latencies := make([]time.Duration, ops)
 	var wg sync.WaitGroup
 	var before, after runtime.MemStats
+	var roundTrips int64
+	if m.RoundTrips != nil {
+		roundTrips = m.RoundTrips()
+	}
 	runtime.ReadMemStats(&before)
 	start := time.Now()
 	for range clients {
 		wg.Go(func() {
 			for {
 				i := next.Add(1)
-				if i > ops {
+				if i > ops || ctx.Err() != nil {
 					return
 				}
 				t0 := time.Now()
-				if err := phase.Op(ctx, i); err != nil {
+				if err := phase.Op(opCtx, i); err != nil {
 					mu.Lock()
 					if firstErr == nil {
 						firstErr = fmt.Errorf("%s: %w", phase.Name, err)
@@ -254,25 +295,33 @@ func Measure(ctx context.Context, phase Phase, clients int, ops int64) (*Stats, 
 	wg.Wait()
 	elapsed := time.Since(start)
 	runtime.ReadMemStats(&after)
+	if m.RoundTrips != nil {
+		roundTrips = m.RoundTrips() - roundTrips
+	}
+	if firstErr == nil {
+		firstErr = ctx.Err()
+	}
 	return &Stats{
-		Ops:       ops,
-		Elapsed:   elapsed,
-		Mallocs:   after.Mallocs - before.Mallocs,
-		Bytes:     after.TotalAlloc - before.TotalAlloc,
-		latencies: latencies,
+		Ops:        ops,
+		Elapsed:    elapsed,
+		Mallocs:    after.Mallocs - before.Mallocs,
+		Bytes:      after.TotalAlloc - before.TotalAlloc,
+		RoundTrips: roundTrips,
+		Counted:    m.RoundTrips != nil,
+		latencies:  latencies,
 	}, firstErr
 }
 
 // Interleave runs rounds of every phase in turn, opsPerPhase operations each
 // time, and returns each phase's totals by name.
-func Interleave(ctx context.Context, phases []Phase, clients, rounds int, opsPerPhase int64) (map[string]*Stats, error) {
+func (m Meter) Interleave(ctx context.Context, phases []Phase, clients, rounds int, opsPerPhase int64) (map[string]*Stats, error) {
 	totals := make(map[string]*Stats, len(phases))
 	for _, p := range phases {
 		totals[p.Name] = &Stats{}
 	}
 	for range rounds {
 		for _, p := range phases {
-			s, err := Measure(ctx, p, clients, opsPerPhase)
+			s, err := m.Measure(ctx, p, clients, opsPerPhase)
 			if err != nil {
 				return nil, err
 			}
