@@ -61,7 +61,7 @@ func TestDemoBenchSoakWriteOnlyToADatabaseOfTheirOwn(t *testing.T) {
 	url := env.EmptyDatabase(t)
 	for _, args := range [][]string{
 		{"demo", "-payments", "40", "-clients", "4"},
-		{"bench", "-clients", "2", "-rounds", "1", "-ops", "5", "-storm-keys", "2"},
+		{"bench", "-clients", "2", "-rounds", "1", "-ops", "5", "-storm-keys", "2", "-delay", "1ms"},
 		// Faults paced by the writes, not by the clock: a busy machine,
 		// slow to connect, still gets through.
 		{"soak", "-payments", "30", "-clients", "2", "-cut-every", "0", "-terminate-every", "0", "-cut-every-writes", "3", "-terminate-every-writes", "4"},

@@ -2,6 +2,7 @@ package bench_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"strconv"
 	"sync"
@@ -54,6 +55,64 @@ func BenchmarkRunVsBare(b *testing.B) {
 	b.ReportMetric(bare, "bare-tx/s")
 	for _, p := range phases[1:] {
 		b.ReportMetric(totals[p.Name].Throughput()/bare, p.Name+"/bare")
+	}
+}
+
+// BenchmarkRunVsFloorDelayed compares, with a 1 ms round trip added
+// between the pool and the server (bench.DelayProxy), a bare
+// BEGIN/INSERT/COMMIT, Run's first executions and the key-row-only floor
+// (bench.Floor), interleaved, at 1, 8 and 32 clients. Each iteration is
+// one round of 300 operations of every phase; it reports Run's throughput
+// against bare and against the floor, the floor's against bare, and the
+// heap allocations and round trips of each phase per operation. The
+// 32-client ratios, in
+// one line (idem bench -delay 1ms prints them for every phase):
+//
+//	go test -run '^$' -bench 'RunVsFloorDelayed/clients=32$' -benchtime 5x ./cmd/idem/internal/bench
+func BenchmarkRunVsFloorDelayed(b *testing.B) {
+	const roundTrip = time.Millisecond
+	direct := env.Pool(b)
+	ctx := context.Background()
+	if err := bench.CreateSchema(ctx, direct); err != nil {
+		b.Fatal(err)
+	}
+	pool, proxy, err := bench.DelayedPool(ctx, direct.Config(), roundTrip, 36)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer proxy.Close()
+	defer pool.Close()
+	scope := testdb.Name("bench-delayed")
+	meter := bench.Meter{RoundTrips: proxy.RoundTrips}
+	phases := bench.StandardPhases(pool, scope)[:2] // bare, run-first
+	for _, d := range bench.Designs(pool, scope) {
+		if d.Name == bench.Floor {
+			phases = append(phases, bench.DesignPhases([]bench.Design{d})...)
+		}
+	}
+	for _, clients := range []int{1, 8, 32} {
+		b.Run(fmt.Sprintf("clients=%d", clients), func(b *testing.B) {
+			// Open the connections and warm their statement caches.
+			if _, err := meter.Interleave(ctx, phases, clients, 1, int64(max(50, 4*clients))); err != nil {
+				b.Fatal(err)
+			}
+			b.ResetTimer()
+			totals, err := meter.Interleave(ctx, phases, clients, b.N, 300)
+			if err != nil {
+				b.Fatal(err)
+			}
+			bare, run, floor := totals["bare"], totals["run-first"], totals[bench.Floor]
+			b.ReportMetric(bare.Throughput(), "bare-tx/s")
+			b.ReportMetric(run.Throughput()/bare.Throughput(), "run-first/bare")
+			b.ReportMetric(run.Throughput()/floor.Throughput(), "run-first/floor")
+			b.ReportMetric(floor.Throughput()/bare.Throughput(), "floor/bare")
+			b.ReportMetric(bare.AllocsPerOp(), "bare-allocs/op")
+			b.ReportMetric(run.AllocsPerOp(), "run-first-allocs/op")
+			b.ReportMetric(floor.AllocsPerOp(), "floor-allocs/op")
+			b.ReportMetric(bare.RoundTripsPerOp(), "bare-round-trips/op")
+			b.ReportMetric(run.RoundTripsPerOp(), "run-first-round-trips/op")
+			b.ReportMetric(floor.RoundTripsPerOp(), "floor-round-trips/op")
+		})
 	}
 }
 

@@ -1,0 +1,87 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// WALPart is the WAL that one kind of record adds to an operation.
+type WALPart struct {
+	Part  string  // resource manager, record type and relation
+	Bytes float64 // per operation, full-page images included
+}
+
+// WAL runs ops operations of phase one at a time and returns the WAL bytes
+// each wrote, broken down by kind, read back with pg_walinspect (which it
+// creates in the database): the records of the transactions that inserted
+// a payment row meanwhile, and the records without a transaction (page
+// pruning, say) on this database's relations. Counting so keeps what other
+// databases on the server write out of the figure. Full-page images are in
+// it, so a checkpoint during the run shows.
+func WAL(ctx context.Context, pool *pgxpool.Pool, phase Phase, ops int64) (perOp float64, parts []WALPart, err error) {
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return 0, nil, err
+	}
+	defer conn.Release()
+	if _, err := conn.Exec(ctx, `CREATE EXTENSION IF NOT EXISTS pg_walinspect`); err != nil {
+		return 0, nil, fmt.Errorf("pg_walinspect: %w", err)
+	}
+	// A temporary replication slot keeps the server from recycling the WAL
+	// to be read while others write a lot of it; it goes with the session.
+	var start string
+	if err := conn.QueryRow(ctx, `SELECT lsn::text FROM pg_create_physical_replication_slot(
+		'idem_bench_' || pg_backend_pid(), immediately_reserve => true, temporary => true)`).Scan(&start); err != nil {
+		return 0, nil, fmt.Errorf("reserve WAL: %w", err)
+	}
+	defer conn.Exec(context.WithoutCancel(ctx), `SELECT pg_drop_replication_slot('idem_bench_' || pg_backend_pid())`)
+	var firstID int64
+	if err := conn.QueryRow(ctx, `SELECT coalesce(max(id), 0) FROM payment`).Scan(&firstID); err != nil {
+		return 0, nil, err
+	}
+	for i := range ops {
+		if err := phase.Op(ctx, i); err != nil {
+			return 0, nil, fmt.Errorf("%s: %w", phase.Name, err)
+		}
+	}
+	rows, err := conn.Query(ctx, walQuery, start, firstID)
+	if err != nil {
+		return 0, nil, err
+	}
+	for rows.Next() {
+		var part WALPart
+		var total int64
+		if err := rows.Scan(&part.Part, &total); err != nil {
+			return 0, nil, err
+		}
+		part.Bytes = float64(total) / float64(ops)
+		perOp += part.Bytes
+		parts = append(parts, part)
+	}
+	return perOp, parts, rows.Err()
+}
+
+// walQuery sums the WAL records since $1 of the transactions that inserted
+// payment rows after id $2, and those of no transaction on the database's
+// own relations, by resource manager, record type and relation.
+const walQuery = `
+WITH ours AS (
+    SELECT DISTINCT xmin AS xid FROM payment WHERE id > $2::bigint
+),
+records AS (
+    SELECT w.resource_manager || ' ' || w.record_type AS kind,
+           substring(w.block_ref from 'rel \d+/\d+/(\d+)')::oid AS filenode,
+           w.record_length
+    FROM pg_get_wal_records_info($1::text::pg_lsn, pg_current_wal_flush_lsn()) AS w
+    WHERE w.xid IN (SELECT xid FROM ours)
+       OR (w.xid = '0'::xid
+           AND substring(w.block_ref from 'rel \d+/(\d+)/')::oid =
+               (SELECT oid FROM pg_database WHERE datname = current_database()))
+)
+SELECT records.kind || coalesce(' ' || c.relname, ''), sum(records.record_length)::bigint
+FROM records
+LEFT JOIN pg_class AS c ON c.relfilenode = records.filenode
+GROUP BY 1
+ORDER BY 2 DESC`
