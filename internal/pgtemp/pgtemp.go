@@ -120,6 +120,12 @@ type Options struct {
 	// tests, whose data nobody needs after a crash. Benchmarks want the
 	// defaults.
 	Fast bool
+	// DefaultMaxConnections leaves max_connections at PostgreSQL's default
+	// (100) instead of raising it to 300, which lets the packages' tests run
+	// in parallel, each with a pool of its own. The shared lock table is
+	// sized by max_connections: a test of what fills it wants a default
+	// server's.
+	DefaultMaxConnections bool
 }
 
 // Start initializes and starts a server. It gives up when ctx ends; the
@@ -219,8 +225,10 @@ func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.C
 		"-c", "listen_addresses=127.0.0.1",
 		"-c", "port=" + strconv.Itoa(port),
 		"-c", "unix_socket_directories=" + s.Dir,
-		"-c", "max_connections=300",
 		"-c", "log_min_messages=warning",
+	}
+	if !opts.DefaultMaxConnections {
+		args = append(args, "-c", "max_connections=300")
 	}
 	if opts.Fast {
 		args = append(args, "-c", "fsync=off", "-c", "full_page_writes=off", "-c", "synchronous_commit=off")

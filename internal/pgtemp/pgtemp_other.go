@@ -20,7 +20,9 @@ const Where = "a Unix system's PostgreSQL installation"
 func Find() (string, error) { return "", errors.New("throwaway servers need a Unix system") }
 
 // Options configures Start; see the Unix implementation.
-type Options struct{ Fast bool }
+type Options struct {
+	Fast, DefaultMaxConnections bool
+}
 
 // Start fails: throwaway servers need a Unix system.
 func Start(context.Context, Options) (*Server, error) {
