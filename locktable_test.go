@@ -30,10 +30,10 @@ import (
 // that the rest of the server keeps working.
 
 // maxLocksHeld is the most advisory locks a transaction of idem's may hold
-// at once, whatever number of keys it claims. It must not exceed
-// max_locks_per_transaction (64 by default), a transaction's share of the
-// lock table: a bound above it lets a few transactions fill the table.
-const maxLocksHeld = 64
+// at once, whatever number of keys it claims: idem.MaxKeyLocks, which must
+// stay well under max_locks_per_transaction (64 by default), a
+// transaction's share of the lock table.
+const maxLocksHeld = idem.MaxKeyLocks
 
 // probeRelations is how many relations the probe's query touches: one more
 // than a backend's fast-path slots (16), so that it needs the lock table.
