@@ -103,7 +103,7 @@ func do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 		return Result[T]{}, err
 	}
 	// A failed statement aborts tx: nothing of it can commit.
-	if err := s.queue(ctx, dbsqlc.New(tx)); err != nil {
+	if err := s.send(ctx, tx); err != nil {
 		return Result[T]{}, translateStore(c, err)
 	}
 	return res, nil
@@ -162,10 +162,11 @@ type claimed struct {
 // (KeyLockWait, KeyGet again) when it is taken and there is no record to
 // replay. A key with a live record takes no lock. A transaction that holds
 // MaxKeyLocks key locks already claims with a record in progress instead
-// (claimRow). It runs in tx; with tx nil, b holds Run's BEGIN, and the claim
-// is queued behind it and sent on conn in the same round trip. It returns
-// the transaction, the one b began if so, also on error.
-func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRef, o *options) (claimed, pgx.Tx, error) {
+// (claimRow). It runs in tx; with tx nil, it begins a transaction with
+// begin on conn, in the same round trip. It returns the transaction, the
+// one it began if so, also on error. The round trip goes beneath pgx
+// (dbsqlc.Wire) where the connection allows it.
+func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions, k keyRef, o *options) (claimed, pgx.Tx, error) {
 	if tx != nil {
 		if running(tx, k) {
 			// Advisory locks are reentrant: only the connection's list of
@@ -175,32 +176,52 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRe
 		}
 		conn = tx.Conn()
 	}
-	if b == nil {
-		b = &pgx.Batch{}
-	}
-	if o.idleTimeout > 0 {
-		_ = dbsqlc.Queue(b).TxIdleTimeout(ctx, millis(o.idleTimeout))
-	}
 	held := heldLocks(conn)
-	var lock dbsqlc.KeyLockRow
-	var rec dbsqlc.KeyGetRow
-	var found bool
-	get := dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}
-	dbsqlc.QueueKeyLock(b, dbsqlc.KeyLockParams{
-		FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID,
-	}, &lock)
-	dbsqlc.QueueKeyGet(b, get, &rec, &found)
+	lockArg := dbsqlc.KeyLockParams{FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID}
+	var got dbsqlc.Claim
+	var w *dbsqlc.Wire
+	var wired bool
 	var err error
 	if tx == nil {
-		results := conn.SendBatch(ctx, b)
-		tx = results.Tx()
-		err = results.Close()
+		w, wired, err = dbsqlc.WireFor(ctx, conn)
 	} else {
-		err = tx.SendBatch(ctx, b).Close()
+		w, wired, err = wireFor(ctx, tx)
+	}
+	if err != nil {
+		return claimed{outcome: outcomeFailed}, tx, translate("idem: prepare the claim", err)
+	}
+	if wired && o.idleTimeout == 0 && (begin == nil || begin.CommitQuery == "") {
+		first := ""
+		if tx == nil {
+			first = beginSQL(*begin)
+		}
+		err = w.Claim(ctx, first, lockArg, &got)
+		if tx == nil && conn.PgConn().TxStatus() != 'I' {
+			tx = &runTx{conn: conn}
+		}
+	} else {
+		b := &pgx.Batch{}
+		if tx == nil {
+			b.BeginTx(*begin)
+		}
+		if o.idleTimeout > 0 {
+			_ = dbsqlc.Queue(b).TxIdleTimeout(ctx, millis(o.idleTimeout))
+		}
+		dbsqlc.QueueKeyLock(b, lockArg, &got.Lock)
+		dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &got.Rec, &got.Found)
+		if tx == nil {
+			results := conn.SendBatch(ctx, b)
+			tx = results.Tx()
+			err = results.Close()
+		} else {
+			err = tx.SendBatch(ctx, b).Close()
+		}
 	}
 	if err != nil {
 		return claimed{outcome: outcomeFailed}, tx, translate("idem: claim key", err)
 	}
+	lock, rec, found := got.Lock, &got.Rec, &got.Found
+	get := dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}
 	held.count(lock)
 	if lock.ReadOnly {
 		return claimed{outcome: outcomeInvalid}, tx, errReadOnly
@@ -209,19 +230,19 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRe
 	// A record committed in progress was not written by idem, which never
 	// commits one: its operation recorded no answer, and it is taken over
 	// like an expired record (see KeyClaim).
-	done := func() bool { return found && !rec.Expired && rec.State == stateDone }
+	done := func() bool { return *found && !rec.Expired && rec.State == stateDone }
 	if done() {
 		c, err := judge(rec.Fingerprint, rec.Response, k.fp)
 		return c, tx, err
 	}
 	switch lock.Lock {
 	case lockSkipped:
-		c, err := claimRow(ctx, tx, k, o, found)
+		c, err := claimRow(ctx, tx, k, o, *found)
 		return c, tx, err
 	case lockBusy:
 		wait := &pgx.Batch{}
 		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: millis(o.wait), LockID: k.lockID})
-		dbsqlc.QueueKeyGet(wait, get, &rec, &found)
+		dbsqlc.QueueKeyGet(wait, get, rec, found)
 		if err := tx.SendBatch(ctx, wait).Close(); err != nil {
 			return claimed{outcome: outcomeFailed}, tx, translate("idem: wait for key", err)
 		}
@@ -231,8 +252,8 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, b *pgx.Batch, k keyRe
 		}
 	}
 
-	c := claimed{outcome: outcomeClaimed, expired: found}
-	if found {
+	c := claimed{outcome: outcomeClaimed, expired: *found}
+	if *found {
 		c.outcome = outcomeReclaimed
 	}
 	if !lock.ReadCommitted {
@@ -363,32 +384,45 @@ var errNested = fmt.Errorf("%w: its own function is running in this transaction 
 // it goes with the connection.
 const runningKey = "idem.running"
 
+// runningKeys is the list kept under runningKey.
+type runningKeys struct{ keys []keyRef }
+
+func runningOn(c *pgx.Conn, create bool) *runningKeys {
+	if c == nil || c.PgConn().CustomData() == nil {
+		return nil
+	}
+	data := c.PgConn().CustomData()
+	r, _ := data[runningKey].(*runningKeys)
+	if r == nil && create {
+		r = &runningKeys{}
+		data[runningKey] = r
+	}
+	return r
+}
+
 // running reports whether k's function is running on tx's connection: a
 // nested call on the same key.
 func running(tx pgx.Tx, k keyRef) bool {
-	c := tx.Conn()
-	if c == nil {
-		return false
-	}
-	keys, _ := c.PgConn().CustomData()[runningKey].([]keyRef)
-	return slices.ContainsFunc(keys, k.same)
+	r := runningOn(tx.Conn(), false)
+	return r != nil && slices.ContainsFunc(r.keys, k.same)
 }
 
-// enter records that k's function runs on tx's connection, until the
-// returned function is called.
-func enter(tx pgx.Tx, k keyRef) (leave func()) {
-	c := tx.Conn()
-	if c == nil || c.PgConn().CustomData() == nil {
-		return func() {}
+// enter records that k's function runs on tx's connection, until leave is
+// called with what enter returned.
+func enter(tx pgx.Tx, k keyRef) *runningKeys {
+	r := runningOn(tx.Conn(), true)
+	if r != nil {
+		r.keys = append(r.keys, k)
 	}
-	data := c.PgConn().CustomData()
-	keys, _ := data[runningKey].([]keyRef)
-	data[runningKey] = append(keys, k)
-	return func() {
-		keys, _ := data[runningKey].([]keyRef)
-		if i := slices.IndexFunc(keys, k.same); i >= 0 {
-			data[runningKey] = slices.Delete(keys, i, i+1)
-		}
+	return r
+}
+
+func (r *runningKeys) leave(k keyRef) {
+	if r == nil {
+		return
+	}
+	if i := slices.IndexFunc(r.keys, k.same); i >= 0 {
+		r.keys = slices.Delete(r.keys, i, i+1)
 	}
 }
 
@@ -423,9 +457,9 @@ func execute[T any](ctx context.Context, tx pgx.Tx, k keyRef, c claimed,
 			}
 		}()
 	}
-	leave := enter(tx, k)
+	r := enter(tx, k)
 	value, err := func() (T, error) {
-		defer leave()
+		defer r.leave(k)
 		return fn(ctx, tx)
 	}()
 	if err != nil {
@@ -468,6 +502,52 @@ func (s store) queue(ctx context.Context, q *dbsqlc.Queries) error {
 	return q.KeyInsert(ctx, dbsqlc.KeyInsertParams{
 		Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
 	})
+}
+
+// send runs the statement that records the operation in tx.
+func (s store) send(ctx context.Context, tx pgx.Tx) error {
+	w, wired, err := wireFor(ctx, tx)
+	if err != nil {
+		return err
+	}
+	if !wired {
+		return s.queue(ctx, dbsqlc.New(tx))
+	}
+	_, storeErr, _ := w.Store(ctx, s.kind(), s.params(), "")
+	return storeErr
+}
+
+// wireFor returns the Wire of tx's connection when tx's statements may go
+// through it: only inside an open transaction, so that a transaction that
+// fn (or the caller) ended is left to pgx, which reports it closed, instead
+// of a statement being run outside any transaction.
+func wireFor(ctx context.Context, tx pgx.Tx) (*dbsqlc.Wire, bool, error) {
+	if rt, ok := tx.(*runTx); ok && rt.closed {
+		return nil, false, nil
+	}
+	conn := tx.Conn()
+	if conn == nil || conn.PgConn().TxStatus() != 'T' {
+		return nil, false, nil
+	}
+	return dbsqlc.WireFor(ctx, conn)
+}
+
+// kind and params are the statement that records the operation, for
+// dbsqlc.Wire.
+func (s store) kind() dbsqlc.StoreKind {
+	switch {
+	case s.c.early:
+		return dbsqlc.StoreResponse
+	case s.c.expired:
+		return dbsqlc.StoreReplace
+	}
+	return dbsqlc.StoreInsert
+}
+
+func (s store) params() dbsqlc.KeyInsertParams {
+	return dbsqlc.KeyInsertParams{
+		Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
+	}
 }
 
 // translateStore translates the errors of the statement that records an

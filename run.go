@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
@@ -82,12 +84,11 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 	// BEGIN travels with the claim, unless the caller's BeginQuery must run
 	// as given: a batch sends each query as one statement, and a BeginQuery
 	// may hold several.
-	var b *pgx.Batch
+	var begin *pgx.TxOptions
 	var tx pgx.Tx
 	switch {
 	case conn != nil && o.txOptions.BeginQuery == "":
-		b = &pgx.Batch{}
-		b.BeginTx(o.txOptions)
+		begin = &o.txOptions
 	case conn != nil:
 		tx, err = conn.BeginTx(ctx, o.txOptions)
 	default:
@@ -96,7 +97,7 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 	if err != nil {
 		return Result[T]{}, translate("idem: begin", err)
 	}
-	c, tx, err := claim(ctx, tx, conn, b, k, o)
+	c, tx, err := claim(ctx, tx, conn, begin, k, o)
 	finished := false
 	defer func() {
 		if !finished && tx != nil {
@@ -140,17 +141,35 @@ func commitWith(ctx context.Context, tx pgx.Tx, pipelined bool, s store) error {
 		return nil
 	}
 
-	batch := &pgx.Batch{}
-	q := dbsqlc.Queue(batch)
-	_ = s.queue(ctx, q) // queuing cannot fail
-	_ = q.TxCommit(ctx)
-	results := tx.SendBatch(ctx, batch)
-	// Each statement's error is its own: the record's goes to
-	// translateStore, COMMIT's (a deferred constraint, a serialization
-	// failure) to translate, as a COMMIT outside the pipeline would.
-	_, storeErr := results.Exec()
-	tag, commitErr := results.Exec()
-	closeErr := results.Close()
+	var storeErr, commitErr, closeErr error
+	var tag pgconn.CommandTag
+	if rt, ok := tx.(*runTx); ok {
+		if rt.closed {
+			// fn ended the transaction: what it wrote is gone or committed
+			// without its record, and nothing may be recorded now.
+			return fmt.Errorf("idem: store response: %w (fn ended Run's transaction)", pgx.ErrTxClosed)
+		}
+		w, _, err := dbsqlc.WireFor(ctx, rt.conn)
+		if err != nil {
+			rollback(ctx, tx)
+			return translate("idem: store response", err)
+		}
+		tag, storeErr, commitErr = w.Store(ctx, s.kind(), s.params(), "commit")
+		rt.closed = rt.conn.PgConn().TxStatus() == 'I'
+	} else {
+		batch := &pgx.Batch{}
+		q := dbsqlc.Queue(batch)
+		_ = s.queue(ctx, q) // queuing cannot fail
+		_ = q.TxCommit(ctx)
+		results := tx.SendBatch(ctx, batch)
+		// Each statement's error is its own: the record's goes to
+		// translateStore, COMMIT's (a deferred constraint, a
+		// serialization failure) to translate, as a COMMIT outside the
+		// pipeline would.
+		_, storeErr = results.Exec()
+		tag, commitErr = results.Exec()
+		closeErr = results.Close()
+	}
 	var err error
 	switch {
 	case storeErr != nil:
@@ -199,4 +218,27 @@ func ownConn(ctx context.Context, beginner TxBeginner) (*pgx.Conn, func(), error
 		return b, func() {}, nil
 	}
 	return nil, func() {}, nil
+}
+
+// beginSQL is the statement that begins a transaction with opts, as pgx
+// spells it.
+func beginSQL(opts pgx.TxOptions) string {
+	if opts == (pgx.TxOptions{IsoLevel: pgx.ReadCommitted}) {
+		return "begin isolation level read committed"
+	}
+	var b strings.Builder
+	b.WriteString("begin")
+	if opts.IsoLevel != "" {
+		b.WriteString(" isolation level ")
+		b.WriteString(string(opts.IsoLevel))
+	}
+	if opts.AccessMode != "" {
+		b.WriteString(" ")
+		b.WriteString(string(opts.AccessMode))
+	}
+	if opts.DeferrableMode != "" {
+		b.WriteString(" ")
+		b.WriteString(string(opts.DeferrableMode))
+	}
+	return b.String()
 }

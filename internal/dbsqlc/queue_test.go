@@ -18,3 +18,12 @@ func TestQueuedScansMatchTheGeneratedRows(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchLayoutIsKnown fails when pgconn.Batch no longer has the fields
+// reuseBatch empties: every round trip of Wire's would then allocate its
+// buffers anew (correct, but the allocations per call would be back).
+func TestBatchLayoutIsKnown(t *testing.T) {
+	if !batchLayout.ok {
+		t.Fatal("pgconn.Batch's fields changed: reuseBatch cannot empty it; update batchreuse.go")
+	}
+}
