@@ -366,3 +366,45 @@ func TestIdleTimeoutFreesTheKeyOfAClientThatVanished(t *testing.T) {
 		})
 	}
 }
+
+// TestADoInsideItsKeysFunctionJoinsIt nests Do and Once on the enclosing
+// call's own key, with the same and with another fingerprint, as
+// repository code under an idemhttp handler does: each joins the
+// enclosing call (its fn runs, once, as part of it), only the enclosing
+// call's record is written, and a retry replays it without running
+// anything, at every isolation level.
+func TestADoInsideItsKeysFunctionJoinsIt(t *testing.T) {
+	for _, iso := range []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable} {
+		t.Run(string(iso), func(t *testing.T) {
+			ctx, pool, scope := setup(t)
+			var calls atomic.Int64
+			outer := func(ctx context.Context, tx pgx.Tx) (payment, error) {
+				inner, err := idem.Do(ctx, tx, scope, "k", fpB, pay(scope, "k", 100, &calls))
+				if err != nil || inner.Replayed {
+					return payment{}, fmt.Errorf("inner Do: %+v, %w", inner, err)
+				}
+				ran, err := idem.Once(ctx, tx, scope, "k", func(context.Context, pgx.Tx) error {
+					calls.Add(1)
+					return nil
+				})
+				if err != nil || !ran {
+					return payment{}, fmt.Errorf("inner Once: ran %v, %w", ran, err)
+				}
+				return inner.Value, nil
+			}
+			opts := idem.WithTxOptions(pgx.TxOptions{IsoLevel: iso})
+			first, err := idem.Run(ctx, pool, scope, "k", fpA, outer, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			again, err := idem.Run(ctx, pool, scope, "k", fpA, outer, opts)
+			if err != nil || !again.Replayed || again.Value != first.Value {
+				t.Fatalf("retry: %+v, %v; want a replay of %+v", again, err, first.Value)
+			}
+			if calls.Load() != 2 || countPayments(t, pool, scope) != 1 || countRecords(t, pool, scope) != 1 {
+				t.Errorf("fn calls %d, payments %d, records %d; want 2, 1, 1",
+					calls.Load(), countPayments(t, pool, scope), countRecords(t, pool, scope))
+			}
+		})
+	}
+}

@@ -31,9 +31,8 @@ var ErrInvalidVersion = errors.New("idem: invalid version")
 var ErrFingerprintMismatch = errors.New("idem: key reused with a different request")
 
 // ErrInProgress is returned when another transaction holds the key and did
-// not finish within the wait budget (see [WithWait]), or when the calling
-// transaction holds the key itself (a Do on a key inside that key's own
-// function). The function is not run.
+// not finish within the wait budget (see [WithWait]). The function is not
+// run.
 //
 // After a wait that ran out, the caller's transaction is aborted, because
 // the statement that waited failed inside it: roll it back. The client

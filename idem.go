@@ -46,6 +46,17 @@ type Result[T any] struct {
 // A live key recorded with another fingerprint gives
 // [ErrFingerprintMismatch]. A nil fp matches only another nil or empty fp.
 //
+// A Do on a key inside that key's own function, in the same transaction
+// (repository code that calls Do with the request's key, under an idemhttp
+// handler that already claimed it), joins the enclosing call: fn runs as
+// part of the enclosing operation, Replayed is false, and nothing is
+// recorded but the enclosing call's record, which a retry replays. Its
+// fingerprint is not compared: the enclosing call's was, and no second
+// request is involved. A key claimed by one layer belongs to it: a later
+// call on it with another fingerprint, from another layer, gets
+// [ErrFingerprintMismatch]; give each layer a scope of its own when both
+// must record.
+//
 // A duplicate that arrives while another transaction holds the key waits
 // for it (see [WithWait]): it replays what that transaction committed, or
 // runs fn itself if it rolled back, or gives up with [ErrInProgress]. A
@@ -64,8 +75,7 @@ type Result[T any] struct {
 // that ran out ([ErrInProgress]), a serialization failure or deadlock
 // ([ErrSerialization]) or another database error, tx is aborted and can only
 // roll back. After [ErrInvalidScope], [ErrInvalidKey] and [ErrInvalidOption]
-// nothing was sent; after the refusal of a nested call ([ErrInProgress]),
-// [ErrFingerprintMismatch], [ErrResponseTooLarge], [ErrResponseNotStorable]
+// nothing was sent; after [ErrFingerprintMismatch], [ErrResponseTooLarge], [ErrResponseNotStorable]
 // and fn's own errors, tx is as fn left it, and a key it claimed stays
 // held by tx until tx ends, or until a ROLLBACK TO SAVEPOINT taken before
 // the claim undoes it. In a read-only transaction, or on a standby, Do
@@ -95,8 +105,17 @@ func do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	if err != nil {
 		return Result[T]{}, err
 	}
-	if c.outcome == outcomeReplayed {
+	switch c.outcome {
+	case outcomeReplayed:
 		return replayed[T](c.stored, scope, o)
+	case outcomeJoined:
+		// The enclosing call holds the key and records it: fn is part of
+		// its operation.
+		value, err := fn(ctx, tx)
+		if err != nil {
+			return Result[T]{}, fmt.Errorf("idem: %w", err)
+		}
+		return Result[T]{Value: value}, nil
 	}
 	res, s, err := execute(ctx, tx, k, c, fn, o)
 	if err != nil {
@@ -141,6 +160,7 @@ const (
 	outcomeReplayed   = "replayed"          // the key's operation had completed; its value was returned
 	outcomeMismatch   = "mismatch"          // the key is live with another fingerprint
 	outcomeInProgress = "in_progress"       // another attempt held the key past the wait budget
+	outcomeJoined     = "joined"            // a call inside the key's own function: fn ran as part of it
 	outcomeInvalid    = "invalid"           // the scope, key or an option was rejected
 	outcomeFailed     = "failed"            // fn, the database or the stored value failed
 )
@@ -171,8 +191,8 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		if running(tx, k) {
 			// Advisory locks are reentrant: only the connection's list of
 			// keys whose functions are running tells a Do inside fn on fn's
-			// own key.
-			return claimed{outcome: outcomeInProgress}, tx, errNested
+			// own key. It joins that call (see Do).
+			return claimed{outcome: outcomeJoined}, tx, nil
 		}
 		conn = tx.Conn()
 	}
@@ -374,9 +394,6 @@ func (h *held) count(lock dbsqlc.KeyLockRow) {
 		h.n++
 	}
 }
-
-// errNested refuses a Do on a key inside that key's own fn.
-var errNested = fmt.Errorf("%w: its own function is running in this transaction (a Do on the key inside its fn)", ErrInProgress)
 
 // runningKey is where a connection keeps the keys whose functions are
 // running on it, in pgconn's CustomData: a connection serves one goroutine

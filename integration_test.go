@@ -327,31 +327,6 @@ func TestSameKeyTwiceInOneTransaction(t *testing.T) {
 	}
 }
 
-// TestNestedDoIsRefusedAtEveryLevel runs a Do inside fn on fn's own key,
-// with another fingerprint (as a Once inside a Do has): at REPEATABLE READ
-// the outer call's claim is already written, and the nested call must still
-// be refused as nested, not judged a mismatch against it.
-func TestNestedDoIsRefusedAtEveryLevel(t *testing.T) {
-	ctx, pool, scope := setup(t)
-	for _, iso := range []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable} {
-		key := "k-" + string(iso)
-		_, err := idem.Run(ctx, pool, scope, key, fpA, func(ctx context.Context, tx pgx.Tx) (int, error) {
-			_, err := idem.Do(ctx, tx, scope, key, fpB, func(context.Context, pgx.Tx) (int, error) { return 2, nil })
-			if !errors.Is(err, idem.ErrInProgress) {
-				t.Errorf("%s: nested Do with another fingerprint: %v, want ErrInProgress", iso, err)
-			}
-			ran, err := idem.Once(ctx, tx, scope, key, func(context.Context, pgx.Tx) error { return nil })
-			if ran || !errors.Is(err, idem.ErrInProgress) {
-				t.Errorf("%s: nested Once: ran %v, %v; want ErrInProgress", iso, ran, err)
-			}
-			return 1, nil
-		}, idem.WithTxOptions(pgx.TxOptions{IsoLevel: iso}))
-		if err != nil {
-			t.Fatalf("%s: %v", iso, err)
-		}
-	}
-}
-
 // TestKeysWhoseLocksCollideAreNotNested nests a Do on one key inside the fn
 // of another whose lock id is the same (a 48-bit hash collision): the
 // inner call is a different key, and runs.

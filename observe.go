@@ -163,9 +163,6 @@ func (obs *observation) end(ctx context.Context, scope, key string, err error) {
 			o.logger.LogAttrs(ctx, slog.LevelWarn, "idem: key reused with a different request",
 				slog.String("scope", scope), slog.String("key", o.loggedKey(key)))
 		case outcomeInProgress:
-			if errors.Is(err, errNested) {
-				break // a programming error the caller sees, not a wait
-			}
 			o.logger.LogAttrs(ctx, slog.LevelInfo, "idem: duplicate gave up waiting for a concurrent attempt",
 				slog.String("scope", scope), slog.String("key", o.loggedKey(key)))
 		}

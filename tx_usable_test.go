@@ -3,7 +3,6 @@ package idem_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -59,21 +58,14 @@ func TestWhichErrorsLeaveTheCallersTransactionUsable(t *testing.T) {
 		{"response too large", scope, "too-large", fpA,
 			func(context.Context, pgx.Tx) (int, error) { return 123456, nil }, idem.ErrResponseTooLarge, true,
 			[]idem.Option{idem.WithMaxResponseSize(3)}},
-		{"nested call refused", scope, "nested", fpA,
-			func(ctx context.Context, tx pgx.Tx) (int, error) {
-				_, err := idem.Do(ctx, tx, scope, "nested", fpA, func(context.Context, pgx.Tx) (int, error) { return 2, nil })
-				if !errors.Is(err, idem.ErrInProgress) {
-					return 0, fmt.Errorf("nested Do: %v, want ErrInProgress", err)
-				}
-				_, err = tx.Exec(ctx, `SELECT 1`)
-				if err != nil {
-					return 0, fmt.Errorf("after the nested refusal: %w", err)
-				}
-				return 0, boom
-			}, boom, true, nil},
+		{"ErrReadOnly", scope, "read-only", fpA, nil, idem.ErrReadOnly, true, nil},
 	}
 	for _, c := range cases {
-		tx, err := pool.Begin(ctx)
+		opts := pgx.TxOptions{}
+		if c.want == idem.ErrReadOnly {
+			opts.AccessMode = pgx.ReadOnly
+		}
+		tx, err := pool.BeginTx(ctx, opts)
 		if err != nil {
 			t.Fatal(err)
 		}
