@@ -13,6 +13,7 @@ import (
 	"os"
 	"strings"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
@@ -130,4 +131,96 @@ func ExampleNew() {
 	// 400 key-missing: This request needs an Idempotency-Key header.
 	//     Link: <https://github.com/pgidem/idem/blob/main/idemhttp/PROBLEMS.md#key-missing>; rel="describedby"
 	// payments recorded: 1 <nil>
+}
+
+// A refunds endpoint that calls idem.Run itself, with a value of its own
+// rather than a stored HTTP answer, reads its keys and answers idem's
+// errors as the middleware does.
+func ExampleMiddleware_WriteError() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
+		log.Fatal(err)
+	}
+
+	scope := func(r *http.Request) (string, error) {
+		user, _, ok := r.BasicAuth()
+		if !ok {
+			return "", errors.New("not authenticated")
+		}
+		return user, nil
+	}
+	m, err := idemhttp.NewMiddleware(pool, idemhttp.Config{Scope: scope})
+	if err != nil {
+		log.Fatal(err)
+	}
+	refund := func(w http.ResponseWriter, r *http.Request) {
+		key, err := m.ParseKey(r)
+		if err != nil {
+			m.WriteError(w, r, err) // 400 key-missing or key-invalid
+			return
+		}
+		tenant, err := scope(r)
+		if err != nil {
+			http.Error(w, "who are you?", http.StatusUnauthorized)
+			return
+		}
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, "body unreadable", http.StatusBadRequest)
+			return
+		}
+		res, err := idem.Run(r.Context(), pool, tenant, key, idemhttp.DefaultFingerprint(r, body),
+			func(ctx context.Context, tx pgx.Tx) (string, error) {
+				// ... the refund's writes on tx.
+				return "refunded " + strings.TrimSpace(string(body)), nil
+			})
+		if err != nil {
+			m.WriteError(w, r, err) // 422, 409, 503 or 500, as the middleware answers
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, "%s (replayed: %v)", res.Value, res.Replayed)
+	}
+	srv := httptest.NewServer(http.HandlerFunc(refund))
+	defer srv.Close()
+
+	tenant := fmt.Sprintf("shop-%d", rand.Int64())
+	send := func(key, body string) {
+		req, _ := http.NewRequest(http.MethodPost, srv.URL+"/refunds", strings.NewReader(body))
+		req.SetBasicAuth(tenant, "secret")
+		if key != "" {
+			req.Header.Set(idemhttp.DefaultHeader, key)
+		}
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			fmt.Println(err)
+			return
+		}
+		defer res.Body.Close()
+		answer, _ := io.ReadAll(res.Body)
+		if res.Header.Get("Content-Type") == "application/problem+json" {
+			var p struct{ Code string }
+			_ = json.Unmarshal(answer, &p)
+			fmt.Println(res.StatusCode, p.Code)
+			return
+		}
+		fmt.Println(res.StatusCode, string(answer))
+	}
+
+	send(`"refund-7"`, "order 1001")
+	send(`"refund-7"`, "order 1001")
+	send(`"refund-7"`, "order 1002")
+	send(`"refund-7`, "order 1001")
+	send("", "order 1001")
+	// Output:
+	// 201 refunded order 1001 (replayed: false)
+	// 201 refunded order 1001 (replayed: true)
+	// 422 key-reused
+	// 400 key-invalid
+	// 400 key-missing
 }

@@ -3,10 +3,49 @@ package idemhttp
 import (
 	"errors"
 	"fmt"
+	"net/http"
 	"strings"
 
 	"github.com/pgidem/idem"
 )
+
+// ParseKey returns the idempotency key of r, unquoted, read from the header
+// field that [Config.Header] names, as the middleware reads it (see "Keys"
+// in the package documentation). It is for a handler that calls idem
+// itself, so that its keys are the middleware's keys. The error wraps
+// [idem.ErrInvalidKey] and says what is wrong with the field; given to
+// [Middleware.WriteError], it is answered 400 key-missing when r has no such
+// field and 400 key-invalid otherwise, as the middleware answers it.
+func (m *Middleware) ParseKey(r *http.Request) (string, error) {
+	values := r.Header.Values(m.header)
+	if len(values) == 0 {
+		return "", &keyError{header: m.header, problem: "is missing", missing: true}
+	}
+	key, err := parseKey(values)
+	if err != nil {
+		return "", &keyError{header: m.header, problem: err.Error()}
+	}
+	return key, nil
+}
+
+// keyError is a request's key field that cannot be used.
+type keyError struct {
+	header string
+	// problem completes "the <header> header ...".
+	problem string
+	// missing is set when the request has no such field.
+	missing bool
+}
+
+func (e *keyError) Error() string { return "idemhttp: the " + e.header + " header " + e.problem }
+
+func (e *keyError) Unwrap() error { return idem.ErrInvalidKey }
+
+// isKeyMissing reports whether err says that the request has no key.
+func isKeyMissing(err error) bool {
+	var keyErr *keyError
+	return errors.As(err, &keyErr) && keyErr.missing
+}
 
 // parseKey reads the key from the values of the key's header field.
 //

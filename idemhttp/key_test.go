@@ -1,9 +1,13 @@
 package idemhttp
 
 import (
+	"errors"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgidem/idem"
 )
 
@@ -107,4 +111,44 @@ func FuzzParseKey(f *testing.F) {
 			t.Fatalf("bare token %q parsed as %q", header, key)
 		}
 	})
+}
+
+func TestMiddlewareParseKeyReadsTheConfiguredHeader(t *testing.T) {
+	t.Parallel()
+	m, err := NewMiddleware(&pgxpool.Pool{}, Config{
+		Scope:  func(*http.Request) (string, error) { return "s", nil },
+		Header: "x-request-key",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	request := func(header string, values ...string) *http.Request {
+		r := httptest.NewRequest(http.MethodPost, "/payments", nil)
+		for _, v := range values {
+			r.Header.Add(header, v)
+		}
+		return r
+	}
+
+	if key, err := m.ParseKey(request("X-Request-Key", `"order \"7\""`)); err != nil || key != `order "7"` {
+		t.Errorf("ParseKey = %q, %v; want the key unquoted", key, err)
+	}
+	for name, c := range map[string]struct {
+		r       *http.Request
+		missing bool
+	}{
+		// The default header is not the configured one.
+		"missing":    {request(DefaultHeader, "k"), true},
+		"invalid":    {request("X-Request-Key", `"open`), false},
+		"sent twice": {request("X-Request-Key", "a", "b"), false},
+	} {
+		key, err := m.ParseKey(c.r)
+		if key != "" || !errors.Is(err, idem.ErrInvalidKey) || isKeyMissing(err) != c.missing {
+			t.Errorf("%s: ParseKey = %q, %v; want an error wrapping idem.ErrInvalidKey, missing=%v", name, key, err, c.missing)
+			continue
+		}
+		if !strings.Contains(err.Error(), "X-Request-Key") {
+			t.Errorf("%s: error %q does not name the header", name, err)
+		}
+	}
 }

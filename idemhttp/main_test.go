@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -203,3 +204,55 @@ func sameAnswer(t *testing.T, got, want response, headers ...string) {
 
 var countPayments = testdb.CountPayments
 var countRecords = testdb.CountRecords
+
+func newGet(t *testing.T, srv *httptest.Server, path, tenant string) *http.Request {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, srv.URL+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set(tenantHeader, tenant)
+	return req
+}
+
+// serveHandler starts a plain server around h.
+func serveHandler(t *testing.T, h http.Handler) *httptest.Server {
+	t.Helper()
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// wantProblem fails the test unless res is the problem code with status,
+// its type under base, its code member and its describedby link. It returns
+// the decoded problem.
+func wantProblem(t *testing.T, res response, status int, base, code string) map[string]any {
+	t.Helper()
+	p := res.problem(t, status)
+	if p["type"] != base+code || p["code"] != code {
+		t.Fatalf("problem %s: want type %q and code %q", res.body, base+code, code)
+	}
+	if link, want := res.header.Get("Link"), "<"+base+code+`>; rel="describedby"`; link != want {
+		t.Fatalf("Link %q, want %q", link, want)
+	}
+	return p
+}
+
+// syncBuffer is a log sink that the server's goroutines and the test may
+// share.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}

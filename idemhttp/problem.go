@@ -2,10 +2,18 @@ package idemhttp
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
+	"log/slog"
+	"net"
 	"net/http"
 	"net/url"
 	"strings"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgidem/idem"
 )
 
 // DefaultProblemTypeBase is the start of every problem's type URI unless
@@ -62,25 +70,31 @@ const (
 	ProblemResponseNotStored = "response-not-stored"
 
 	// ProblemRequestFailed (500): the request did not complete, because of
-	// a database failure, a panic in the handler, or a bug in
-	// Config.Scope. Nothing it did was kept: retrying it with the same key
-	// is safe.
+	// a database error, a panic in the handler, or a bug in Config.Scope.
+	// Nothing it did was kept: retrying it with the same key is safe.
 	ProblemRequestFailed = "request-failed"
+
+	// ProblemDatabaseUnavailable (503): the database could not be reached,
+	// or the connection to it broke, so the request did not complete, or
+	// completed without its answer reaching the client. Retrying it later
+	// with the same key is safe: it runs again or replays.
+	ProblemDatabaseUnavailable = "database-unavailable"
 )
 
 // problemTitles are the problems' titles: like their types, they never
 // change from one occurrence to the next, as RFC 9457 asks.
 var problemTitles = map[string]string{
-	ProblemKeyMissing:        "Idempotency key missing",
-	ProblemKeyInvalid:        "Idempotency key invalid",
-	ProblemScopeUnknown:      "Caller unknown",
-	ProblemFingerprintFailed: "Request cannot be fingerprinted",
-	ProblemBodyUnreadable:    "Request body unreadable",
-	ProblemBodyTooLarge:      "Request body too large",
-	ProblemKeyReused:         "Idempotency key reused",
-	ProblemKeyInProgress:     "Request with this idempotency key in progress",
-	ProblemResponseNotStored: "Response too large to replay",
-	ProblemRequestFailed:     "Request not completed",
+	ProblemKeyMissing:          "Idempotency key missing",
+	ProblemKeyInvalid:          "Idempotency key invalid",
+	ProblemScopeUnknown:        "Caller unknown",
+	ProblemFingerprintFailed:   "Request cannot be fingerprinted",
+	ProblemBodyUnreadable:      "Request body unreadable",
+	ProblemBodyTooLarge:        "Request body too large",
+	ProblemKeyReused:           "Idempotency key reused",
+	ProblemKeyInProgress:       "Request with this idempotency key in progress",
+	ProblemResponseNotStored:   "Response too large to replay",
+	ProblemRequestFailed:       "Request not completed",
+	ProblemDatabaseUnavailable: "Database unavailable",
 }
 
 // problem is an RFC 9457 problem details object with a code member.
@@ -94,30 +108,125 @@ type problem struct {
 	OriginalStatus int `json:"original_status,omitempty"`
 }
 
-// checkProblemTypeBase rejects a base that would not give absolute type
-// URIs, or that could not be sent in a Link header as it is.
-func checkProblemTypeBase(base string) error {
+// checkProblemTypeBase says what is wrong with a base that would not give
+// absolute type URIs, or that could not be sent in a Link header as it is;
+// "" when nothing is.
+func checkProblemTypeBase(base string) string {
 	u, err := url.Parse(base)
 	switch {
 	case err != nil:
-		return fmt.Errorf("idemhttp: Config.ProblemTypeBase %q is not a URI: %v", base, err)
+		return fmt.Sprintf("is not a URI: %v", err)
 	case !u.IsAbs():
-		return fmt.Errorf("idemhttp: Config.ProblemTypeBase %q is not an absolute URI", base)
+		return "is not an absolute URI"
 	case strings.ContainsFunc(base, func(r rune) bool { return r <= ' ' || r >= 0x7f || strings.ContainsRune(`<>"`, r) }):
-		return fmt.Errorf("idemhttp: Config.ProblemTypeBase %q holds a character that a URI must escape", base)
+		return "holds a character that a URI must escape"
 	}
-	return nil
+	return ""
+}
+
+// WriteError answers a request for which [Middleware.ParseKey], [idem.Run]
+// or [idem.Do] returned err, as the middleware answers its own requests:
+// with the same problems, codes, type URIs, Link headers, details, status
+// codes and Retry-After. It is for a handler that calls idem itself:
+//
+//   - ParseKey's errors: 400 key-missing or key-invalid.
+//   - [idem.ErrInvalidKey]: 400 key-invalid.
+//   - [idem.ErrFingerprintMismatch]: 422 key-reused.
+//   - [idem.ErrInProgress]: 409 key-in-progress, with a Retry-After of
+//     [Config.Wait] in seconds, rounded up (so give idem.Run the same wait).
+//   - an error that says the database could not be reached or the
+//     connection to it broke (pgx's connect errors, a closed connection,
+//     a server shutting down): 503 database-unavailable.
+//   - any other error: 500 request-failed.
+//
+// The last two are logged to [Config.Logger], unless the request's context
+// is done: the client went away. All say that a retry with the same key is
+// safe, which holds when the error came from idem, whose transaction did
+// not commit; an error of the handler's own deserves an answer of its own.
+func (m *Middleware) WriteError(w http.ResponseWriter, r *http.Request, err error) {
+	var keyErr *keyError
+	switch {
+	case errors.As(err, &keyErr) && keyErr.missing:
+		m.writeProblem(w, http.StatusBadRequest, ProblemKeyMissing, "This request needs an "+m.header+" header.")
+	case errors.As(err, &keyErr):
+		m.writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "The "+m.header+" header "+keyErr.problem+".")
+	case errors.Is(err, idem.ErrInvalidKey):
+		m.writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "The "+m.header+" header does not hold a valid key.")
+	case errors.Is(err, idem.ErrFingerprintMismatch):
+		m.writeProblem(w, http.StatusUnprocessableEntity, ProblemKeyReused,
+			"This "+m.header+" was already used for a different request. Use a new key for a new request.")
+	case errors.Is(err, idem.ErrInProgress):
+		w.Header().Set("Retry-After", m.retryAfter)
+		m.writeProblem(w, http.StatusConflict, ProblemKeyInProgress,
+			"A request with this "+m.header+" is still being processed. Retry it later with the same key.")
+	default:
+		m.writeFailed(w, r, err, true)
+	}
+}
+
+// writeFailed answers a request whose transaction did not commit, or may
+// not have, for a reason other than the handler's answer: 503 when the
+// database is unavailable, 500 otherwise, and logs err. keyed says whether
+// the request has a key, with which a retry is safe.
+func (m *Middleware) writeFailed(w http.ResponseWriter, r *http.Request, err error, keyed bool) {
+	status, code, detail := http.StatusInternalServerError, ProblemRequestFailed, "The request could not be completed."
+	if databaseUnavailable(err) {
+		status, code, detail = http.StatusServiceUnavailable, ProblemDatabaseUnavailable, "The request could not be completed: the database is unavailable."
+	}
+	// When the client went away, it cancelled its own request: nothing
+	// went wrong that an operator must hear about.
+	if r.Context().Err() == nil {
+		m.logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: request failed; its transaction did not commit",
+			slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()), slog.Int("status", status), slog.Any("error", err))
+	}
+	m.writeProblem(w, status, code, m.failedDetail(detail, keyed))
+}
+
+// failedDetail is detail, the reason a request failed, plus, when it has
+// a key, that retrying with it is safe.
+func (m *Middleware) failedDetail(detail string, keyed bool) string {
+	if keyed {
+		detail += " Retrying it with the same " + m.header + " is safe."
+	}
+	return detail
+}
+
+// SQLSTATE codes with which PostgreSQL ends a session it will not serve.
+const (
+	sqlstateAdminShutdown    = "57P01"
+	sqlstateCrashShutdown    = "57P02"
+	sqlstateCannotConnectNow = "57P03"
+)
+
+// databaseUnavailable reports whether err says that the database could not
+// be reached or that the connection to it broke, rather than that a
+// statement failed.
+func databaseUnavailable(err error) bool {
+	var connectErr *pgconn.ConnectError
+	var opErr *net.OpError
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &connectErr), errors.Is(err, pgconn.ErrConnClosed),
+		errors.As(err, &opErr), errors.Is(err, io.ErrUnexpectedEOF):
+		return true
+	case errors.As(err, &pgErr):
+		switch pgErr.Code {
+		case sqlstateAdminShutdown, sqlstateCrashShutdown, sqlstateCannotConnectNow:
+			return true
+		}
+	}
+	return false
 }
 
 // writeProblem answers with the problem code, its status and detail. Its
 // type URI is also its documentation link: the IETF draft asks for one on
 // its error answers, in the body or in a Link header with rel="describedby".
-func (m *middleware) writeProblem(w http.ResponseWriter, status int, code, detail string) {
-	m.writeProblemOf(w, problem{Status: status, Code: code, Detail: detail})
+func (s *settings) writeProblem(w http.ResponseWriter, status int, code, detail string) {
+	s.writeProblemOf(w, problem{Status: status, Code: code, Detail: detail})
 }
 
-func (m *middleware) writeProblemOf(w http.ResponseWriter, p problem) {
-	p.Type = m.problemTypeBase + p.Code
+func (s *settings) writeProblemOf(w http.ResponseWriter, p problem) {
+	p.Type = s.problemTypeBase + p.Code
 	p.Title = problemTitles[p.Code]
 	body, _ := json.Marshal(p) // strings and ints always encode
 	h := w.Header()
