@@ -318,12 +318,14 @@ func NewRelay(db idem.TxBeginner, handler Handler, config *Config) (*Relay, erro
 	if c.ListenConnConfig != nil {
 		r.listenConfig = c.ListenConnConfig.Copy()
 	}
-	tracer, meter := observer.Instruments(c.Observer)
-	r.tracer = tracer
-	if meter != nil {
-		var err error
-		if r.metrics, err = newMetrics(meter); err != nil {
-			return nil, fmt.Errorf("outbox: observer: %w", err)
+	if c.Observer != nil {
+		tracer, meter := observer.Of(c.Observer)
+		r.tracer = tracer
+		if meter != nil {
+			var err error
+			if r.metrics, err = newMetrics(meter); err != nil {
+				return nil, fmt.Errorf("outbox: observer: %w", err)
+			}
 		}
 	}
 	return r, nil
