@@ -438,7 +438,7 @@ func (r *Relay) do(ctx context.Context, stmt func(ctx context.Context, q *dbsqlc
 	})
 }
 
-// Outcomes of an attempt, as OutboxRecord takes them and as the
+// Outcomes of an attempt, as OutboxRecordAndLease takes them and as the
 // idem.outbox.deliveries counter labels them.
 const (
 	outcomeDelivered = "delivered"
@@ -465,20 +465,17 @@ type result struct {
 // When the statement fails, the outcomes in carry are recorded once more
 // on their own; if that fails too, their messages stay leased and are
 // delivered again once their leases run out.
-func (r *Relay) lease(ctx context.Context, carry []result) (rows []dbsqlc.OutboxLeaseRow, leasedAt time.Time, unblocked bool, err error) {
+func (r *Relay) lease(ctx context.Context, carry []result) (rows []dbsqlc.OutboxRecordAndLeaseRow, leasedAt time.Time, unblocked bool, err error) {
 	if ctx.Err() != nil {
 		if len(carry) > 0 {
 			unblocked = r.record(ctx, carry)
 		}
 		return nil, time.Time{}, unblocked, nil
 	}
-	p := outcomeParams(carry)
-	params := dbsqlc.OutboxLeaseParams{
-		Ids: p.Ids, Attempts: p.Attempts, Outcomes: p.Outcomes, DelaysUs: p.DelaysUs, LastErrors: p.LastErrors,
-		Lease:        interval(r.config.LeaseDuration),
-		Destinations: r.config.Destinations,
-		MaxMessages:  int32(r.config.BatchSize),
-	}
+	params := outcomeParams(carry)
+	params.Lease = interval(r.config.LeaseDuration)
+	params.Destinations = r.config.Destinations
+	params.MaxMessages = int32(r.config.BatchSize)
 	stmtCtx := ctx
 	if len(carry) > 0 {
 		// Outcomes are recorded even when the relay stops meanwhile; the
@@ -488,10 +485,10 @@ func (r *Relay) lease(ctx context.Context, carry []result) (rows []dbsqlc.Outbox
 		defer cancel()
 	}
 	leasedAt = time.Now()
-	var all []dbsqlc.OutboxLeaseRow
+	var all []dbsqlc.OutboxRecordAndLeaseRow
 	err = r.do(stmtCtx, func(ctx context.Context, q *dbsqlc.Queries) error {
 		var err error
-		if all, err = q.OutboxLease(ctx, params); err != nil {
+		if all, err = q.OutboxRecordAndLease(ctx, params); err != nil {
 			return guard.Translate("outbox: lease", err)
 		}
 		return nil
@@ -520,7 +517,7 @@ func (r *Relay) lease(ctx context.Context, carry []result) (rows []dbsqlc.Outbox
 // statement to record. When handlers return more than recordLinger apart,
 // the outcomes that are in are recorded meanwhile, so that a slow handler
 // does not keep its batch-mates leased.
-func (r *Relay) deliverBatch(ctx context.Context, rows []dbsqlc.OutboxLeaseRow, leasedAt time.Time) (last []result) {
+func (r *Relay) deliverBatch(ctx context.Context, rows []dbsqlc.OutboxRecordAndLeaseRow, leasedAt time.Time) (last []result) {
 	results := make(chan result, len(rows))
 	for _, row := range rows {
 		go func() { results <- r.attempt(ctx, row, leasedAt) }()
@@ -550,7 +547,7 @@ func (r *Relay) deliverBatch(ctx context.Context, rows []dbsqlc.OutboxLeaseRow, 
 }
 
 // attempt delivers one leased message and says what its outcome is.
-func (r *Relay) attempt(ctx context.Context, row dbsqlc.OutboxLeaseRow, leasedAt time.Time) result {
+func (r *Relay) attempt(ctx context.Context, row dbsqlc.OutboxRecordAndLeaseRow, leasedAt time.Time) result {
 	msg := Message{
 		ID:             row.ID,
 		Scope:          row.Scope,
@@ -661,12 +658,20 @@ func (r *Relay) classify(ctx context.Context, msg Message, cause error, latency 
 func (r *Relay) record(ctx context.Context, batch []result) (unblocked bool) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
 	defer cancel()
+	// The statement that leases, leasing no messages: outcomes are
+	// written by one statement only.
 	p := outcomeParams(batch)
+	p.Lease = interval(r.config.LeaseDuration)
+	p.Destinations = r.config.Destinations
+	p.MaxMessages = 0
 	var changed []int64
 	err := r.do(ctx, func(ctx context.Context, q *dbsqlc.Queries) error {
-		var err error
-		if changed, err = q.OutboxRecord(ctx, p); err != nil {
+		rows, err := q.OutboxRecordAndLease(ctx, p)
+		if err != nil {
 			return guard.Translate("outbox: record outcomes", err)
+		}
+		for _, row := range rows {
+			changed = append(changed, row.ID) // all of kind "recorded"
 		}
 		return nil
 	})
@@ -678,11 +683,11 @@ func (r *Relay) record(ctx context.Context, batch []result) (unblocked bool) {
 	return r.recorded(ctx, batch, changed)
 }
 
-// outcomeParams spells the outcomes of batch as OutboxRecord's arrays,
+// outcomeParams spells the outcomes of batch as OutboxRecordAndLease's arrays,
 // sorted by id so that concurrent statements lock rows in one order.
-func outcomeParams(batch []result) dbsqlc.OutboxRecordParams {
+func outcomeParams(batch []result) dbsqlc.OutboxRecordAndLeaseParams {
 	slices.SortFunc(batch, func(a, b result) int { return cmp.Compare(a.msg.ID, b.msg.ID) })
-	p := dbsqlc.OutboxRecordParams{
+	p := dbsqlc.OutboxRecordAndLeaseParams{
 		Ids:        make([]int64, len(batch)),
 		Attempts:   make([]int32, len(batch)),
 		Outcomes:   make([]string, len(batch)),
