@@ -9,7 +9,7 @@ import (
 // often it purges and counts its backlog, how long it waits for its probe
 // notification, and how long before it probes again.
 func SetIntervals(r *Relay, maintain, probeWait, reprobe time.Duration) {
-	r.purgeEvery, r.probeWait, r.reprobeEvery = maintain, probeWait, reprobe
+	r.maintainEvery, r.probeWait, r.reprobeEvery = maintain, probeWait, reprobe
 }
 
 // RecordDelivered records, on its own statement, that message id was

@@ -10,6 +10,7 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/pgtime"
 )
 
 // ErrLeaseLost is returned by [ExtendLease] when the message's lease can no
@@ -50,7 +51,7 @@ func ExtendLease(ctx context.Context, d time.Duration) error {
 	var n int64
 	err := dl.relay.do(ctx, func(ctx context.Context, q *dbsqlc.Queries) error {
 		var err error
-		n, err = q.OutboxExtendLease(ctx, dbsqlc.OutboxExtendLeaseParams{Lease: interval(d), ID: dl.id, Attempt: dl.attempt})
+		n, err = q.OutboxExtendLease(ctx, dbsqlc.OutboxExtendLeaseParams{Lease: pgtime.Interval(d), ID: dl.id, Attempt: dl.attempt})
 		if err != nil {
 			return guard.Translate("outbox: extend lease", err)
 		}
