@@ -13,7 +13,10 @@ import (
 )
 
 // Config is how a [Relay] delivers. The zero value of every field means its
-// default; negative values are rejected.
+// default, so a nil *Config, or an empty one, means every default. A
+// negative value means "none" where a field says so (DeliveredRetention);
+// every other negative or out-of-range value makes [NewRelay] fail with an
+// error that names the field and wraps [idem.ErrInvalidOption].
 type Config struct {
 	// BatchSize is the most messages one relay leases in one round. It
 	// delivers them concurrently, records their outcomes together in one
@@ -27,15 +30,16 @@ type Config struct {
 	// concurrent calls to the destinations. Larger batches cost fewer
 	// statements and commits per message (with a no-op handler, batches of
 	// 10 deliver below the rate at which the same server commits bare
-	// one-row inserts, and batches of 50 above it; see the README);
+	// one-row inserts, and batches of 50 above it; see docs/outbox.md);
 	// smaller ones suit a destination that takes few concurrent calls, and
-	// leave fewer messages to wait out their lease after a crash. Defaults
-	// to 50.
+	// leave fewer messages to wait out their lease after a crash. At most
+	// math.MaxInt32. Defaults to 50.
 	BatchSize int
 
 	// Destinations limits the relay to messages for these destinations, so
-	// that each destination can have relays (and handlers) of its own.
-	// Defaults to every destination.
+	// that each destination can have relays (and handlers) of its own. Each
+	// follows the rules of [Entry.Destination]. Defaults to every
+	// destination.
 	Destinations []string
 
 	// LeaseDuration is how long a leased message is withheld from other
@@ -44,7 +48,7 @@ type Config struct {
 	// still holds, and a relay that crashed leaves its messages to others
 	// once it has: choose it longer than most deliveries take, and short
 	// enough to wait out after a crash. A handler that needs longer calls
-	// [ExtendLease]. Every duration is accepted, up to
+	// [ExtendLease]. Every positive duration is accepted, up to
 	// math.MaxInt64 (about 292 years) for a lease that does not run out in
 	// practice. Defaults to 1m.
 	LeaseDuration time.Duration
@@ -52,14 +56,15 @@ type Config struct {
 	// MaxAttempts is how many attempts a message gets before it is parked.
 	// A message is parked after its MaxAttempts-th attempt fails, or once
 	// that attempt's lease runs out without an outcome (its relay crashed).
-	// Attempts that a stopping relay interrupts are not counted. Defaults to
-	// 20.
+	// Attempts that a stopping relay interrupts are not counted. At most
+	// math.MaxInt32. Defaults to 20.
 	MaxAttempts int
 
 	// RetryDelay is the delay after a message's first failed attempt. It
 	// doubles with each further failure, up to MaxRetryDelay, and each delay
 	// is drawn at random between half and all of that, so that messages
-	// that failed together do not retry together. Defaults to 1s.
+	// that failed together do not retry together. It must not exceed
+	// MaxRetryDelay. Defaults to 1s.
 	RetryDelay time.Duration
 
 	// MaxRetryDelay caps the delay between two attempts of a message. With
@@ -76,8 +81,10 @@ type Config struct {
 	// before the relay purges them (only those to its Destinations, when
 	// set), once a minute, in batches of 1,000, in a goroutine of its own,
 	// so that purging never holds up delivery. Parked messages are never
-	// purged. math.MaxInt64 keeps them for as long as a time.Duration
-	// reaches, about 292 years. Defaults to 24h.
+	// purged. Negative means never: the relay purges nothing, and delivered
+	// messages stay until someone deletes them (see docs/outbox.md).
+	// math.MaxInt64 keeps them for as long as a time.Duration reaches,
+	// about 292 years. Defaults to 24h.
 	DeliveredRetention time.Duration
 
 	// ListenConnConfig is where the relay opens its connection to listen
@@ -86,9 +93,10 @@ type Config struct {
 	// pool_mode=transaction), which does not pass notifications on (and
 	// keeps the LISTEN that a relay sends through it on one of its server
 	// connections, where later notifications arrive for no client). Each
-	// relay opens one such connection while it runs. Defaults to the
-	// pool's connection settings when db is a *pgxpool.Pool, and to no
-	// listening connection otherwise: the relay then only polls.
+	// relay opens one such connection while it runs. It must come from
+	// pgx.ParseConfig; the relay uses a copy. Defaults to the pool's
+	// connection settings when db is a *pgxpool.Pool, and to no listening
+	// connection otherwise: the relay then only polls.
 	ListenConnConfig *pgx.ConnConfig
 
 	// Observer records the relay's deliveries through the same
@@ -116,8 +124,8 @@ const (
 )
 
 // withDefaults returns a copy of c (of the zero Config when c is nil) with
-// every zero field set to its default, or an error for the first invalid
-// field. The copy shares nothing with c that c's owner could change
+// every zero field set to its default, or an error that names the first
+// invalid field. The copy shares nothing with c that c's owner could change
 // later: its Destinations are copied, and its ListenConnConfig too.
 func (c *Config) withDefaults() (Config, error) {
 	var r Config
@@ -132,18 +140,19 @@ func (c *Config) withDefaults() (Config, error) {
 		name  string
 		value *time.Duration
 		def   time.Duration
+		none  bool // negative means none
 	}{
-		{"LeaseDuration", &r.LeaseDuration, defaultLeaseDuration},
-		{"RetryDelay", &r.RetryDelay, defaultRetryDelay},
-		{"MaxRetryDelay", &r.MaxRetryDelay, defaultMaxRetryDelay},
-		{"PollInterval", &r.PollInterval, defaultPollInterval},
-		{"DeliveredRetention", &r.DeliveredRetention, defaultDeliveredRetention},
+		{"LeaseDuration", &r.LeaseDuration, defaultLeaseDuration, false},
+		{"RetryDelay", &r.RetryDelay, defaultRetryDelay, false},
+		{"MaxRetryDelay", &r.MaxRetryDelay, defaultMaxRetryDelay, false},
+		{"PollInterval", &r.PollInterval, defaultPollInterval, false},
+		{"DeliveredRetention", &r.DeliveredRetention, defaultDeliveredRetention, true},
 	} {
-		if *f.value < 0 {
-			return Config{}, fmt.Errorf("%w: %s must not be negative, got %s", idem.ErrInvalidOption, f.name, *f.value)
-		}
-		if *f.value == 0 {
+		switch {
+		case *f.value == 0:
 			*f.value = f.def
+		case *f.value < 0 && !f.none:
+			return Config{}, invalidField(f.name, "must not be negative (0 means the default, %s), got %s", f.def, *f.value)
 		}
 	}
 	for _, f := range []struct {
@@ -154,19 +163,19 @@ func (c *Config) withDefaults() (Config, error) {
 		{"BatchSize", &r.BatchSize, defaultBatchSize},
 		{"MaxAttempts", &r.MaxAttempts, defaultMaxAttempts},
 	} {
-		if *f.value < 0 || *f.value > math.MaxInt32 {
-			return Config{}, fmt.Errorf("%w: %s must be between 0 and %d, got %d", idem.ErrInvalidOption, f.name, math.MaxInt32, *f.value)
-		}
-		if *f.value == 0 {
+		switch {
+		case *f.value == 0:
 			*f.value = f.def
+		case *f.value < 0 || *f.value > math.MaxInt32:
+			return Config{}, invalidField(f.name, "must be between 1 and %d (0 means the default, %d), got %d", math.MaxInt32, f.def, *f.value)
 		}
 	}
 	if r.RetryDelay > r.MaxRetryDelay {
-		return Config{}, fmt.Errorf("%w: RetryDelay %s exceeds MaxRetryDelay %s", idem.ErrInvalidOption, r.RetryDelay, r.MaxRetryDelay)
+		return Config{}, invalidField("RetryDelay", "must not exceed Config.MaxRetryDelay (%s), got %s", r.MaxRetryDelay, r.RetryDelay)
 	}
-	for _, d := range r.Destinations {
+	for i, d := range r.Destinations {
 		if err := guard.CheckIdentifier(d); err != nil {
-			return Config{}, fmt.Errorf("%w: destination %q: %s", idem.ErrInvalidOption, d, err)
+			return Config{}, invalidField(fmt.Sprintf("Destinations[%d]", i), "invalid destination %q: %s", d, err)
 		}
 	}
 	if r.Destinations == nil {
@@ -179,4 +188,9 @@ func (c *Config) withDefaults() (Config, error) {
 		r.Logger = slog.Default()
 	}
 	return r, nil
+}
+
+// invalidField is the error of a Config field with an unusable value.
+func invalidField(field, format string, args ...any) error {
+	return fmt.Errorf("outbox: Config.%s: %s: %w", field, fmt.Sprintf(format, args...), idem.ErrInvalidOption)
 }

@@ -70,8 +70,9 @@
 // and, once the cause is dealt with, [Requeue] sends one again.
 //
 // Delivered messages are purged by the relays after
-// [Config.DeliveredRetention], once a minute, in batches, in a goroutine of
-// their own: a large purge does not delay delivery.
+// [Config.DeliveredRetention] (never, when it is negative), once a minute,
+// in batches, in a goroutine of their own: a large purge does not delay
+// delivery.
 //
 // Idle relays look for due messages every [Config.PollInterval]. Relays
 // given a *pgxpool.Pool (or a [Config.ListenConnConfig]) also listen for

@@ -39,10 +39,10 @@ var ErrLeaseLost = errors.New("outbox: the message's lease is lost")
 func ExtendLease(ctx context.Context, d time.Duration) error {
 	dl, _ := ctx.Value(deliveryKey{}).(*delivery)
 	if dl == nil {
-		return fmt.Errorf("%w: ExtendLease needs the context of a handler call", idem.ErrInvalidOption)
+		return fmt.Errorf("outbox: ExtendLease: ctx must be a handler call's context: %w", idem.ErrInvalidOption)
 	}
 	if d <= 0 {
-		return fmt.Errorf("%w: ExtendLease needs a positive duration, got %s", idem.ErrInvalidOption, d)
+		return fmt.Errorf("outbox: ExtendLease: d must be positive, got %s: %w", d, idem.ErrInvalidOption)
 	}
 	if err := dl.ctx.Err(); err != nil {
 		return err

@@ -19,11 +19,14 @@ const (
 	purgeBatch = 1000
 )
 
-// maintain purges delivered messages and counts the backlog, now and then
-// every maintainEvery, until ctx ends.
+// maintain purges delivered messages (unless Config.DeliveredRetention is
+// negative) and counts the backlog, now and then every maintainEvery, until
+// ctx ends.
 func (r *Relay) maintain(ctx context.Context) {
 	for {
-		r.purge(ctx)
+		if r.config.DeliveredRetention >= 0 {
+			r.purge(ctx)
+		}
 		r.countBacklog(ctx)
 		if backoff.Sleep(ctx, r.maintainEvery) != nil {
 			return

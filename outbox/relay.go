@@ -83,7 +83,11 @@ type Relay struct {
 }
 
 // NewRelay returns a relay that leases messages through db and delivers
-// them to handler. A nil config means every default.
+// them to handler, configured by config: a nil config means every default.
+// It applies the defaults and checks every field once, here: an invalid
+// field gives an error that names it and wraps [idem.ErrInvalidOption], as
+// does a nil db or handler. The relay keeps a copy of config; changing
+// config afterwards changes nothing.
 //
 // db is usually a *pgxpool.Pool. A relay given a *pgx.Conn or a
 // *pgxpool.Conn runs its statements on that connection one at a time, each
@@ -99,11 +103,12 @@ type Relay struct {
 // pool (so a pool's hooks, such as AfterConnect, do not run on it), to
 // listen for [Notify]; it closes it when Run returns. Otherwise the relay
 // only polls.
-//
-// An invalid config gives [idem.ErrInvalidOption].
 func NewRelay(db idem.TxBeginner, handler Handler, config *Config) (*Relay, error) {
-	if db == nil || handler == nil {
-		return nil, fmt.Errorf("%w: a relay needs a database and a handler", idem.ErrInvalidOption)
+	if db == nil {
+		return nil, fmt.Errorf("outbox: NewRelay: db must not be nil: %w", idem.ErrInvalidOption)
+	}
+	if handler == nil {
+		return nil, fmt.Errorf("outbox: NewRelay: handler must not be nil: %w", idem.ErrInvalidOption)
 	}
 	c, err := config.withDefaults()
 	if err != nil {
@@ -130,7 +135,7 @@ func NewRelay(db idem.TxBeginner, handler Handler, config *Config) (*Relay, erro
 		r.tracer = tracer
 		if meter != nil {
 			if r.metrics, err = newMetrics(meter); err != nil {
-				return nil, fmt.Errorf("outbox: observer: %w", err)
+				return nil, fmt.Errorf("outbox: Config.Observer: %w", err)
 			}
 		}
 	}

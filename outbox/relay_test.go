@@ -404,32 +404,6 @@ func TestOrderingKeyDeliversInOrder(t *testing.T) {
 	}
 }
 
-func TestNewRelayRejectsInvalidConfig(t *testing.T) {
-	pool := env.Pool(t)
-	handler := func(context.Context, outbox.Message) error { return nil }
-	for name, c := range map[string]outbox.Config{
-		"negative batch size":      {BatchSize: -1},
-		"negative max attempts":    {MaxAttempts: -1},
-		"negative lease":           {LeaseDuration: -time.Second},
-		"negative poll interval":   {PollInterval: -time.Second},
-		"negative retention":       {DeliveredRetention: -time.Second},
-		"retry delay above cap":    {RetryDelay: time.Hour, MaxRetryDelay: time.Minute},
-		"empty destination":        {Destinations: []string{""}},
-		"destination with NUL":     {Destinations: []string{"a\x00"}},
-		"negative max retry delay": {MaxRetryDelay: -time.Second},
-	} {
-		if _, err := outbox.NewRelay(pool, handler, &c); !errors.Is(err, idem.ErrInvalidOption) {
-			t.Errorf("%s: err = %v, want idem.ErrInvalidOption", name, err)
-		}
-	}
-	if _, err := outbox.NewRelay(pool, nil, nil); !errors.Is(err, idem.ErrInvalidOption) {
-		t.Errorf("nil handler: err = %v, want idem.ErrInvalidOption", err)
-	}
-	if _, err := outbox.NewRelay(pool, handler, nil); err != nil {
-		t.Errorf("nil config: %v, want every default", err)
-	}
-}
-
 func TestRelayRunsOnceAtATime(t *testing.T) {
 	ctx, pool, _, dest := setup(t)
 	relay, err := outbox.NewRelay(pool, func(context.Context, outbox.Message) error { return nil },
