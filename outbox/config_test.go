@@ -6,6 +6,7 @@ import (
 	"math"
 	"reflect"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -66,8 +67,8 @@ func TestNewRelayRefusesEveryInvalidField(t *testing.T) {
 
 	// The arguments too.
 	for name, err := range map[string]error{
-		"db":      second(outbox.NewRelay(nil, handler, nil)),
-		"handler": second(outbox.NewRelay(pool, nil, nil)),
+		"db":      errorOf(outbox.NewRelay(nil, handler, nil)),
+		"handler": errorOf(outbox.NewRelay(pool, nil, nil)),
 	} {
 		if !errors.Is(err, idem.ErrInvalidOption) || !strings.Contains(err.Error(), name+" must not be nil") {
 			t.Errorf("nil %s: err = %v, want idem.ErrInvalidOption naming it", name, err)
@@ -75,7 +76,8 @@ func TestNewRelayRefusesEveryInvalidField(t *testing.T) {
 	}
 }
 
-func second[T any](_ T, err error) error { return err }
+// errorOf is the error of a call that returns a value and an error.
+func errorOf[T any](_ T, err error) error { return err }
 
 // Zero values, a nil config, and the values at the edges of each range are
 // accepted.
@@ -96,5 +98,84 @@ func TestNewRelayAcceptsZeroAndEdges(t *testing.T) {
 		if _, err := outbox.NewRelay(pool, handler, c); err != nil {
 			t.Errorf("%s: %v, want accepted", name, err)
 		}
+	}
+}
+
+// The largest durations mean "forever", not a negative interval.
+func TestLargestDurationsMeanForever(t *testing.T) {
+	ctx, pool, scope, dest := setup(t)
+	forever := time.Duration(math.MaxInt64)
+	ids := enqueue(t, ctx, pool, entries(scope, dest, 2)...)
+	old, fresh := ids[0], ids[1]
+	if _, err := pool.Exec(ctx, `UPDATE outbox_message SET state = 'delivered', delivered_at = now() - interval '100 years'
+		WHERE id = $1`, old); err != nil {
+		t.Fatal(err)
+	}
+
+	// A relay purges before it leases: once it has delivered the fresh
+	// message, it has purged all it was going to.
+	release := make(chan struct{})
+	got := newCalls()
+	var markerDone atomic.Bool
+	handler := func(ctx context.Context, msg outbox.Message) error {
+		got.add(msg)
+		if msg.ID == fresh {
+			// Held until release; a relay stopped before that (a check
+			// below failed) ends the call, so that the test fails rather
+			// than hang. The test closes release before it stops the
+			// relays, so a call that sees its context end after release
+			// was closed still succeeds.
+			select {
+			case <-release:
+			case <-ctx.Done():
+				select {
+				case <-release:
+				default:
+					return ctx.Err()
+				}
+			}
+		} else {
+			markerDone.Store(true)
+		}
+		return nil
+	}
+	stopFirst := startRelay(t, ctx, pool, handler, outbox.Config{
+		Destinations: []string{dest}, DeliveredRetention: forever, LeaseDuration: forever,
+	})
+	waitFor(t, "the fresh message handled", func() bool { return got.count(fresh) == 1 })
+
+	// Its lease ends in centuries: a second relay, polling often, must not
+	// deliver it meanwhile.
+	var leasedForCenturies bool
+	if err := pool.QueryRow(ctx, `SELECT leased_until > now() + interval '200 years' FROM outbox_message WHERE id = $1`,
+		fresh).Scan(&leasedForCenturies); err != nil {
+		t.Fatal(err)
+	}
+	if !leasedForCenturies {
+		t.Error("a lease of the largest duration does not run for centuries")
+	}
+	stopSecond := startRelay(t, ctx, pool, handler, outbox.Config{
+		Destinations: []string{dest}, PollInterval: 2 * time.Millisecond, DeliveredRetention: forever,
+	})
+	// Wait for the second relay to have leased at least once, through an
+	// unrelated message that it delivers.
+	enqueue(t, ctx, pool, outbox.Entry{Scope: scope, Key: "marker", Destination: dest})
+	waitFor(t, "the marker handled", markerDone.Load)
+	close(release)
+	stopSecond()
+	stopFirst()
+	if n := got.count(fresh); n != 1 {
+		t.Errorf("fresh message handled %d times, want once", n)
+	}
+
+	byID := map[int64]row{}
+	for _, r := range rows(t, pool, dest) {
+		byID[r.ID] = r
+	}
+	if r, ok := byID[old]; !ok || r.State != "delivered" {
+		t.Errorf("a message delivered a century ago was purged under a retention of %s", forever)
+	}
+	if r := byID[fresh]; r.State != "delivered" || r.Attempts != 1 {
+		t.Errorf("fresh message %+v: want delivered on its first attempt", r)
 	}
 }

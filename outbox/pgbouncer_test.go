@@ -45,7 +45,7 @@ func TestRelayBehindPgBouncer(t *testing.T) {
 		observer, relays := notifying(t)
 		logger, logs := capturingLogger(t)
 		delivered := make(chan string, 1)
-		runRelay(t, ctx, pooled, func(ctx context.Context, msg outbox.Message) error {
+		startRelay(t, ctx, pooled, func(ctx context.Context, msg outbox.Message) error {
 			delivered <- msg.Key
 			return nil
 		}, outbox.Config{
@@ -65,7 +65,7 @@ func TestRelayBehindPgBouncer(t *testing.T) {
 		observer, relays := notifying(t)
 		logger, logs := capturingLogger(t)
 		delivered := make(chan string, 1)
-		runRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
+		startRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
 			delivered <- msg.Key
 			return nil
 		}, outbox.Config{
