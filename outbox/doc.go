@@ -67,7 +67,9 @@
 //
 //	SELECT id, destination, attempts, last_error FROM outbox_message WHERE state = 'parked';
 //
-// and, once the cause is dealt with, [Requeue] sends one again.
+// and, once the cause is dealt with, [Requeue] sends one again. Which of
+// the table's columns and states are a stable interface, and what an
+// operator may change by hand, is in docs/outbox.md in idem's repository.
 //
 // Delivered messages are purged by the relays after
 // [Config.DeliveredRetention] (never, when it is negative), once a minute,

@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/testdb"
@@ -260,4 +261,22 @@ func enqueueAndAwait(t *testing.T, ctx context.Context, pool *pgxpool.Pool, deli
 			t.Fatalf("%s not delivered: %s", e.Key, why)
 		}
 	}
+}
+
+// migratedDatabase returns a pool, through the pooler, on a database of the
+// test's own with idem's migrations applied, closed and dropped when the
+// test ends.
+func migratedDatabase(t *testing.T, ctx context.Context) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(ctx, env.EmptyDatabase(t)) // dropped after the pool closed
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	sqlDB := stdlib.OpenDBFromPool(pool)
+	defer sqlDB.Close()
+	if err := idem.Migrate(ctx, sqlDB); err != nil {
+		t.Fatal(err)
+	}
+	return pool
 }
