@@ -44,13 +44,20 @@ type ObserverConfig struct {
 // SDK. Create one at start-up and pass it to every call with
 // [WithObserver]; calls without one record nothing and spend nothing on it.
 type Observer struct {
+	// instruments hold the tracer and meter for the packages built on idem,
+	// such as the outbox's relay (see internal/observer).
+	instruments
+
 	tracer        trace.Tracer
-	meter         metric.Meter
 	calls         metric.Int64Counter
 	claimDuration metric.Float64Histogram
 	logger        *slog.Logger
 	logKeys       bool
 }
+
+// instruments is observer.Instruments under an unexported name, so that
+// Observer embeds it without exporting the field.
+type instruments = observer.Instruments
 
 // instrumentationName names the package to OpenTelemetry.
 const instrumentationName = "github.com/pgidem/idem"
@@ -61,9 +68,9 @@ func NewObserver(cfg ObserverConfig) (*Observer, error) {
 	if cfg.TracerProvider != nil {
 		o.tracer = cfg.TracerProvider.Tracer(instrumentationName)
 	}
+	var meter metric.Meter
 	if cfg.MeterProvider != nil {
-		meter := cfg.MeterProvider.Meter(instrumentationName)
-		o.meter = meter
+		meter = cfg.MeterProvider.Meter(instrumentationName)
 		var err error
 		o.calls, err = meter.Int64Counter("idem.calls",
 			metric.WithDescription("Calls of Do, Run and Once, by outcome."),
@@ -79,18 +86,8 @@ func NewObserver(cfg ObserverConfig) (*Observer, error) {
 			return nil, fmt.Errorf("idem: observer: %w", err)
 		}
 	}
+	o.instruments = observer.New(o.tracer, meter)
 	return o, nil
-}
-
-func init() {
-	// The outbox's relay records through the same Observer as the core.
-	observer.Instruments = func(observer any) (trace.Tracer, metric.Meter) {
-		o, _ := observer.(*Observer)
-		if o == nil {
-			return nil, nil
-		}
-		return o.tracer, o.meter
-	}
 }
 
 // observation is one call being observed. Its methods do nothing on a nil

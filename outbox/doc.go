@@ -67,11 +67,14 @@
 //
 //	SELECT id, destination, attempts, last_error FROM outbox_message WHERE state = 'parked';
 //
-// and, once the cause is dealt with, [Requeue] sends one again.
+// and, once the cause is dealt with, [Requeue] sends one again. Which of
+// the table's columns and states are a stable interface, and what an
+// operator may change by hand, is in docs/outbox.md in idem's repository.
 //
 // Delivered messages are purged by the relays after
-// [Config.DeliveredRetention], once a minute, in batches, in a goroutine of
-// their own: a large purge does not delay delivery.
+// [Config.DeliveredRetention] (never, when it is negative), once a minute,
+// in batches, in a goroutine of their own: a large purge does not delay
+// delivery.
 //
 // Idle relays look for due messages every [Config.PollInterval]. Relays
 // given a *pgxpool.Pool (or a [Config.ListenConnConfig]) also listen for

@@ -1,10 +1,20 @@
 package outbox
 
-import "time"
+import (
+	"context"
+	"time"
+)
 
 // SetIntervals shortens a relay's background intervals for tests: how
 // often it purges and counts its backlog, how long it waits for its probe
 // notification, and how long before it probes again.
 func SetIntervals(r *Relay, maintain, probeWait, reprobe time.Duration) {
-	r.purgeEvery, r.probeWait, r.reprobeEvery = maintain, probeWait, reprobe
+	r.maintainEvery, r.probeWait, r.reprobeEvery = maintain, probeWait, reprobe
+}
+
+// RecordDelivered records, on its own statement, that message id was
+// delivered on its attempt-th attempt: what a relay does for the outcomes
+// that arrive while its batch-mates' handlers still run.
+func RecordDelivered(ctx context.Context, r *Relay, id int64, attempt int) {
+	r.record(ctx, []result{{msg: Message{ID: id, Attempt: attempt}, outcome: outcomeDelivered}})
 }

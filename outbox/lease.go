@@ -10,6 +10,7 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/pgtime"
 )
 
 // ErrLeaseLost is returned by [ExtendLease] when the message's lease can no
@@ -38,10 +39,10 @@ var ErrLeaseLost = errors.New("outbox: the message's lease is lost")
 func ExtendLease(ctx context.Context, d time.Duration) error {
 	dl, _ := ctx.Value(deliveryKey{}).(*delivery)
 	if dl == nil {
-		return fmt.Errorf("%w: ExtendLease needs the context of a handler call", idem.ErrInvalidOption)
+		return fmt.Errorf("outbox: ExtendLease: ctx must be a handler call's context: %w", idem.ErrInvalidOption)
 	}
 	if d <= 0 {
-		return fmt.Errorf("%w: ExtendLease needs a positive duration, got %s", idem.ErrInvalidOption, d)
+		return fmt.Errorf("outbox: ExtendLease: d must be positive, got %s: %w", d, idem.ErrInvalidOption)
 	}
 	if err := dl.ctx.Err(); err != nil {
 		return err
@@ -50,7 +51,7 @@ func ExtendLease(ctx context.Context, d time.Duration) error {
 	var n int64
 	err := dl.relay.do(ctx, func(ctx context.Context, q *dbsqlc.Queries) error {
 		var err error
-		n, err = q.OutboxExtendLease(ctx, dbsqlc.OutboxExtendLeaseParams{Lease: interval(d), ID: dl.id, Attempt: dl.attempt})
+		n, err = q.OutboxExtendLease(ctx, dbsqlc.OutboxExtendLeaseParams{Lease: pgtime.Interval(d), ID: dl.id, Attempt: dl.attempt})
 		if err != nil {
 			return guard.Translate("outbox: extend lease", err)
 		}

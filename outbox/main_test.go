@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/testdb"
@@ -68,9 +70,11 @@ func entries(scope, dest string, n int) []outbox.Entry {
 	return out
 }
 
-// startRelay runs a relay until the returned stop is called (or the test
-// ends), and checks that Run returned nil.
-func startRelay(t *testing.T, ctx context.Context, db idem.TxBeginner, handler outbox.Handler, config outbox.Config) (stop func()) {
+// startRelay builds a relay with config, shortens its background intervals
+// (maintenance, probe wait, probe retry) when given, and runs it until the
+// returned stop is called or the test ends. stop checks that Run returned
+// nil.
+func startRelay(t *testing.T, ctx context.Context, db idem.TxBeginner, handler outbox.Handler, config outbox.Config, intervals ...time.Duration) (stop func()) {
 	t.Helper()
 	if config.Logger == nil {
 		config.Logger = testLogger(t)
@@ -80,18 +84,20 @@ func startRelay(t *testing.T, ctx context.Context, db idem.TxBeginner, handler o
 	if err != nil {
 		t.Fatal(err)
 	}
+	if len(intervals) == 3 {
+		outbox.SetIntervals(relay, intervals[0], intervals[1], intervals[2])
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- relay.Run(ctx) }()
-	var stopped atomic.Bool
+	var once sync.Once
 	stop = func() {
-		if !stopped.CompareAndSwap(false, true) {
-			return
-		}
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		})
 	}
 	t.Cleanup(stop)
 	return stop
@@ -130,6 +136,45 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// waitWithin polls cond until it holds, or fails the test after limit: for
+// conditions that a working relay meets at once, so that a broken one
+// fails the test quickly.
+func waitWithin(t *testing.T, limit time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(limit)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not done within %s", what, limit)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// calls counts a handler's calls per message.
+type calls struct {
+	mu    sync.Mutex
+	byID  map[int64]int
+	times map[int64][]time.Time
+}
+
+func newCalls() *calls {
+	return &calls{byID: map[int64]int{}, times: map[int64][]time.Time{}}
+}
+
+func (c *calls) add(msg outbox.Message) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.byID[msg.ID]++
+	c.times[msg.ID] = append(c.times[msg.ID], time.Now())
+	return c.byID[msg.ID]
+}
+
+func (c *calls) count(id int64) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.byID[id]
 }
 
 // row is a message's bookkeeping, read straight from the table.
@@ -216,4 +261,22 @@ func enqueueAndAwait(t *testing.T, ctx context.Context, pool *pgxpool.Pool, deli
 			t.Fatalf("%s not delivered: %s", e.Key, why)
 		}
 	}
+}
+
+// migratedDatabase returns a pool, through the pooler, on a database of the
+// test's own with idem's migrations applied, closed and dropped when the
+// test ends.
+func migratedDatabase(t *testing.T, ctx context.Context) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(ctx, env.EmptyDatabase(t)) // dropped after the pool closed
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	sqlDB := stdlib.OpenDBFromPool(pool)
+	defer sqlDB.Close()
+	if err := idem.Migrate(ctx, sqlDB); err != nil {
+		t.Fatal(err)
+	}
+	return pool
 }

@@ -16,10 +16,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/jackc/pgx/v5/stdlib"
-
-	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/testdb"
 	"github.com/pgidem/idem/outbox"
 )
@@ -45,7 +41,7 @@ func TestRelayBehindPgBouncer(t *testing.T) {
 		observer, relays := notifying(t)
 		logger, logs := capturingLogger(t)
 		delivered := make(chan string, 1)
-		runRelay(t, ctx, pooled, func(ctx context.Context, msg outbox.Message) error {
+		startRelay(t, ctx, pooled, func(ctx context.Context, msg outbox.Message) error {
 			delivered <- msg.Key
 			return nil
 		}, outbox.Config{
@@ -65,7 +61,7 @@ func TestRelayBehindPgBouncer(t *testing.T) {
 		observer, relays := notifying(t)
 		logger, logs := capturingLogger(t)
 		delivered := make(chan string, 1)
-		runRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
+		startRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
 			delivered <- msg.Key
 			return nil
 		}, outbox.Config{
@@ -81,22 +77,4 @@ func TestRelayBehindPgBouncer(t *testing.T) {
 			t.Errorf("idem.outbox.relays: %d listening, %d polling; want 1 listening", listening, polling)
 		}
 	})
-}
-
-// migratedDatabase returns a pool, through the pooler, on a database of the
-// test's own with idem's migrations applied, closed and dropped when the
-// test ends.
-func migratedDatabase(t *testing.T, ctx context.Context) *pgxpool.Pool {
-	t.Helper()
-	pool, err := pgxpool.New(ctx, env.EmptyDatabase(t)) // dropped after the pool closed
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	sqlDB := stdlib.OpenDBFromPool(pool)
-	defer sqlDB.Close()
-	if err := idem.Migrate(ctx, sqlDB); err != nil {
-		t.Fatal(err)
-	}
-	return pool
 }

@@ -3,8 +3,6 @@ package outbox_test
 import (
 	"context"
 	"errors"
-	"fmt"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,31 +14,6 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/outbox"
 )
-
-// calls counts a handler's calls per message.
-type calls struct {
-	mu    sync.Mutex
-	byID  map[int64]int
-	times map[int64][]time.Time
-}
-
-func newCalls() *calls {
-	return &calls{byID: map[int64]int{}, times: map[int64][]time.Time{}}
-}
-
-func (c *calls) add(msg outbox.Message) int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.byID[msg.ID]++
-	c.times[msg.ID] = append(c.times[msg.ID], time.Now())
-	return c.byID[msg.ID]
-}
-
-func (c *calls) count(id int64) int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.byID[id]
-}
 
 func TestRelaysDeliverEveryMessageOnce(t *testing.T) {
 	ctx, pool, scope, dest := setup(t)
@@ -92,209 +65,6 @@ func TestRelaysDeliverEveryMessageOnce(t *testing.T) {
 	}
 }
 
-func TestFailuresBackOffThenPark(t *testing.T) {
-	ctx, pool, scope, dest := setup(t)
-	ids := enqueue(t, ctx, pool,
-		outbox.Entry{Scope: scope, Key: "always-fails", Destination: dest},
-		outbox.Entry{Scope: scope, Key: "fails-twice", Destination: dest},
-		outbox.Entry{Scope: scope, Key: "rejected", Destination: dest},
-		outbox.Entry{Scope: scope, Key: "panics-once", Destination: dest},
-	)
-	alwaysFails, failsTwice, rejected, panicsOnce := ids[0], ids[1], ids[2], ids[3]
-
-	got := newCalls()
-	errUnavailable := errors.New("provider unavailable")
-	handler := func(ctx context.Context, msg outbox.Message) error {
-		n := got.add(msg)
-		if n != msg.Attempt {
-			t.Errorf("message %s: call %d says attempt %d", msg.Key, n, msg.Attempt)
-		}
-		switch msg.Key {
-		case "always-fails":
-			return errUnavailable
-		case "fails-twice":
-			if n <= 2 {
-				return errUnavailable
-			}
-		case "rejected":
-			return outbox.Park(errors.New("400 invalid amount"))
-		case "panics-once":
-			if n == 1 {
-				panic("handler bug")
-			}
-		}
-		return nil
-	}
-	const maxAttempts = 4
-	retryDelay, maxRetryDelay := 40*time.Millisecond, 100*time.Millisecond
-	stop := startRelay(t, ctx, pool, handler, outbox.Config{
-		Destinations:  []string{dest},
-		MaxAttempts:   maxAttempts,
-		RetryDelay:    retryDelay,
-		MaxRetryDelay: maxRetryDelay,
-		PollInterval:  10 * time.Millisecond,
-	})
-	waitFor(t, "every message delivered or parked", func() bool {
-		return countState(t, pool, dest, "delivered")+countState(t, pool, dest, "parked") == len(ids)
-	})
-	stop()
-
-	want := map[int64]struct {
-		state    string
-		attempts int32
-		lastErr  string
-	}{
-		alwaysFails: {"parked", maxAttempts, "provider unavailable"},
-		failsTwice:  {"delivered", 3, ""},
-		rejected:    {"parked", 1, "400 invalid amount"},
-		panicsOnce:  {"delivered", 2, ""},
-	}
-	for _, r := range rows(t, pool, dest) {
-		w := want[r.ID]
-		if r.State != w.state || r.Attempts != w.attempts || !strings.Contains(r.LastError, w.lastErr) || r.Leased {
-			t.Errorf("message %d: %+v; want state %s after %d attempts, last error %q", r.ID, r, w.state, w.attempts, w.lastErr)
-		}
-		if n := got.count(r.ID); n != int(w.attempts) {
-			t.Errorf("message %d handled %d times, want %d", r.ID, n, w.attempts)
-		}
-	}
-
-	// Each retry waited at least half its delay, which doubles per attempt
-	// up to the cap: 40ms, 80ms, then 100ms.
-	times := got.times[alwaysFails]
-	for i := 1; i < len(times); i++ {
-		delay := min(retryDelay<<(i-1), maxRetryDelay)
-		if gap := times[i].Sub(times[i-1]); gap < delay/2 {
-			t.Errorf("attempt %d came %s after attempt %d; the backoff is at least %s", i+1, gap, i, delay/2)
-		}
-	}
-
-	// Parked messages stay visible: a relay's purge takes the delivered
-	// ones and leaves them alone.
-	startRelay(t, ctx, pool, handler, outbox.Config{Destinations: []string{dest}, DeliveredRetention: time.Nanosecond})
-	waitFor(t, "delivered messages purged", func() bool { return countState(t, pool, dest, "delivered") == 0 })
-	if n := countState(t, pool, dest, "parked"); n != 2 {
-		t.Fatalf("%d parked messages after a purge, want 2", n)
-	}
-}
-
-func TestRelayPurgesDeliveredAfterRetention(t *testing.T) {
-	ctx, pool, scope, dest := setup(t)
-	ids := enqueue(t, ctx, pool, entries(scope, dest, 5)...)
-	handler := func(context.Context, outbox.Message) error { return nil }
-	config := outbox.Config{Destinations: []string{dest}, PollInterval: 10 * time.Millisecond, DeliveredRetention: time.Hour}
-	stop := startRelay(t, ctx, pool, handler, config)
-	waitFor(t, "every message delivered", func() bool { return countState(t, pool, dest, "delivered") == len(ids) })
-	stop()
-
-	// Three were delivered two hours ago, two just now.
-	if _, err := pool.Exec(ctx, `UPDATE outbox_message SET delivered_at = now() - interval '2 hours' WHERE id = ANY($1)`, ids[:3]); err != nil {
-		t.Fatal(err)
-	}
-	startRelay(t, ctx, pool, handler, config) // a relay purges as it starts
-	waitFor(t, "old deliveries purged", func() bool { return countState(t, pool, dest, "delivered") < len(ids) })
-	var left []int64
-	for _, r := range rows(t, pool, dest) {
-		left = append(left, r.ID)
-	}
-	if !slices.Equal(left, ids[3:]) {
-		t.Fatalf("messages %v left, want the recent %v", left, ids[3:])
-	}
-}
-
-func TestCrashedRelayMessagesAreDeliveredAfterLease(t *testing.T) {
-	ctx, pool, scope, dest := setup(t)
-	ids := enqueue(t, ctx, pool, entries(scope, dest, 3)...)
-	const lease = 300 * time.Millisecond
-	config := outbox.Config{Destinations: []string{dest}, BatchSize: 3, LeaseDuration: lease, PollInterval: 10 * time.Millisecond}
-
-	// The first relay leases all three, delivers them, and dies before it
-	// can record anything.
-	got := newCalls()
-	db := &crashable{pool: pool}
-	var handled sync.WaitGroup
-	handled.Add(len(ids))
-	crashed := make(chan struct{})
-	stopFirst := startRelay(t, ctx, db, func(ctx context.Context, msg outbox.Message) error {
-		got.add(msg)
-		handled.Done()
-		handled.Wait() // all three are in flight
-		db.dead.Store(true)
-		<-crashed
-		return nil
-	}, config)
-	handled.Wait()
-	close(crashed)
-	stopFirst()
-	for _, r := range rows(t, pool, dest) {
-		if r.State != "pending" || !r.Leased || r.Attempts != 1 {
-			t.Fatalf("after the crash: %+v; want pending, leased, one attempt", r)
-		}
-	}
-
-	// Another relay delivers them again once the lease runs out: nothing
-	// is lost, and the handler sees them twice (at least once, not once).
-	startRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
-		if msg.Attempt != 2 {
-			t.Errorf("message %d redelivered as attempt %d, want 2", msg.ID, msg.Attempt)
-		}
-		got.add(msg)
-		return nil
-	}, config)
-	waitFor(t, "every message delivered", func() bool { return countState(t, pool, dest, "delivered") == len(ids) })
-	for _, id := range ids {
-		if n := got.count(id); n != 2 {
-			t.Errorf("message %d handled %d times, want twice", id, n)
-		}
-	}
-}
-
-func TestCrashOnLastAttemptParks(t *testing.T) {
-	ctx, pool, scope, dest := setup(t)
-	ids := enqueue(t, ctx, pool, entries(scope, dest, 1)...)
-	config := outbox.Config{Destinations: []string{dest}, MaxAttempts: 1, LeaseDuration: 200 * time.Millisecond, PollInterval: 10 * time.Millisecond}
-
-	// The only attempt crashes its relay (a message that kills its
-	// process, say): there is no outcome to record.
-	db := &crashable{pool: pool}
-	handled := make(chan struct{})
-	stop := startRelay(t, ctx, db, func(ctx context.Context, msg outbox.Message) error {
-		db.dead.Store(true)
-		close(handled)
-		return errCrashed
-	}, config)
-	<-handled
-	stop()
-
-	// The next relay does not try again past MaxAttempts, and does not
-	// drop the message either: it parks it, with the reason.
-	var calls atomic.Int64
-	startRelay(t, ctx, pool, func(context.Context, outbox.Message) error {
-		calls.Add(1)
-		return nil
-	}, config)
-	waitFor(t, "the message parked", func() bool { return countState(t, pool, dest, "parked") == 1 })
-	if r := rows(t, pool, dest)[0]; r.ID != ids[0] || !strings.Contains(r.LastError, "lease ran out") || calls.Load() != 0 {
-		t.Fatalf("%+v, handler called %d times; want parked for want of attempts, without another call", r, calls.Load())
-	}
-}
-
-func TestNotifyWakesListeningRelays(t *testing.T) {
-	ctx, pool, scope, dest := setup(t)
-	delivered := make(chan string, 1)
-	// As in production (the README's "Behind PgBouncer"): the relay's
-	// statements and Notify's transactions go through the pool, which
-	// behind a transaction pooler reaches PostgreSQL through it, while the
-	// relay listens on a direct connection, since LISTEN needs a session of
-	// its own. A relay that would not poll again for an hour: only a
-	// notification can make it deliver within the test.
-	startRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
-		delivered <- msg.Key
-		return nil
-	}, outbox.Config{Destinations: []string{dest}, PollInterval: time.Hour, ListenConnConfig: directListen(t)})
-	enqueueAndAwait(t, ctx, pool, delivered, entries(scope, dest, 3), time.Minute, "the notification did not wake the relay")
-}
-
 func TestRelayStopsCleanlyOnCancel(t *testing.T) {
 	ctx, pool, scope, dest := setup(t)
 	ids := enqueue(t, ctx, pool, entries(scope, dest, 2)...)
@@ -339,97 +109,6 @@ func TestRelayStopsCleanlyOnCancel(t *testing.T) {
 	}
 }
 
-func TestOrderingKeyDeliversInOrder(t *testing.T) {
-	ctx, pool, scope, dest := setup(t)
-	const perKey = 15
-	orderingKeys := []string{"account-1", "account-2", "account-3"}
-	var all []outbox.Entry
-	for i := range perKey {
-		for _, ok := range orderingKeys {
-			all = append(all, outbox.Entry{Scope: scope, Key: fmt.Sprintf("%s-%02d", ok, i), Destination: dest, OrderingKey: ok})
-		}
-		all = append(all, outbox.Entry{Scope: scope, Key: fmt.Sprintf("unordered-%02d", i), Destination: dest})
-	}
-	enqueue(t, ctx, pool, all...)
-
-	var mu sync.Mutex
-	inFlight := map[string]int{}
-	delivered := map[string][]string{}
-	failedOnce := map[string]bool{}
-	handler := func(ctx context.Context, msg outbox.Message) error {
-		if msg.OrderingKey == "" {
-			return nil
-		}
-		mu.Lock()
-		inFlight[msg.OrderingKey]++
-		if inFlight[msg.OrderingKey] > 1 {
-			t.Errorf("two messages of %s in flight at once", msg.OrderingKey)
-		}
-		mu.Unlock()
-		time.Sleep(time.Millisecond)
-		mu.Lock()
-		defer mu.Unlock()
-		inFlight[msg.OrderingKey]--
-		// Every fourth message fails once: its retry must still come
-		// before the messages after it.
-		if n := len(delivered[msg.OrderingKey]); n%4 == 1 && !failedOnce[msg.Key] {
-			failedOnce[msg.Key] = true
-			return errors.New("transient")
-		}
-		delivered[msg.OrderingKey] = append(delivered[msg.OrderingKey], msg.Key)
-		return nil
-	}
-	config := outbox.Config{
-		Destinations: []string{dest}, BatchSize: 5, PollInterval: 10 * time.Millisecond,
-		RetryDelay: 10 * time.Millisecond, MaxRetryDelay: 20 * time.Millisecond,
-	}
-	for range 3 {
-		startRelay(t, ctx, pool, handler, config)
-	}
-	waitFor(t, "every message delivered", func() bool { return countState(t, pool, dest, "delivered") == len(all) })
-
-	mu.Lock()
-	defer mu.Unlock()
-	for _, ok := range orderingKeys {
-		var want []string
-		for i := range perKey {
-			want = append(want, fmt.Sprintf("%s-%02d", ok, i))
-		}
-		if !slices.Equal(delivered[ok], want) {
-			t.Errorf("%s delivered in order %v, want %v", ok, delivered[ok], want)
-		}
-	}
-	if len(failedOnce) == 0 {
-		t.Fatal("no delivery failed: the test did not exercise retries")
-	}
-}
-
-func TestNewRelayRejectsInvalidConfig(t *testing.T) {
-	pool := env.Pool(t)
-	handler := func(context.Context, outbox.Message) error { return nil }
-	for name, c := range map[string]outbox.Config{
-		"negative batch size":      {BatchSize: -1},
-		"negative max attempts":    {MaxAttempts: -1},
-		"negative lease":           {LeaseDuration: -time.Second},
-		"negative poll interval":   {PollInterval: -time.Second},
-		"negative retention":       {DeliveredRetention: -time.Second},
-		"retry delay above cap":    {RetryDelay: time.Hour, MaxRetryDelay: time.Minute},
-		"empty destination":        {Destinations: []string{""}},
-		"destination with NUL":     {Destinations: []string{"a\x00"}},
-		"negative max retry delay": {MaxRetryDelay: -time.Second},
-	} {
-		if _, err := outbox.NewRelay(pool, handler, &c); !errors.Is(err, idem.ErrInvalidOption) {
-			t.Errorf("%s: err = %v, want idem.ErrInvalidOption", name, err)
-		}
-	}
-	if _, err := outbox.NewRelay(pool, nil, nil); !errors.Is(err, idem.ErrInvalidOption) {
-		t.Errorf("nil handler: err = %v, want idem.ErrInvalidOption", err)
-	}
-	if _, err := outbox.NewRelay(pool, handler, nil); err != nil {
-		t.Errorf("nil config: %v, want every default", err)
-	}
-}
-
 func TestRelayRunsOnceAtATime(t *testing.T) {
 	ctx, pool, _, dest := setup(t)
 	relay, err := outbox.NewRelay(pool, func(context.Context, outbox.Message) error { return nil },
@@ -459,42 +138,179 @@ func TestRelayRunsOnceAtATime(t *testing.T) {
 	}
 }
 
-func TestRequeueDeliversAParkedMessage(t *testing.T) {
-	ctx, pool, scope, dest := setup(t)
-	ids := enqueue(t, ctx, pool, outbox.Entry{Scope: scope, Key: "k", Destination: dest})
-	var fixed atomic.Bool
-	var delivered atomic.Int64
-	handler := func(ctx context.Context, msg outbox.Message) error {
-		if !fixed.Load() {
-			return outbox.Park(errors.New("400 unknown account"))
-		}
-		delivered.Add(1)
-		return nil
-	}
-	startRelay(t, ctx, pool, handler, outbox.Config{Destinations: []string{dest}, PollInterval: 10 * time.Millisecond})
-	waitFor(t, "the message parked", func() bool { return countState(t, pool, dest, "parked") == 1 })
+// A relay given one connection must use it one statement at a time: it
+// used to record outcomes from several goroutines at once on it ("conn
+// busy", a data race), record none, and break the connection for good.
+func TestRelayOnOneConnection(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []string{"pgx.Conn", "pgxpool.Conn"} {
+		t.Run(kind, func(t *testing.T) {
+			ctx, pool, scope, dest := setup(t)
+			var db idem.TxBeginner
+			var ping func() error
+			switch kind {
+			case "pgx.Conn":
+				conn, err := pgx.Connect(ctx, env.URL(t))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { conn.Close(context.Background()) })
+				db, ping = conn, func() error { return conn.Ping(ctx) }
+			case "pgxpool.Conn":
+				conn, err := pool.Acquire(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(conn.Release)
+				db, ping = conn, func() error { return conn.Ping(ctx) }
+			}
+			const messages = 40
+			all := entries(scope, dest, messages)
+			all = append(all, outbox.Entry{Scope: scope, Key: "in-flight-at-stop", Destination: dest})
+			got := newCalls()
+			inFlight := make(chan struct{})
+			logger, logs := capturingLogger(t)
+			stop := startRelay(t, ctx, db, func(ctx context.Context, msg outbox.Message) error {
+				got.add(msg)
+				if msg.Key == "in-flight-at-stop" {
+					close(inFlight)
+					<-ctx.Done()
+					return ctx.Err()
+				}
+				return nil
+			}, outbox.Config{Destinations: []string{dest}, PollInterval: 10 * time.Millisecond, Logger: logger})
+			enqueue(t, ctx, pool, all[:messages]...)
+			waitWithin(t, 30*time.Second, "every message recorded as delivered", func() bool {
+				return countState(t, pool, dest, "delivered") == messages
+			})
+			enqueue(t, ctx, pool, all[messages])
+			<-inFlight
+			stop()
 
-	requeue := func() bool {
-		var requeued bool
-		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
-			var err error
-			requeued, err = outbox.Requeue(ctx, tx, ids[0])
-			return err
+			for _, r := range rows(t, pool, dest) {
+				if n := got.count(r.ID); n != 1 {
+					t.Errorf("message %d handled %d times, want once", r.ID, n)
+				}
+				if r.ID == rows(t, pool, dest)[messages].ID {
+					// Interrupted by the stop: released, not counted.
+					if r.State != "pending" || r.Attempts != 0 || r.Leased {
+						t.Errorf("message in flight at stop: %+v, want released", r)
+					}
+				}
+			}
+			if n := logs.count("level=ERROR"); n != 0 {
+				t.Errorf("the relay logged %d errors", n)
+			}
+			if err := ping(); err != nil {
+				t.Errorf("the relay's connection after Run: %v", err)
+			}
 		})
-		if err != nil {
-			t.Fatal(err)
+	}
+}
+
+// A relay on a connection in a caller's transaction used to run its
+// statements in that transaction: it leased messages and handed them to
+// the handler with leases no other relay could see, and recorded outcomes
+// that the caller's commit or rollback would keep or undo, whenever it
+// came. In a failed transaction every statement failed, and Run logged it
+// at every poll. Run now refuses the connection before sending anything.
+func TestRelayRefusesAConnectionInATransaction(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []string{"pgx.Conn", "pgxpool.Conn"} {
+		for _, state := range []string{"open", "failed"} {
+			t.Run(kind+"/"+state, func(t *testing.T) {
+				ctx, pool, scope, dest := setup(t)
+				enqueue(t, ctx, pool, entries(scope, dest, 1)...)
+				conn, err := pool.Acquire(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(conn.Release)
+				var db idem.TxBeginner = conn
+				if kind == "pgx.Conn" {
+					db = conn.Conn()
+				}
+				tx, err := conn.Begin(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer tx.Rollback(ctx)
+				if _, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, 'caller', 1)`, scope); err != nil {
+					t.Fatal(err)
+				}
+				want := byte('T')
+				if state == "failed" {
+					want = 'E'
+					if _, err := tx.Exec(ctx, `SELECT 1/0`); err == nil {
+						t.Fatal("SELECT 1/0 did not fail")
+					}
+				}
+
+				var handled atomic.Int64
+				relay, err := outbox.NewRelay(db, func(context.Context, outbox.Message) error {
+					handled.Add(1)
+					return nil
+				}, &outbox.Config{Destinations: []string{dest}, PollInterval: 10 * time.Millisecond, Logger: testLogger(t)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				runCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
+				defer cancel()
+				err = relay.Run(runCtx)
+				if !errors.Is(err, idem.ErrConnInTransaction) {
+					t.Errorf("Run: %v, want ErrConnInTransaction", err)
+				} else if !strings.Contains(err.Error(), "pass the pool") {
+					t.Errorf("Run: %q does not say what to do instead", err)
+				}
+				if n := handled.Load(); n != 0 {
+					t.Errorf("the handler ran %d times, want never", n)
+				}
+				if status := conn.Conn().PgConn().TxStatus(); status != want {
+					t.Fatalf("the caller's transaction has status %q, want %q", status, want)
+				}
+				if rs := rows(t, pool, dest); len(rs) != 1 || rs[0].State != "pending" || rs[0].Attempts != 0 || rs[0].Leased {
+					t.Errorf("message %+v, want pending and untouched", rs)
+				}
+				if n := countPayments(t, pool, scope); n != 0 {
+					t.Errorf("%d payments committed under the caller's open transaction, want none", n)
+				}
+				if state == "failed" {
+					if err := tx.Rollback(ctx); err != nil {
+						t.Fatalf("the caller's rollback: %v", err)
+					}
+					return
+				}
+				if err := tx.Commit(ctx); err != nil {
+					t.Fatalf("the caller's commit: %v", err)
+				}
+				if n := countPayments(t, pool, scope); n != 1 {
+					t.Errorf("%d payments after the caller's commit, want its own 1", n)
+				}
+			})
 		}
-		return requeued
 	}
-	fixed.Store(true)
-	if !requeue() {
-		t.Fatal("Requeue of a parked message reported false")
+}
+
+// Delivering an ordered message makes the next one due at once: the relay
+// goes on without waiting for its next poll.
+func TestOrderedMessagesDrainWithoutPolling(t *testing.T) {
+	ctx, pool, scope, dest := setup(t)
+	all := entries(scope, dest, 10)
+	for i := range all {
+		all[i].OrderingKey = "account"
 	}
-	waitFor(t, "the requeued message delivered", func() bool { return countState(t, pool, dest, "delivered") == 1 })
-	if delivered.Load() != 1 {
-		t.Fatalf("delivered %d times, want once", delivered.Load())
-	}
-	if requeue() {
-		t.Fatal("Requeue of a delivered message reported true")
-	}
+	all[4].Key = "parked" // a parked message lets the next one go too
+	enqueue(t, ctx, pool, all...)
+
+	// Not a pool, so no notification wakes the relay: with an hour
+	// between polls, only the relay's own progress can drain the key.
+	startRelay(t, ctx, &crashable{pool: pool}, func(ctx context.Context, msg outbox.Message) error {
+		if msg.Key == "parked" {
+			return outbox.Park(errors.New("rejected"))
+		}
+		return nil
+	}, outbox.Config{Destinations: []string{dest}, PollInterval: time.Hour})
+	waitWithin(t, 10*time.Second, "draining the ordering key", func() bool {
+		return countState(t, pool, dest, "delivered") == len(all)-1 && countState(t, pool, dest, "parked") == 1
+	})
 }

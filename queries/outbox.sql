@@ -60,20 +60,36 @@ SELECT pg_notify('idem_outbox', @payload::text);
 -- OutboxListen subscribes the relay's connection to OutboxNotify.
 LISTEN idem_outbox;
 
--- name: OutboxLease :many
--- OutboxLease records the outcomes of the relay's last deliveries, as
--- OutboxRecord does (the rows with kind 'recorded' are the ids it
--- changed), and leases up to @max_messages due messages to the relay for
--- @lease, counting an attempt for each (the rows with kind 'leased'): one
--- statement, one round trip and one commit for both. A lease also moves
--- the message's next_attempt_at to the lease's end, when it is due again
--- if no outcome is recorded: leased messages thus leave the front of the
--- due index, which the relays' leases scan, instead of being passed over
--- by every one of them. Rows another relay is
--- leasing at this moment are skipped, not waited for, and a row whose lease
--- committed after this statement's snapshot is dropped when its lock is
--- taken, because the lock rechecks the row's newest version. A message
--- whose outcome this statement records is not leased by it.
+-- name: OutboxRecordAndLease :many
+-- OutboxRecordAndLease is the relay's one statement for outcomes: it
+-- records the outcomes of the relay's last deliveries (the rows with kind
+-- 'recorded' are the ids it changed), and leases up to @max_messages due
+-- messages to the relay for @lease, counting an attempt for each (the rows
+-- with kind 'leased'): one statement, one round trip and one commit for
+-- both. With @max_messages 0 it only records: LIMIT 0 ends the lease's scan
+-- before it reads a row, while the recording UPDATE, a data-modifying CTE,
+-- always runs to completion. So outcomes are written by this UPDATE alone.
+--
+-- The outcomes come one row of the arrays per message. @outcomes says what
+-- each attempt did:
+--   delivered: the handler succeeded. It is recorded whichever relay made
+--     it, even under a newer lease: a delivery that succeeded is a fact.
+--   retried: the attempt failed; the message is due again after
+--     @delays_us microseconds.
+--   parked: the message is given up on, kept with its last error.
+--   released: a stopping relay interrupted the attempt; the message is due
+--     again at once, and the attempt is not counted.
+-- All but delivered apply only while @attempts is still the message's
+-- newest lease, and nothing changes a message that is no longer pending.
+--
+-- A lease also moves the message's next_attempt_at to the lease's end, when
+-- it is due again if no outcome is recorded: leased messages thus leave the
+-- front of the due index, which the relays' leases scan, instead of being
+-- passed over by every one of them. Rows another relay is leasing at this
+-- moment are skipped, not waited for, and a row whose lease committed after
+-- this statement's snapshot is dropped when its lock is taken, because the
+-- lock rechecks the row's newest version. A message whose outcome this
+-- statement records is not leased by it.
 --
 -- A message with an ordering key is due only when no earlier message with
 -- the same destination and ordering key is still pending, and no other
@@ -167,47 +183,6 @@ UNION ALL
 SELECT 'recorded'::text, id, ''::text, ''::text, ''::text, ''::bytea, ''::text, ''::text,
        0::int, now()::timestamptz, ''::text, ''::text, now()::timestamptz
 FROM recorded;
-
--- name: OutboxRecord :many
--- OutboxRecord stores the outcomes of a batch of deliveries in one
--- statement, one row of the arrays per message, and returns the ids it
--- changed. (OutboxLease records outcomes the same way; keep the two
--- alike.) @outcomes says what each attempt did:
---   delivered: the handler succeeded. It is recorded whichever relay made
---     it, even under a newer lease: a delivery that succeeded is a fact.
---   retried: the attempt failed; the message is due again after
---     @delays_us microseconds.
---   parked: the message is given up on, kept with its last error.
---   released: a stopping relay interrupted the attempt; the message is due
---     again at once, and the attempt is not counted.
--- All but delivered apply only while @attempts is still the message's
--- newest lease, and nothing changes a message that is no longer pending.
-UPDATE outbox_message AS m
-SET state = CASE o.outcome
-                WHEN 'delivered' THEN 'delivered'
-                WHEN 'parked' THEN 'parked'
-                ELSE 'pending'
-            END,
-    delivered_at = CASE WHEN o.outcome = 'delivered' THEN now() END,
-    leased_until = NULL,
-    attempts = CASE WHEN o.outcome = 'released' THEN m.attempts - 1 ELSE m.attempts END,
-    next_attempt_at = CASE
-                          WHEN o.outcome = 'retried' THEN now() + o.delay_us * interval '1 microsecond'
-                          WHEN o.outcome = 'released' THEN now()
-                          ELSE m.next_attempt_at
-                      END,
-    last_error = CASE WHEN o.outcome = 'delivered' THEN NULL ELSE o.last_error END
-FROM (
-    SELECT unnest(@ids::bigint[]) AS id,
-           unnest(@attempts::int[]) AS attempt,
-           unnest(@outcomes::text[]) AS outcome,
-           unnest(@delays_us::bigint[]) AS delay_us,
-           unnest(@last_errors::text[]) AS last_error
-) AS o
-WHERE m.id = o.id
-  AND m.state = 'pending'
-  AND (o.outcome = 'delivered' OR m.attempts = o.attempt)
-RETURNING m.id;
 
 -- name: OutboxExtendLease :execrows
 -- OutboxExtendLease moves the lease of a message being delivered to @lease

@@ -262,7 +262,70 @@ func (q *Queries) OutboxInsertMany(ctx context.Context, arg OutboxInsertManyPara
 	return items, nil
 }
 
-const outboxLease = `-- name: OutboxLease :many
+const outboxListen = `-- name: OutboxListen :exec
+LISTEN idem_outbox
+`
+
+// OutboxListen subscribes the relay's connection to OutboxNotify.
+func (q *Queries) OutboxListen(ctx context.Context) error {
+	_, err := q.db.Exec(ctx, outboxListen)
+	return err
+}
+
+const outboxNotify = `-- name: OutboxNotify :exec
+SELECT pg_notify('idem_outbox', '')
+`
+
+// OutboxNotify wakes listening relays when the calling transaction commits.
+func (q *Queries) OutboxNotify(ctx context.Context) error {
+	_, err := q.db.Exec(ctx, outboxNotify)
+	return err
+}
+
+const outboxNotifyProbe = `-- name: OutboxNotifyProbe :exec
+SELECT pg_notify('idem_outbox', $1::text)
+`
+
+// OutboxNotifyProbe sends a relay's own notification, with a payload that
+// tells it apart, to check that its listening connection hears them.
+func (q *Queries) OutboxNotifyProbe(ctx context.Context, payload string) error {
+	_, err := q.db.Exec(ctx, outboxNotifyProbe, payload)
+	return err
+}
+
+const outboxPurgeDelivered = `-- name: OutboxPurgeDelivered :execrows
+DELETE FROM outbox_message
+WHERE id IN (
+    SELECT old.id
+    FROM outbox_message AS old
+    WHERE old.state = 'delivered'
+      AND old.delivered_at < now() - $1::interval
+      AND (coalesce(cardinality($2::text[]), 0) = 0
+           OR old.destination = ANY ($2::text[]))
+    ORDER BY old.delivered_at
+    LIMIT $3::int
+    FOR UPDATE SKIP LOCKED
+)
+`
+
+type OutboxPurgeDeliveredParams struct {
+	Retention    pgtype.Interval
+	Destinations []string
+	MaxRows      int32
+}
+
+// OutboxPurgeDelivered deletes up to @max_rows messages to @destinations
+// (all when empty) delivered more than @retention ago, oldest first,
+// skipping rows another purge holds.
+func (q *Queries) OutboxPurgeDelivered(ctx context.Context, arg OutboxPurgeDeliveredParams) (int64, error) {
+	result, err := q.db.Exec(ctx, outboxPurgeDelivered, arg.Retention, arg.Destinations, arg.MaxRows)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const outboxRecordAndLease = `-- name: OutboxRecordAndLease :many
 WITH recorded AS (
     UPDATE outbox_message AS m
     SET state = CASE o.outcome
@@ -348,7 +411,7 @@ SELECT 'recorded'::text, id, ''::text, ''::text, ''::text, ''::bytea, ''::text, 
 FROM recorded
 `
 
-type OutboxLeaseParams struct {
+type OutboxRecordAndLeaseParams struct {
 	Ids          []int64
 	Attempts     []int32
 	Outcomes     []string
@@ -359,7 +422,7 @@ type OutboxLeaseParams struct {
 	Lease        pgtype.Interval
 }
 
-type OutboxLeaseRow struct {
+type OutboxRecordAndLeaseRow struct {
 	Kind           string
 	ID             int64
 	Scope          string
@@ -375,19 +438,37 @@ type OutboxLeaseRow struct {
 	LeasedAt       pgtype.Timestamptz
 }
 
-// OutboxLease records the outcomes of the relay's last deliveries, as
-// OutboxRecord does (the rows with kind 'recorded' are the ids it
-// changed), and leases up to @max_messages due messages to the relay for
-// @lease, counting an attempt for each (the rows with kind 'leased'): one
-// statement, one round trip and one commit for both. A lease also moves
-// the message's next_attempt_at to the lease's end, when it is due again
-// if no outcome is recorded: leased messages thus leave the front of the
-// due index, which the relays' leases scan, instead of being passed over
-// by every one of them. Rows another relay is
-// leasing at this moment are skipped, not waited for, and a row whose lease
-// committed after this statement's snapshot is dropped when its lock is
-// taken, because the lock rechecks the row's newest version. A message
-// whose outcome this statement records is not leased by it.
+// OutboxRecordAndLease is the relay's one statement for outcomes: it
+// records the outcomes of the relay's last deliveries (the rows with kind
+// 'recorded' are the ids it changed), and leases up to @max_messages due
+// messages to the relay for @lease, counting an attempt for each (the rows
+// with kind 'leased'): one statement, one round trip and one commit for
+// both. With @max_messages 0 it only records: LIMIT 0 ends the lease's scan
+// before it reads a row, while the recording UPDATE, a data-modifying CTE,
+// always runs to completion. So outcomes are written by this UPDATE alone.
+//
+// The outcomes come one row of the arrays per message. @outcomes says what
+// each attempt did:
+//
+//	delivered: the handler succeeded. It is recorded whichever relay made
+//	  it, even under a newer lease: a delivery that succeeded is a fact.
+//	retried: the attempt failed; the message is due again after
+//	  @delays_us microseconds.
+//	parked: the message is given up on, kept with its last error.
+//	released: a stopping relay interrupted the attempt; the message is due
+//	  again at once, and the attempt is not counted.
+//
+// All but delivered apply only while @attempts is still the message's
+// newest lease, and nothing changes a message that is no longer pending.
+//
+// A lease also moves the message's next_attempt_at to the lease's end, when
+// it is due again if no outcome is recorded: leased messages thus leave the
+// front of the due index, which the relays' leases scan, instead of being
+// passed over by every one of them. Rows another relay is leasing at this
+// moment are skipped, not waited for, and a row whose lease committed after
+// this statement's snapshot is dropped when its lock is taken, because the
+// lock rechecks the row's newest version. A message whose outcome this
+// statement records is not leased by it.
 //
 // A message with an ordering key is due only when no earlier message with
 // the same destination and ordering key is still pending, and no other
@@ -398,8 +479,8 @@ type OutboxLeaseRow struct {
 // can each lease one, since neither sees the other's uncommitted lease.
 // The message after one whose outcome this statement records is due only
 // from the next statement on.
-func (q *Queries) OutboxLease(ctx context.Context, arg OutboxLeaseParams) ([]OutboxLeaseRow, error) {
-	rows, err := q.db.Query(ctx, outboxLease,
+func (q *Queries) OutboxRecordAndLease(ctx context.Context, arg OutboxRecordAndLeaseParams) ([]OutboxRecordAndLeaseRow, error) {
+	rows, err := q.db.Query(ctx, outboxRecordAndLease,
 		arg.Ids,
 		arg.Attempts,
 		arg.Outcomes,
@@ -413,9 +494,9 @@ func (q *Queries) OutboxLease(ctx context.Context, arg OutboxLeaseParams) ([]Out
 		return nil, err
 	}
 	defer rows.Close()
-	var items []OutboxLeaseRow
+	var items []OutboxRecordAndLeaseRow
 	for rows.Next() {
-		var i OutboxLeaseRow
+		var i OutboxRecordAndLeaseRow
 		if err := rows.Scan(
 			&i.Kind,
 			&i.ID,
@@ -434,147 +515,6 @@ func (q *Queries) OutboxLease(ctx context.Context, arg OutboxLeaseParams) ([]Out
 			return nil, err
 		}
 		items = append(items, i)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, err
-	}
-	return items, nil
-}
-
-const outboxListen = `-- name: OutboxListen :exec
-LISTEN idem_outbox
-`
-
-// OutboxListen subscribes the relay's connection to OutboxNotify.
-func (q *Queries) OutboxListen(ctx context.Context) error {
-	_, err := q.db.Exec(ctx, outboxListen)
-	return err
-}
-
-const outboxNotify = `-- name: OutboxNotify :exec
-SELECT pg_notify('idem_outbox', '')
-`
-
-// OutboxNotify wakes listening relays when the calling transaction commits.
-func (q *Queries) OutboxNotify(ctx context.Context) error {
-	_, err := q.db.Exec(ctx, outboxNotify)
-	return err
-}
-
-const outboxNotifyProbe = `-- name: OutboxNotifyProbe :exec
-SELECT pg_notify('idem_outbox', $1::text)
-`
-
-// OutboxNotifyProbe sends a relay's own notification, with a payload that
-// tells it apart, to check that its listening connection hears them.
-func (q *Queries) OutboxNotifyProbe(ctx context.Context, payload string) error {
-	_, err := q.db.Exec(ctx, outboxNotifyProbe, payload)
-	return err
-}
-
-const outboxPurgeDelivered = `-- name: OutboxPurgeDelivered :execrows
-DELETE FROM outbox_message
-WHERE id IN (
-    SELECT old.id
-    FROM outbox_message AS old
-    WHERE old.state = 'delivered'
-      AND old.delivered_at < now() - $1::interval
-      AND (coalesce(cardinality($2::text[]), 0) = 0
-           OR old.destination = ANY ($2::text[]))
-    ORDER BY old.delivered_at
-    LIMIT $3::int
-    FOR UPDATE SKIP LOCKED
-)
-`
-
-type OutboxPurgeDeliveredParams struct {
-	Retention    pgtype.Interval
-	Destinations []string
-	MaxRows      int32
-}
-
-// OutboxPurgeDelivered deletes up to @max_rows messages to @destinations
-// (all when empty) delivered more than @retention ago, oldest first,
-// skipping rows another purge holds.
-func (q *Queries) OutboxPurgeDelivered(ctx context.Context, arg OutboxPurgeDeliveredParams) (int64, error) {
-	result, err := q.db.Exec(ctx, outboxPurgeDelivered, arg.Retention, arg.Destinations, arg.MaxRows)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
-}
-
-const outboxRecord = `-- name: OutboxRecord :many
-UPDATE outbox_message AS m
-SET state = CASE o.outcome
-                WHEN 'delivered' THEN 'delivered'
-                WHEN 'parked' THEN 'parked'
-                ELSE 'pending'
-            END,
-    delivered_at = CASE WHEN o.outcome = 'delivered' THEN now() END,
-    leased_until = NULL,
-    attempts = CASE WHEN o.outcome = 'released' THEN m.attempts - 1 ELSE m.attempts END,
-    next_attempt_at = CASE
-                          WHEN o.outcome = 'retried' THEN now() + o.delay_us * interval '1 microsecond'
-                          WHEN o.outcome = 'released' THEN now()
-                          ELSE m.next_attempt_at
-                      END,
-    last_error = CASE WHEN o.outcome = 'delivered' THEN NULL ELSE o.last_error END
-FROM (
-    SELECT unnest($1::bigint[]) AS id,
-           unnest($2::int[]) AS attempt,
-           unnest($3::text[]) AS outcome,
-           unnest($4::bigint[]) AS delay_us,
-           unnest($5::text[]) AS last_error
-) AS o
-WHERE m.id = o.id
-  AND m.state = 'pending'
-  AND (o.outcome = 'delivered' OR m.attempts = o.attempt)
-RETURNING m.id
-`
-
-type OutboxRecordParams struct {
-	Ids        []int64
-	Attempts   []int32
-	Outcomes   []string
-	DelaysUs   []int64
-	LastErrors []string
-}
-
-// OutboxRecord stores the outcomes of a batch of deliveries in one
-// statement, one row of the arrays per message, and returns the ids it
-// changed. (OutboxLease records outcomes the same way; keep the two
-// alike.) @outcomes says what each attempt did:
-//
-//	delivered: the handler succeeded. It is recorded whichever relay made
-//	  it, even under a newer lease: a delivery that succeeded is a fact.
-//	retried: the attempt failed; the message is due again after
-//	  @delays_us microseconds.
-//	parked: the message is given up on, kept with its last error.
-//	released: a stopping relay interrupted the attempt; the message is due
-//	  again at once, and the attempt is not counted.
-//
-// All but delivered apply only while @attempts is still the message's
-// newest lease, and nothing changes a message that is no longer pending.
-func (q *Queries) OutboxRecord(ctx context.Context, arg OutboxRecordParams) ([]int64, error) {
-	rows, err := q.db.Query(ctx, outboxRecord,
-		arg.Ids,
-		arg.Attempts,
-		arg.Outcomes,
-		arg.DelaysUs,
-		arg.LastErrors,
-	)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var items []int64
-	for rows.Next() {
-		var id int64
-		if err := rows.Scan(&id); err != nil {
-			return nil, err
-		}
-		items = append(items, id)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, err

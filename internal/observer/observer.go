@@ -1,5 +1,12 @@
-// Package observer lets idem's subpackages record through the idem
-// package's Observer without the Observer exporting its instruments.
+// Package observer carries an idem.Observer's tracer and meter to the
+// packages built on idem (the outbox's relay), so that they record through
+// the same providers, without idem.Observer exporting them.
+//
+// idem.Observer embeds an [Instruments] under an unexported alias
+// (type instruments = observer.Instruments). The field is then unexported,
+// and Instruments' one method, also unexported, is promoted to
+// *idem.Observer, which thereby satisfies [Source]: the compiler checks the
+// link, nothing runs at init, and idem.Observer's API shows none of it.
 package observer
 
 import (
@@ -7,8 +14,30 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// Instruments returns an *idem.Observer's tracer and meter, nil for what it
-// has no provider for, or both nil for a nil observer. The idem package
-// sets it when it is initialized; every importer of a subpackage imports
-// idem too.
-var Instruments func(observer any) (trace.Tracer, metric.Meter)
+// Instruments are an observer's tracer and meter. The zero value has
+// neither. It has no exported fields or methods, so that embedding it
+// adds nothing to idem.Observer's API.
+type Instruments struct {
+	tracer trace.Tracer
+	meter  metric.Meter
+}
+
+// New returns the instruments of tracer and meter, each nil when the
+// observer has no provider for it.
+func New(tracer trace.Tracer, meter metric.Meter) Instruments {
+	return Instruments{tracer: tracer, meter: meter}
+}
+
+// Source is what embeds Instruments: *idem.Observer.
+type Source interface {
+	instruments() *Instruments
+}
+
+func (i *Instruments) instruments() *Instruments { return i }
+
+// Of returns src's tracer and meter, nil for what it has no provider for.
+// src must not be nil, nor a nil *idem.Observer.
+func Of(src Source) (trace.Tracer, metric.Meter) {
+	i := src.instruments()
+	return i.tracer, i.meter
+}

@@ -5,9 +5,12 @@ import (
 	"errors"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/outbox"
@@ -170,5 +173,139 @@ func TestIdempotencyKeyIsStable(t *testing.T) {
 	// the key.
 	if outbox.IdempotencyKey("ab", "c", "d") == outbox.IdempotencyKey("a", "bc", "d") {
 		t.Fatal("moving a byte from scope to key kept the key")
+	}
+}
+
+// EnqueueMany sends its entries in one statement and does what as many
+// Enqueue calls would.
+func TestEnqueueMany(t *testing.T) {
+	ctx, _, scope, dest := setup(t)
+	config, err := pgxpool.ParseConfig(env.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var statements atomic.Int64
+	config.ConnConfig.Tracer = countingTracer{&statements}
+	pool, err := pgxpool.NewWithConfig(ctx, config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+
+	all := entries(scope, dest, 500)
+	existing := enqueue(t, ctx, pool, all[7])
+	many := func(batch []outbox.Entry) (ids []int64, sent int64, err error) {
+		err = idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			before := statements.Load()
+			var err error
+			ids, err = outbox.EnqueueMany(ctx, tx, batch)
+			sent = statements.Load() - before
+			return err
+		})
+		return ids, sent, err
+	}
+
+	ids, sent, err := many(all[8:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sent != 1 {
+		t.Errorf("EnqueueMany of %d new entries sent %d statements, want 1", len(all[8:]), sent)
+	}
+	byKey := map[string]int64{}
+	for i, id := range ids {
+		byKey[all[8+i].Key] = id
+	}
+	// Again, with new entries, an already enqueued one and a repeat within
+	// the call: the same ids, nothing added twice.
+	batch := append([]outbox.Entry{all[7], all[100]}, all[:7]...)
+	batch = append(batch, all[100])
+	ids2, _, err := many(batch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ids2[0] != existing[0] || ids2[1] != byKey[all[100].Key] || ids2[len(ids2)-1] != ids2[1] {
+		t.Errorf("EnqueueMany again: ids %v, want %d and %d for the enqueued entries", ids2, existing[0], byKey[all[100].Key])
+	}
+	got := rows(t, pool, dest)
+	if len(got) != len(all) {
+		t.Fatalf("%d messages, want %d", len(got), len(all))
+	}
+	for _, r := range got {
+		if r.IdempotencyKey == "" || r.State != "pending" {
+			t.Errorf("message %+v", r)
+		}
+	}
+	for i, id := range ids {
+		var key string
+		if err := pool.QueryRow(ctx, `SELECT key FROM outbox_message WHERE id = $1`, id).Scan(&key); err != nil || key != all[8+i].Key {
+			t.Errorf("id %d of entry %d has key %q (%v), want %q", id, 8+i, key, err, all[8+i].Key)
+		}
+	}
+
+	changed := all[3]
+	changed.Payload = []byte("another payload")
+	if _, _, err := many([]outbox.Entry{all[400], changed}); !errors.Is(err, outbox.ErrEntryMismatch) {
+		t.Errorf("EnqueueMany with a changed payload: %v, want ErrEntryMismatch", err)
+	}
+	if _, _, err := many([]outbox.Entry{{Scope: scope, Key: "x", Destination: dest, Payload: []byte("a")}, {Scope: scope, Key: "x", Destination: dest, Payload: []byte("b")}}); !errors.Is(err, outbox.ErrEntryMismatch) {
+		t.Errorf("EnqueueMany with one key twice, two payloads: %v, want ErrEntryMismatch", err)
+	}
+	before := statements.Load()
+	if _, err := outbox.EnqueueMany(ctx, panicTx{}, []outbox.Entry{all[0], {Scope: scope, Key: "", Destination: dest}}); !errors.Is(err, outbox.ErrInvalidEntry) {
+		t.Errorf("EnqueueMany with an invalid entry: %v, want ErrInvalidEntry", err)
+	}
+	if ids, err := outbox.EnqueueMany(ctx, panicTx{}, nil); ids != nil || err != nil || statements.Load() != before {
+		t.Errorf("EnqueueMany of nothing: %v, %v", ids, err)
+	}
+}
+
+// countingTracer counts the statements a pool's connections send.
+type countingTracer struct{ n *atomic.Int64 }
+
+func (c countingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+
+func (countingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func TestRequeueDeliversAParkedMessage(t *testing.T) {
+	ctx, pool, scope, dest := setup(t)
+	ids := enqueue(t, ctx, pool, outbox.Entry{Scope: scope, Key: "k", Destination: dest})
+	var fixed atomic.Bool
+	var delivered atomic.Int64
+	handler := func(ctx context.Context, msg outbox.Message) error {
+		if !fixed.Load() {
+			return outbox.Park(errors.New("400 unknown account"))
+		}
+		delivered.Add(1)
+		return nil
+	}
+	startRelay(t, ctx, pool, handler, outbox.Config{Destinations: []string{dest}, PollInterval: 10 * time.Millisecond})
+	waitFor(t, "the message parked", func() bool { return countState(t, pool, dest, "parked") == 1 })
+
+	requeue := func() bool {
+		var requeued bool
+		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			requeued, err = outbox.Requeue(ctx, tx, ids[0])
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return requeued
+	}
+	fixed.Store(true)
+	if !requeue() {
+		t.Fatal("Requeue of a parked message reported false")
+	}
+	waitFor(t, "the requeued message delivered", func() bool { return countState(t, pool, dest, "delivered") == 1 })
+	if delivered.Load() != 1 {
+		t.Fatalf("delivered %d times, want once", delivered.Load())
+	}
+	if requeue() {
+		t.Fatal("Requeue of a delivered message reported true")
 	}
 }

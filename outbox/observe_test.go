@@ -4,11 +4,16 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
@@ -17,7 +22,147 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	tembedded "go.opentelemetry.io/otel/trace/embedded"
 	tnoop "go.opentelemetry.io/otel/trace/noop"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/outbox"
 )
+
+// A relay with an Observer records, through the same providers as idem's
+// calls, a span per delivery in the trace of the enqueuing request, counts
+// by outcome, latency, backlog, and whether it hears notifications.
+func TestRelayObservesDeliveries(t *testing.T) {
+	ctx, pool, scope, dest := setup(t)
+	tp, mp := &tracerProvider{}, newMeterProvider()
+	observer, err := idem.NewObserver(idem.ObserverConfig{TracerProvider: tp, MeterProvider: mp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	requestCtx, request := tp.Tracer("test").Start(ctx, "request")
+	err = idem.WithTx(requestCtx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+		_, err := outbox.EnqueueMany(ctx, tx, []outbox.Entry{
+			{Scope: scope, Key: "ok", Destination: dest},
+			{Scope: scope, Key: "flaky", Destination: dest},
+			{Scope: scope, Key: "rejected", Destination: dest},
+		})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	request.End()
+
+	var mu sync.Mutex
+	handlerSpans := map[trace.SpanID]string{}
+	var flaky atomic.Int32
+	startRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
+		mu.Lock()
+		handlerSpans[trace.SpanContextFromContext(ctx).SpanID()] = msg.Key
+		mu.Unlock()
+		switch msg.Key {
+		case "flaky":
+			if flaky.Add(1) == 1 {
+				return errors.New("unavailable")
+			}
+		case "rejected":
+			return outbox.Park(errors.New("invalid"))
+		}
+		return nil
+	}, outbox.Config{
+		Destinations: []string{dest}, PollInterval: 10 * time.Millisecond,
+		RetryDelay: 10 * time.Millisecond, MaxRetryDelay: 20 * time.Millisecond, Observer: observer,
+	}, 20*time.Millisecond, 5*time.Second, time.Minute)
+
+	destAttr := attribute.String("idem.outbox.destination", dest)
+	state := func(s string) attribute.KeyValue { return attribute.String("idem.outbox.state", s) }
+	notifications := func(s string) attribute.KeyValue { return attribute.String("idem.outbox.notifications", s) }
+	outcome := func(s string) attribute.KeyValue { return attribute.String("idem.outbox.outcome", s) }
+	waitFor(t, "the backlog counted after every outcome", func() bool {
+		pending, ok1 := mp.meter.gauge("idem.outbox.backlog", destAttr, state("pending"))
+		parked, ok2 := mp.meter.gauge("idem.outbox.backlog", destAttr, state("parked"))
+		return ok1 && ok2 && pending == 0 && parked == 1 && countState(t, pool, dest, "delivered") == 2
+	})
+	waitFor(t, "the relay listening", func() bool {
+		return mp.meter.sum("idem.outbox.relays", notifications("listening")) == 1
+	})
+	if n := mp.meter.sum("idem.outbox.relays", notifications("polling")); n != 0 {
+		t.Errorf("idem.outbox.relays{polling} = %d, want 0", n)
+	}
+
+	for name, want := range map[string]int64{"delivered": 2, "retried": 1, "parked": 1, "released": 0} {
+		if got := mp.meter.sum("idem.outbox.deliveries", outcome(name), destAttr); got != want {
+			t.Errorf("idem.outbox.deliveries{%s} = %d, want %d", name, got, want)
+		}
+	}
+	latencies := mp.meter.recorded("idem.outbox.delivery.latency", destAttr)
+	if len(latencies) != 2 {
+		t.Errorf("%d latencies recorded, want 2", len(latencies))
+	}
+	for _, l := range latencies {
+		if l <= 0 || l > 60 {
+			t.Errorf("latency %gs, want between 0 and a minute", l)
+		}
+	}
+
+	spans := tp.named("idem.outbox.deliver")
+	if len(spans) != 4 {
+		t.Fatalf("%d delivery spans, want one per attempt: 4", len(spans))
+	}
+	outcomes := map[string]int{}
+	for _, s := range spans {
+		if s.parent.TraceID() != request.SpanContext().TraceID() || s.parent.SpanID() != request.SpanContext().SpanID() || !s.parent.IsRemote() {
+			t.Errorf("delivery span's parent %v, want the enqueuing request's span %v, remote", s.parent, request.SpanContext())
+		}
+		if s.kind != trace.SpanKindConsumer || !s.ended {
+			t.Errorf("delivery span: kind %v, ended %t; want a consumer span, ended", s.kind, s.ended)
+		}
+		o := s.attr("idem.outbox.outcome").AsString()
+		outcomes[o]++
+		if (o == "delivered") != (s.status != codes.Error) {
+			t.Errorf("delivery span with outcome %s has status %v", o, s.status)
+		}
+		mu.Lock()
+		key, ok := handlerSpans[s.sc.SpanID()]
+		mu.Unlock()
+		if !ok || s.attr("idem.outbox.destination").AsString() != dest {
+			t.Errorf("delivery span %v is not the handler's context's span (key %q)", s.sc.SpanID(), key)
+		}
+	}
+	if fmt.Sprint(outcomes) != fmt.Sprint(map[string]int{"delivered": 2, "parked": 1, "retried": 1}) {
+		t.Errorf("delivery span outcomes %v, want 2 delivered, 1 retried, 1 parked", outcomes)
+	}
+}
+
+// The trace context of the enqueuing transaction reaches the handler's
+// context even without an Observer, so that the handler's own
+// instrumentation (an HTTP client's) joins the request's trace.
+func TestTraceContextReachesHandler(t *testing.T) {
+	ctx, pool, scope, dest := setup(t)
+	tp := &tracerProvider{}
+	requestCtx, request := tp.Tracer("test").Start(ctx, "request")
+	enqueue(t, requestCtx, pool, outbox.Entry{Scope: scope, Key: "traced", Destination: dest})
+	enqueue(t, ctx, pool, outbox.Entry{Scope: scope, Key: "untraced", Destination: dest})
+
+	got := make(chan trace.SpanContext, 2)
+	keys := make(chan string, 2)
+	startRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
+		got <- trace.SpanContextFromContext(ctx)
+		keys <- msg.Key
+		return nil
+	}, outbox.Config{Destinations: []string{dest}, PollInterval: 10 * time.Millisecond})
+	for range 2 {
+		sc, key := <-got, <-keys
+		switch key {
+		case "traced":
+			if !sc.Equal(request.SpanContext().WithRemote(true)) {
+				t.Errorf("handler's span context %v, want the request's %v", sc, request.SpanContext())
+			}
+		case "untraced":
+			if sc.IsValid() {
+				t.Errorf("handler's span context %v for a message enqueued without a trace", sc)
+			}
+		}
+	}
+}
 
 // The tests record spans and metrics through the OpenTelemetry API's own
 // interfaces, so that they need no SDK, which would reach the module graphs
@@ -88,7 +233,8 @@ type span struct {
 }
 
 func (s *span) SpanContext() trace.SpanContext { return s.sc }
-func (s *span) IsRecording() bool              { return true }
+
+func (s *span) IsRecording() bool { return true }
 
 func (s *span) End(...trace.SpanEndOption) {
 	s.mu.Lock()
@@ -275,13 +421,16 @@ func capturingLogger(t *testing.T) (*slog.Logger, *logBuffer) {
 type teeHandler [2]slog.Handler
 
 func (h *teeHandler) Enabled(ctx context.Context, l slog.Level) bool { return h[0].Enabled(ctx, l) }
+
 func (h *teeHandler) Handle(ctx context.Context, r slog.Record) error {
 	_ = h[0].Handle(ctx, r.Clone())
 	return h[1].Handle(ctx, r)
 }
+
 func (h *teeHandler) WithAttrs(a []slog.Attr) slog.Handler {
 	return &teeHandler{h[0].WithAttrs(a), h[1].WithAttrs(a)}
 }
+
 func (h *teeHandler) WithGroup(g string) slog.Handler {
 	return &teeHandler{h[0].WithGroup(g), h[1].WithGroup(g)}
 }

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/pgidem/idem"
@@ -42,7 +43,7 @@ func TestRelayListensOnListenConnConfig(t *testing.T) {
 	t.Cleanup(func() { conn.Close(context.Background()) })
 	observer, relays := notifying(t)
 	delivered := make(chan string, 1)
-	runRelay(t, ctx, conn, func(ctx context.Context, msg outbox.Message) error {
+	startRelay(t, ctx, conn, func(ctx context.Context, msg outbox.Message) error {
 		delivered <- msg.Key
 		return nil
 	}, outbox.Config{Destinations: []string{dest}, PollInterval: time.Hour, ListenConnConfig: directListen(t), Observer: observer})
@@ -70,7 +71,7 @@ func TestRelaySaysOnceWhenItHearsNoNotifications(t *testing.T) {
 	observer, relays := notifying(t)
 	logger, logs := capturingLogger(t)
 	delivered := make(chan string, 1)
-	runRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
+	startRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
 		delivered <- msg.Key
 		return nil
 	}, outbox.Config{
@@ -104,7 +105,7 @@ func TestRelayWithoutListeningConnectionSaysSo(t *testing.T) {
 	ctx, pool, _, dest := setup(t)
 	observer, relays := notifying(t)
 	logger, logs := capturingLogger(t)
-	stop := runRelay(t, ctx, &crashable{pool: pool}, func(context.Context, outbox.Message) error { return nil },
+	stop := startRelay(t, ctx, &crashable{pool: pool}, func(context.Context, outbox.Message) error { return nil },
 		outbox.Config{Destinations: []string{dest}, PollInterval: 5 * time.Millisecond, Observer: observer, Logger: logger})
 	waitFor(t, "the relay to say it only polls", func() bool { return logs.count("it only polls") > 0 })
 	time.Sleep(50 * time.Millisecond) // several polls
@@ -117,5 +118,53 @@ func TestRelayWithoutListeningConnectionSaysSo(t *testing.T) {
 	stop()
 	if listening, polling := relays(); listening != 0 || polling != 0 {
 		t.Errorf("idem.outbox.relays after Run: %d listening, %d polling; want none", listening, polling)
+	}
+}
+
+func TestNotifyWakesListeningRelays(t *testing.T) {
+	ctx, pool, scope, dest := setup(t)
+	delivered := make(chan string, 1)
+	// As in production (the README's "Behind PgBouncer"): the relay's
+	// statements and Notify's transactions go through the pool, which
+	// behind a transaction pooler reaches PostgreSQL through it, while the
+	// relay listens on a direct connection, since LISTEN needs a session of
+	// its own. A relay that would not poll again for an hour: only a
+	// notification can make it deliver within the test.
+	startRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
+		delivered <- msg.Key
+		return nil
+	}, outbox.Config{Destinations: []string{dest}, PollInterval: time.Hour, ListenConnConfig: directListen(t)})
+	enqueueAndAwait(t, ctx, pool, delivered, entries(scope, dest, 3), time.Minute, "the notification did not wake the relay")
+}
+
+// A relay needs no room in its pool to listen: on a pool of one connection
+// it still delivers, and the pool still closes once the relay stopped.
+func TestRelayOnSingleConnectionPool(t *testing.T) {
+	ctx, _, scope, dest := setup(t)
+	config, err := pgxpool.ParseConfig(env.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	config.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(ctx, config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+
+	delivered := make(chan string, 1)
+	stop := startRelay(t, ctx, pool, func(ctx context.Context, msg outbox.Message) error {
+		delivered <- msg.Key
+		return nil
+	}, outbox.Config{Destinations: []string{dest}, PollInterval: 10 * time.Millisecond})
+	enqueueAndAwait(t, ctx, pool, delivered, entries(scope, dest, 3), 10*time.Second, "a relay on a pool of one connection never delivered it")
+	stop()
+
+	closed := make(chan struct{})
+	go func() { pool.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the pool does not close after its relay stopped")
 	}
 }
