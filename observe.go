@@ -30,7 +30,8 @@ type ObserverConfig struct {
 	// Logger receives a line for what deserves a human's attention: a key
 	// reused with another request (a client bug), a duplicate that gave up
 	// waiting, a claim that could not be released. Never the stored value.
-	// Defaults to none.
+	// Defaults to slog.Default(), as everywhere in idem; to log nothing,
+	// give slog.New(slog.DiscardHandler).
 	Logger *slog.Logger
 
 	// LogKeys logs keys in full. Defaults to false: keys are logged as the
@@ -65,6 +66,9 @@ const instrumentationName = "github.com/pgidem/idem"
 // NewObserver builds the instruments once, so that each call only records.
 func NewObserver(cfg ObserverConfig) (*Observer, error) {
 	o := &Observer{logger: cfg.Logger, logKeys: cfg.LogKeys}
+	if o.logger == nil {
+		o.logger = slog.Default()
+	}
 	if cfg.TracerProvider != nil {
 		o.tracer = cfg.TracerProvider.Tracer(instrumentationName)
 	}
