@@ -42,7 +42,8 @@ type Stats struct {
 	// idem's tag held in this database, which at READ COMMITTED are all
 	// there is to see of an operation until it commits. It is an estimate:
 	// an application's own advisory lock with an id in idem's range counts
-	// too (see the package documentation, Operations).
+	// too (see the package documentation, Operations), and the keys a
+	// transaction claims past [MaxKeyLocks], which take no lock, do not.
 	Running int64
 	// OldestRunning is when the transaction of the oldest of them began.
 	OldestRunning time.Time

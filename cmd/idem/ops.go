@@ -193,8 +193,10 @@ func runStats(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet(stdout, "stats", `stats
 
 Prints the operations running now and the duplicates waiting for them; for
-idem's tables: the records done, in progress (written before their function
-runs, at REPEATABLE READ and SERIALIZABLE), and past expiry (awaiting
+idem's tables: the records done, in progress (committed in progress, which
+idem never does: a hand-written statement or an older version wrote them,
+and the next call on the key takes them over; records written in progress
+by transactions still open are not visible), and past expiry (awaiting
 purge); how many scopes hold records; the oldest live record; the table's
 and its indexes' size on disk; and the outbox's pending messages (with the
 oldest one's age), parked messages awaiting a decision, and delivered
