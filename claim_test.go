@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
@@ -406,5 +408,144 @@ func TestADoInsideItsKeysFunctionJoinsIt(t *testing.T) {
 					calls.Load(), countPayments(t, pool, scope), countRecords(t, pool, scope))
 			}
 		})
+	}
+}
+
+// holdKey claims key in a transaction of its own and keeps it open until
+// the test ends, or until after has passed, when it commits or rolls back.
+// The test does not end before the transaction has.
+func holdKey(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key string, after time.Duration, commit bool) {
+	t.Helper()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	if _, err := idem.Do(ctx, tx, scope, key, fpA, pay(scope, key, 1, &calls)); err != nil {
+		_ = tx.Rollback(ctx) // or the pool never gets its connection back
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	// The test's own context ends with the test: finish on one that does not.
+	finishCtx := context.WithoutCancel(ctx)
+	release := make(chan struct{})
+	t.Cleanup(func() {
+		close(release)
+		<-done
+	})
+	go func() {
+		defer close(done)
+		select {
+		case <-time.After(after):
+		case <-release:
+			commit = false
+		}
+		if !commit {
+			_ = tx.Rollback(finishCtx)
+			return
+		}
+		if err := tx.Commit(finishCtx); err != nil {
+			t.Errorf("holder's commit: %v", err)
+		}
+	}()
+}
+
+func TestWaitBudgetExpires(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	holdKey(t, ctx, pool, scope, "k", time.Hour, false)
+
+	var calls atomic.Int64
+	started := time.Now()
+	_, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 1, &calls), idem.WithWait(200*time.Millisecond))
+	waited := time.Since(started)
+	if !errors.Is(err, idem.ErrInProgress) {
+		t.Fatalf("err = %v, want ErrInProgress", err)
+	}
+	if waited < 200*time.Millisecond {
+		t.Fatalf("gave up after %s, before the 200ms budget", waited)
+	}
+	if calls.Load() != 0 {
+		t.Fatal("fn ran while another attempt held the key")
+	}
+
+	_, err = idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 1, &calls), idem.WithWait(0))
+	if !errors.Is(err, idem.ErrInProgress) {
+		t.Fatalf("WithWait(0): err = %v, want ErrInProgress", err)
+	}
+	// The message says it once, in idem's words; the driver's error stays
+	// in the chain for those who want it.
+	var pgErr *pgconn.PgError
+	if msg := err.Error(); strings.Count(msg, "idem:") != 1 || strings.Contains(msg, "ERROR:") || !errors.As(err, &pgErr) {
+		t.Fatalf("ErrInProgress reads %q; want one idem: prefix, no driver wording, and the driver's error in the chain", msg)
+	}
+}
+
+func TestWaitBudgetReplaysWhenFirstCommits(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	holdKey(t, ctx, pool, scope, "k", 300*time.Millisecond, true)
+
+	var calls atomic.Int64
+	res, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 1, &calls), idem.WithWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !res.Replayed || calls.Load() != 0 || countPayments(t, pool, scope) != 1 {
+		t.Fatalf("%+v, fn ran %d times: want the first attempt's replay", res, calls.Load())
+	}
+}
+
+func TestWaitBudgetClaimsWhenFirstRollsBack(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	holdKey(t, ctx, pool, scope, "k", 300*time.Millisecond, false)
+
+	var calls atomic.Int64
+	res, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 1, &calls), idem.WithWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Replayed || calls.Load() != 1 || countPayments(t, pool, scope) != 1 {
+		t.Fatalf("%+v, fn ran %d times: want this call to run fn", res, calls.Load())
+	}
+}
+
+func TestWaitBudgetDoesNotLeakIntoTransaction(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	lockTimeout := func(ctx context.Context, tx pgx.Tx) string {
+		var v string
+		if err := tx.QueryRow(ctx, `SELECT current_setting('lock_timeout')`).Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '7s'`); err != nil {
+			return err
+		}
+		var inFn string
+		_, err := idem.Do(ctx, tx, scope, "k", fpA, func(ctx context.Context, tx pgx.Tx) (int, error) {
+			inFn = lockTimeout(ctx, tx)
+			return 1, nil
+		}, idem.WithWait(123*time.Millisecond))
+		if err != nil {
+			return err
+		}
+		if inFn != "7s" {
+			t.Errorf("lock_timeout in fn = %q, want the caller's 7s", inFn)
+		}
+		if after := lockTimeout(ctx, tx); after != "7s" {
+			t.Errorf("lock_timeout after Do = %q, want the caller's 7s", after)
+		}
+		// A replay restores it too.
+		if _, err := idem.Do(ctx, tx, scope, "k", fpA, func(context.Context, pgx.Tx) (int, error) { return 2, nil },
+			idem.WithWait(123*time.Millisecond)); err != nil {
+			return err
+		}
+		if after := lockTimeout(ctx, tx); after != "7s" {
+			t.Errorf("lock_timeout after a replay = %q, want the caller's 7s", after)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }

@@ -15,7 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/pgtemp"
+	"github.com/pgidem/idem/idemtest/pgtemp"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
@@ -64,9 +64,10 @@ func startLockServer(t *testing.T) *lockServer {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	t.Cleanup(cancel)
 
-	srv, err := pgtemp.Start(ctx, pgtemp.Options{DefaultMaxConnections: true})
+	// PostgreSQL's own max_connections, which sizes the lock table.
+	srv, err := pgtemp.Start(ctx, pgtemp.Config{MaxConnections: 100})
 	if err != nil {
-		t.Fatalf("this test needs a throwaway PostgreSQL server at the defaults, started from a local installation (%s): %v", pgtemp.Where, err)
+		t.Fatalf("this test needs a throwaway PostgreSQL server at the defaults, started from a local installation: %v", err)
 	}
 	t.Cleanup(func() {
 		if err := srv.Stop(); err != nil {

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
@@ -54,3 +55,10 @@ var (
 	countRecords  = testdb.CountRecords
 	expire        = testdb.Expire
 )
+
+// fpA and fpB are the fingerprints of two different requests.
+var fpA, fpB = idem.Fingerprint([]byte("request A")), idem.Fingerprint([]byte("request B"))
+
+// panicTx is a transaction that fails the test on any use: passing it proves
+// that a call was rejected before it reached the database.
+type panicTx struct{ pgx.Tx }

@@ -7,9 +7,11 @@ import (
 	"strings"
 	"testing"
 	"testing/fstest"
+	"time"
 
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/pressly/goose/v3"
+	"github.com/pressly/goose/v3/lock"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/migration"
@@ -114,5 +116,78 @@ func TestMigrationsFSHoldsTheGooseFiles(t *testing.T) {
 func TestMigrationTableIsTheOneMigrateUses(t *testing.T) {
 	if idem.MigrationTable != migration.Table {
 		t.Fatalf("idem.MigrationTable = %q, but migrations record in %q", idem.MigrationTable, migration.Table)
+	}
+}
+
+// TestGooseWithTheMigrationTableIsMigrate runs idem's migrations as
+// MigrationLockID's documentation says an application's own goose set-up
+// does: with MigrationTable and the lock. Both record in one table, so
+// Migrate then finds every version applied, and goose finds Migrate's.
+func TestGooseWithTheMigrationTableIsMigrate(t *testing.T) {
+	ctx, db := setupEmpty(t)
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(idem.MigrationLockID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	provider, err := goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
+		goose.WithTableName(idem.MigrationTable), goose.WithSessionLocker(locker), goose.WithDisableGlobalRegistry(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Part of the way with goose, the rest with Migrate.
+	if _, err := provider.UpTo(ctx, 2); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Migrate(ctx, db); err != nil {
+		t.Fatalf("Migrate after goose: %v", err)
+	}
+	current, target, err := provider.GetVersions(ctx)
+	if err != nil || current != target {
+		t.Fatalf("goose sees version %d of %d, %v; want Migrate's versions in the same table", current, target, err)
+	}
+	if results, err := provider.Up(ctx); err != nil || len(results) != 0 {
+		t.Fatalf("goose after Migrate applied %d migrations, %v; want none", len(results), err)
+	}
+}
+
+// TestMigrateWaitsForMigrationLockID holds the documented lock in another
+// session: Migrate applies nothing while it is held, and everything once
+// it is released.
+func TestMigrateWaitsForMigrationLockID(t *testing.T) {
+	ctx, db := setupEmpty(t)
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	holder, err := db.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Close()
+	if _, err := holder.ExecContext(ctx, `SELECT pg_advisory_lock($1)`, idem.MigrationLockID); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- idem.Migrate(ctx, db) }()
+	// Migrate's first try at the lock comes at once; give it a while to
+	// get past it, if it wrongly could.
+	for range 20 {
+		var exists bool
+		if err := db.QueryRowContext(ctx, `SELECT to_regclass('idempotency_key') IS NOT NULL`).Scan(&exists); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case err := <-done:
+			t.Fatalf("Migrate returned (%v) while another session held MigrationLockID", err)
+		default:
+		}
+		if exists {
+			t.Fatal("Migrate applied a migration while another session held MigrationLockID")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if _, err := holder.ExecContext(ctx, `SELECT pg_advisory_unlock($1)`, idem.MigrationLockID); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("Migrate once the lock was released: %v", err)
 	}
 }

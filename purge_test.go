@@ -83,3 +83,26 @@ func TestPurgerStopsWithItsContext(t *testing.T) {
 		t.Fatal("purger did not stop after its context was cancelled")
 	}
 }
+
+func TestPurgeDeletesOnlyExpired(t *testing.T) {
+	ctx, pool, scope := setupOwnDatabase(t)
+	var calls atomic.Int64
+	for i := range 7 {
+		key := fmt.Sprintf("k%d", i)
+		if _, err := idem.Run(ctx, pool, scope, key, fpA, pay(scope, key, 1, &calls)); err != nil {
+			t.Fatal(err)
+		}
+		if i < 5 {
+			expire(t, pool, scope, key)
+		}
+	}
+	if n, err := idem.Purge(ctx, pool, 2); err != nil || n != 5 {
+		t.Fatalf("Purge deleted %d, %v; want the 5 expired", n, err)
+	}
+	if n := countRecords(t, pool, scope); n != 2 {
+		t.Fatalf("%d records left, want the 2 live ones", n)
+	}
+	if _, err := idem.Purge(ctx, pool, 0); !errors.Is(err, idem.ErrInvalidOption) {
+		t.Fatalf("batch 0: %v, want ErrInvalidOption", err)
+	}
+}

@@ -17,7 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgidem/idem/internal/pgtemp"
+	"github.com/pgidem/idem/idemtest/pgtemp"
 )
 
 // connVars are the environment variables that say which server to use.
@@ -159,7 +159,7 @@ func openScratch(ctx context.Context, stdout io.Writer, command string) (*scratc
 		return scratchOnServer(ctx, stdout, command, os.Getenv("DATABASE_URL"), name)
 	}
 	// PostgreSQL's durable defaults: bench measures with them.
-	srv, localErr := pgtemp.Start(ctx, pgtemp.Options{})
+	srv, localErr := pgtemp.Start(ctx, pgtemp.Config{})
 	if localErr == nil {
 		s := &scratch{URL: srv.URL, cleanup: srv.Stop, stdout: stdout,
 			what: "the throwaway server and its directory " + srv.Dir}

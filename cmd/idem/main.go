@@ -10,7 +10,8 @@
 // and print it before acting; demo, bench and soak never write into a
 // database they did not create: they make one of their own on that server
 // and drop it at the end, or, with nothing configured, start a throwaway
-// server. Run "idem <command> -h" for what a command does and its flags.
+// server. schema prints idem's tables as SQL and connects to nothing. Run
+// "idem <command> -h" for what a command does and its flags.
 package main
 
 import (
@@ -48,6 +49,7 @@ func commands() []command {
 		{"purge", "delete expired records in batches", runPurge},
 		{"stats", "show the operations running now, records by state, the table's size and the outbox backlog", runStats},
 		{"inspect", "show one record: inspect SCOPE KEY", runInspect},
+		{"schema", "print idem's tables as SQL, for sqlc and other tools that read a schema", runSchema},
 	}
 }
 

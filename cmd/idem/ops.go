@@ -12,16 +12,29 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+	"github.com/pressly/goose/v3/database"
+	"github.com/pressly/goose/v3/lock"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
-	"github.com/pgidem/idem/internal/migration"
 )
+
+// migrations returns goose over idem's embedded migrations, set up as
+// idem.Migrate sets it up: idem's version table and idem's advisory lock,
+// so that this command and a replica's Migrate never apply one migration
+// twice, and no global registry.
+func migrations(db *sql.DB) (*goose.Provider, error) {
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(idem.MigrationLockID))
+	if err != nil {
+		return nil, err
+	}
+	return goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
+		goose.WithTableName(idem.MigrationTable),
+		goose.WithSessionLocker(locker),
+		goose.WithDisableGlobalRegistry(true))
+}
 
 func runMigrate(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet(stdout, "migrate", `migrate up|down|status
@@ -48,7 +61,7 @@ command prints it before acting.`)
 	defer pool.Close()
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	provider, err := migration.NewProvider(db, idem.Migrations())
+	provider, err := migrations(db)
 	if err != nil {
 		return err
 	}
@@ -102,23 +115,32 @@ func connectMigrated(ctx context.Context, stdout io.Writer, command string) (*pg
 	}
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	if err := checkMigrated(ctx, pool, db); err != nil {
+	if err := checkMigrated(ctx, db); err != nil {
 		pool.Close()
 		return nil, err
 	}
 	return pool, nil
 }
 
-func checkMigrated(ctx context.Context, pool *pgxpool.Pool, db *sql.DB) error {
-	// Asking goose would create its version table; look first.
-	exists, err := dbsqlc.New(pool).SchemaTableExists(ctx, idem.MigrationTable)
+func checkMigrated(ctx context.Context, db *sql.DB) error {
+	// Asking goose for the version would create its version table; look
+	// first.
+	store, err := database.NewStore(database.DialectPostgres, idem.MigrationTable)
+	if err != nil {
+		return err
+	}
+	extended, ok := store.(database.StoreExtender)
+	if !ok {
+		return fmt.Errorf("goose cannot tell whether %s exists", idem.MigrationTable)
+	}
+	exists, err := extended.TableExists(ctx, db)
 	if err != nil {
 		return databaseError{fmt.Errorf("look for %s: %w", idem.MigrationTable, err)}
 	}
 	if !exists {
 		return databaseError{errors.New("idem's migrations are not applied: run 'idem migrate up'")}
 	}
-	provider, err := migration.NewProvider(db, idem.Migrations())
+	provider, err := migrations(db)
 	if err != nil {
 		return err
 	}
@@ -171,8 +193,10 @@ func runStats(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet(stdout, "stats", `stats
 
 Prints the operations running now and the duplicates waiting for them; for
-idem's tables: the records done, in progress (written before their function
-runs, at REPEATABLE READ and SERIALIZABLE), and past expiry (awaiting
+idem's tables: the records done, in progress (committed in progress, which
+idem never does: a hand-written statement or an older version wrote them,
+and the next call on the key takes them over; records written in progress
+by transactions still open are not visible), and past expiry (awaiting
 purge); how many scopes hold records; the oldest live record; the table's
 and its indexes' size on disk; and the outbox's pending messages (with the
 oldest one's age), parked messages awaiting a decision, and delivered
@@ -194,23 +218,19 @@ as hashtextextended's are, does. Locks taken with two int keys never count.`)
 		return err
 	}
 	defer pool.Close()
-	s, err := dbsqlc.New(pool).KeyStats(ctx)
+	s, err := idem.ReadStats(ctx, pool)
 	if err != nil {
 		return fmt.Errorf("stats: %w", err)
 	}
 	oldest := "-"
-	if s.OldestLive.Valid {
-		oldest = fmt.Sprintf("%s (%s ago)", s.OldestLive.Time.Format(time.RFC3339), time.Since(s.OldestLive.Time).Round(time.Second))
-	}
-	f, err := dbsqlc.New(pool).KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: guard.LockTag})
-	if err != nil {
-		return fmt.Errorf("stats: operations in flight: %w", err)
+	if !s.OldestLive.IsZero() {
+		oldest = fmt.Sprintf("%s (%s ago)", s.OldestLive.Format(time.RFC3339), time.Since(s.OldestLive).Round(time.Second))
 	}
 	w := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	// Labelled with what they count, which may include an application's
 	// own locks (see the help above).
-	fmt.Fprintf(w, "operations running now (advisory locks with idem's tag)\t%d%s\n", f.Running, since(f.OldestStart, " (oldest began %s ago)"))
-	fmt.Fprintf(w, "duplicates waiting (advisory lock waits with idem's tag)\t%d\n", f.Waiting)
+	fmt.Fprintf(w, "operations running now (advisory locks with idem's tag)\t%d%s\n", s.Running, since(s.OldestRunning, " (oldest began %s ago)"))
+	fmt.Fprintf(w, "duplicates waiting (advisory lock waits with idem's tag)\t%d\n", s.Waiting)
 	fmt.Fprintf(w, "records done\t%d\n", s.Done)
 	fmt.Fprintf(w, "records in progress\t%d\n", s.InProgress)
 	fmt.Fprintf(w, "records past expiry, awaiting purge\t%d\n", s.Expired)
@@ -218,26 +238,22 @@ as hashtextextended's are, does. Locks taken with two int keys never count.`)
 	fmt.Fprintf(w, "oldest live record\t%s\n", oldest)
 	fmt.Fprintf(w, "table size\t%s\n", bytesize(s.TableBytes))
 	fmt.Fprintf(w, "index size\t%s\n", bytesize(s.IndexBytes))
-	o, err := dbsqlc.New(pool).OutboxStats(ctx)
-	if err != nil {
-		return fmt.Errorf("stats: outbox: %w", err)
-	}
 	oldestPending := "-"
-	if o.OldestPending.Valid {
-		oldestPending = fmt.Sprintf("%s ago", time.Since(o.OldestPending.Time).Round(time.Second))
+	if !s.OldestPending.IsZero() {
+		oldestPending = fmt.Sprintf("%s ago", time.Since(s.OldestPending).Round(time.Second))
 	}
-	fmt.Fprintf(w, "outbox pending\t%d (oldest %s)\n", o.Pending, oldestPending)
-	fmt.Fprintf(w, "outbox parked, awaiting a decision\t%d\n", o.Parked)
-	fmt.Fprintf(w, "outbox delivered, awaiting purge\t%d\n", o.Delivered)
+	fmt.Fprintf(w, "outbox pending\t%d (oldest %s)\n", s.OutboxPending, oldestPending)
+	fmt.Fprintf(w, "outbox parked, awaiting a decision\t%d\n", s.OutboxParked)
+	fmt.Fprintf(w, "outbox delivered, awaiting purge\t%d\n", s.OutboxDelivered)
 	return w.Flush()
 }
 
 // since formats how long ago t was into format, or "" when t is unset.
-func since(t pgtype.Timestamptz, format string) string {
-	if !t.Valid {
+func since(t time.Time, format string) string {
+	if t.IsZero() {
 		return ""
 	}
-	return fmt.Sprintf(format, time.Since(t.Time).Round(time.Millisecond))
+	return fmt.Sprintf(format, time.Since(t).Round(time.Millisecond))
 }
 
 func bytesize(n int64) string {
@@ -280,26 +296,25 @@ running too.`)
 	}
 	defer pool.Close()
 	scope, key := operands[0], operands[1]
-	f, err := dbsqlc.New(pool).KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: guard.LockTag, LockID: guard.LockID(scope, key)})
+	r, err := idem.Inspect(ctx, pool, scope, key)
+	if errors.Is(err, idem.ErrInvalidScope) || errors.Is(err, idem.ErrInvalidKey) {
+		return usageError{err}
+	}
 	if err != nil {
 		return fmt.Errorf("inspect: %w", err)
 	}
 	// Labelled with what it looks at (see the help above).
 	const runningLabel = "running now (advisory lock with its id)"
 	running := "no"
-	if f.Running > 0 {
-		running = fmt.Sprintf("yes%s, %d duplicate(s) waiting", since(f.OldestStart, ", its transaction began %s ago"), f.Waiting)
+	if r.Running {
+		running = fmt.Sprintf("yes%s, %d duplicate(s) waiting", since(r.RunningSince, ", its transaction began %s ago"), r.Waiting)
 	}
-	r, err := dbsqlc.New(pool).KeyInspect(ctx, dbsqlc.KeyInspectParams{Scope: scope, Key: key})
-	if errors.Is(err, pgx.ErrNoRows) {
-		if f.Running > 0 {
+	if !r.Found {
+		if r.Running {
 			fmt.Fprintf(stdout, "scope %q, key %q: no record yet; %s: %s\n", scope, key, runningLabel, running)
 			return nil
 		}
 		return fmt.Errorf("no record for scope %q, key %q, and no advisory lock with its id: no operation running on it", scope, key)
-	}
-	if err != nil {
-		return fmt.Errorf("inspect: %w", err)
 	}
 	state := r.State
 	if r.Expired {
@@ -318,8 +333,8 @@ running too.`)
 	fmt.Fprintf(w, "state\t%s\n", state)
 	fmt.Fprintf(w, "%s\t%s\n", runningLabel, running)
 	fmt.Fprintf(w, "fingerprint\t%s\n", strings.ToLower(hex.EncodeToString(r.Fingerprint)))
-	fmt.Fprintf(w, "created\t%s\n", r.CreatedAt.Time.Format(time.RFC3339Nano))
-	fmt.Fprintf(w, "expires\t%s\n", r.ExpiresAt.Time.Format(time.RFC3339Nano))
+	fmt.Fprintf(w, "created\t%s\n", r.CreatedAt.Format(time.RFC3339Nano))
+	fmt.Fprintf(w, "expires\t%s\n", r.ExpiresAt.Format(time.RFC3339Nano))
 	fmt.Fprintf(w, "response\t%s\n", response)
 	return w.Flush()
 }

@@ -16,16 +16,16 @@ import (
 // never mistake each other's versions.
 const Table = "idem_goose_version" // idem.MigrationTable
 
-// lockID is the advisory lock that serializes concurrent runs (several
+// LockID is the advisory lock that serializes concurrent runs (several
 // replicas starting at once). It is not goose's default id, so it never
 // waits on an application's own goose run. The value spells "idem" in
 // ASCII.
-const lockID = 0x6964656d
+const LockID = 0x6964656d // idem.MigrationLockID
 
 // NewProvider returns a goose provider over migrations, with its own
 // version table, its own advisory lock and no global registry.
 func NewProvider(db *sql.DB, migrations fs.FS) (*goose.Provider, error) {
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(lockID))
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(LockID))
 	if err != nil {
 		return nil, fmt.Errorf("idem: migration lock: %w", err)
 	}

@@ -150,7 +150,7 @@ func TestInterruptRemovesTheServer(t *testing.T) {
 		t.Errorf("an interrupted run exited 0")
 	}
 	m := serverLine.FindStringSubmatch(stderr.String())
-	if !strings.Contains(stderr.String(), "removing the test database and server") {
+	if !strings.Contains(stderr.String(), "removing the test databases and the server") {
 		t.Errorf("the child did not say it cleaned up:\n%s", stderr.String())
 	}
 	if m == nil {

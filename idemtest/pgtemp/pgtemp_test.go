@@ -3,12 +3,27 @@
 package pgtemp
 
 import (
+	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/pgidem/idem"
 )
+
+// TestStartRefusesEveryInvalidConfig checks that a Config that cannot work
+// is refused, naming its field, before anything starts.
+func TestStartRefusesEveryInvalidConfig(t *testing.T) {
+	t.Parallel()
+	srv, err := Start(context.Background(), Config{MaxConnections: -1})
+	if srv != nil || !errors.Is(err, idem.ErrInvalidOption) || !strings.Contains(err.Error(), "Config.MaxConnections") {
+		t.Fatalf("MaxConnections -1: %v, %v; want ErrInvalidOption naming the field", srv, err)
+	}
+}
 
 // TestRemoveStaleRemovesOnlyDeadServersDirectories checks the clean-up of
 // directories left by a process killed before it removed its server's.

@@ -4,14 +4,18 @@
 // already on the machine: its initdb and postgres found on PATH or in the
 // usual install directories. The server lives in a temporary directory,
 // listens on 127.0.0.1 and a Unix socket in that directory only, and is
-// stopped and removed by Stop, or when the process that started it dies.
+// stopped and removed by Stop, or when the process that started it dies
+// (on Linux; elsewhere, the next Start removes the directories of servers
+// whose process is gone).
 //
 // PostgreSQL refuses to run as root. Started by root, the server runs as an
 // unprivileged OS user (nobody, or else postgres), which owns the directory.
 //
-// It is used by the tests' testdb and by the idem command's demo; it needs
-// nothing but the standard library and pgx, which the library already
-// requires.
+// It is the last of the servers [github.com/pgidem/idem/idemtest] tries,
+// and the one the idem command's demo, bench and soak start when no
+// database is configured. It needs nothing but the standard library, pgx
+// and idem, so that a program using it links neither the testing package
+// nor testcontainers-go.
 package pgtemp
 
 import (
@@ -34,6 +38,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem"
 )
 
 // Server is a running throwaway server.
@@ -86,11 +92,11 @@ func versionOf(path string) int {
 	return 0
 }
 
-// Where describes where Find looks, for error messages.
-const Where = "initdb and postgres on PATH, or in /usr/lib/postgresql/<version>/bin, /usr/pgsql-<version>/bin, /usr/local/pgsql/bin or Homebrew's postgresql"
+// where describes where find looks, for error messages.
+const where = "initdb and postgres on PATH, or in /usr/lib/postgresql/<version>/bin, /usr/pgsql-<version>/bin, /usr/local/pgsql/bin or Homebrew's postgresql"
 
-// Find returns the directory of an installation's initdb and postgres.
-func Find() (string, error) {
+// find returns the directory of an installation's initdb and postgres.
+func find() (string, error) {
 	if path, err := exec.LookPath("initdb"); err == nil {
 		if real, err := filepath.EvalSymlinks(path); err == nil {
 			path = real
@@ -105,7 +111,7 @@ func Find() (string, error) {
 			return dir, nil
 		}
 	}
-	return "", fmt.Errorf("no PostgreSQL installation found (looked for %s)", Where)
+	return "", fmt.Errorf("no PostgreSQL installation found (looked for %s)", where)
 }
 
 func isExecutable(path string) bool {
@@ -113,26 +119,38 @@ func isExecutable(path string) bool {
 	return err == nil && !info.IsDir() && info.Mode()&0o111 != 0
 }
 
-// Options configures Start. The zero value is a server as durable as
-// PostgreSQL's defaults make it.
-type Options struct {
+// Config configures Start. The zero value is a server as durable as
+// PostgreSQL's defaults make it, taking 300 connections.
+type Config struct {
 	// Fast turns off fsync, full-page writes and synchronous commit: for
 	// tests, whose data nobody needs after a crash. Benchmarks want the
-	// defaults.
+	// defaults. Defaults to false: PostgreSQL's durable settings.
 	Fast bool
-	// DefaultMaxConnections leaves max_connections at PostgreSQL's default
-	// (100) instead of raising it to 300, which lets the packages' tests run
-	// in parallel, each with a pool of its own. The shared lock table is
-	// sized by max_connections: a test of what fills it wants a default
-	// server's.
-	DefaultMaxConnections bool
+
+	// MaxConnections is the server's max_connections. It sizes the shared
+	// lock table too, with max_locks_per_transaction: a test of what fills
+	// the table sets PostgreSQL's own default, 100. Defaults to 300, which
+	// lets the packages of a module test in parallel, each with pools of
+	// its own.
+	MaxConnections int
 }
 
+// defaultMaxConnections is Config.MaxConnections's default.
+const defaultMaxConnections = 300
+
 // Start initializes and starts a server. It gives up when ctx ends; the
-// returned Server must be stopped with Stop.
-func Start(ctx context.Context, opts Options) (*Server, error) {
+// returned Server must be stopped with Stop. A negative
+// Config.MaxConnections is refused with an error wrapping
+// [idem.ErrInvalidOption], before anything is started.
+func Start(ctx context.Context, cfg Config) (*Server, error) {
+	if cfg.MaxConnections < 0 {
+		return nil, fmt.Errorf("%w: pgtemp: Config.MaxConnections: must not be negative, got %d", idem.ErrInvalidOption, cfg.MaxConnections)
+	}
+	if cfg.MaxConnections == 0 {
+		cfg.MaxConnections = defaultMaxConnections
+	}
 	removeStale(os.TempDir(), time.Minute)
-	binDir, err := Find()
+	binDir, err := find()
 	if err != nil {
 		return nil, err
 	}
@@ -194,7 +212,7 @@ func Start(ctx context.Context, opts Options) (*Server, error) {
 		if err != nil {
 			return nil, err
 		}
-		lastErr = s.run(ctx, data, port, cred, password, opts)
+		lastErr = s.run(ctx, data, port, cred, password, cfg)
 		if lastErr == nil {
 			ok = true
 			return s, nil
@@ -208,7 +226,7 @@ func Start(ctx context.Context, opts Options) (*Server, error) {
 	return nil, lastErr
 }
 
-func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.Credential, password string, opts Options) error {
+func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.Credential, password string, cfg Config) error {
 	logPath := filepath.Join(s.Dir, "postgres.log")
 	logFile, err := os.Create(logPath)
 	if err != nil {
@@ -226,11 +244,9 @@ func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.C
 		"-c", "port=" + strconv.Itoa(port),
 		"-c", "unix_socket_directories=" + s.Dir,
 		"-c", "log_min_messages=warning",
+		"-c", "max_connections=" + strconv.Itoa(cfg.MaxConnections),
 	}
-	if !opts.DefaultMaxConnections {
-		args = append(args, "-c", "max_connections=300")
-	}
-	if opts.Fast {
+	if cfg.Fast {
 		args = append(args, "-c", "fsync=off", "-c", "full_page_writes=off", "-c", "synchronous_commit=off")
 	}
 	cmd := exec.Command(filepath.Join(s.BinDir, "postgres"), args...)

@@ -1,0 +1,206 @@
+package main
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// What a soak found: the final check of the table against the answers,
+// and the report it prints.
+
+// soakFaults counts the faults that actually hit, by kind.
+type soakFaults struct {
+	// Terminated counts backends killed with pg_terminate_backend while
+	// they were in a transaction.
+	Terminated int64
+	// TimedOut counts attempts that the client abandoned when their short
+	// deadline passed.
+	TimedOut int64
+	// CutBeforeCommit counts connections cut instead of passing a COMMIT
+	// to the server.
+	CutBeforeCommit int64
+	// CutAfterCommit counts connections cut instead of passing the reply
+	// to a COMMIT back to the client.
+	CutAfterCommit int64
+	// CutRandom counts connections cut at a random moment.
+	CutRandom int64
+	// TerminatedInWrite counts backends terminated inside a business
+	// write's transaction (TerminateEveryWrites).
+	TerminatedInWrite int64
+	// CutInWrite counts connections cut inside a business write's
+	// transaction (CutEveryWrites).
+	CutInWrite int64
+	// Restarts counts runs of the restart command.
+	Restarts int64
+}
+
+// soakReport is what a soak run did and found.
+type soakReport struct {
+	// Operations is the number of logical payments started.
+	Operations int
+	// Answered is the number of payments that got an answer.
+	Answered int
+	// Attempts is the number of calls to idem.Run, all payments together.
+	Attempts int64
+	// Executed and Replayed split the answers: the payment ran in the
+	// attempt that answered, or an earlier attempt had committed it.
+	Executed, Replayed int64
+	// Writes is the number of times the business write ran, committed or
+	// rolled back by a fault.
+	Writes int64
+	// Failures counts failed attempts by kind.
+	Failures map[string]int64
+	// Faults counts the faults injected.
+	Faults soakFaults
+	// Connections is the number of connections opened through the proxy:
+	// the clients' own, each fault costing one, and the driver's cancel
+	// requests.
+	Connections int64
+	// Rows is the number of payments in the table for this run.
+	Rows int64
+	// Lost counts answered payments with no row; Doubled counts payments
+	// with more than one.
+	Lost, Doubled int
+	// WrongAnswers counts answers that differ from the payment's row or
+	// from its stored response.
+	WrongAnswers int
+	// Stranded counts claims left in progress.
+	Stranded int
+	// Elapsed is the time from the first payment to the last answer.
+	Elapsed time.Duration
+}
+
+// check compares the table and the stored responses with the answers the
+// clients got, and fills in the report's verdict.
+func (r *soakRun) check(ctx context.Context, admin *pgxpool.Pool, answers []soakPayment, errs []error, rep *soakReport) error {
+	rows, err := admin.Query(ctx, `SELECT key, id, amount_cents FROM idem_soak_payment WHERE scope = $1`, r.scope)
+	if err != nil {
+		return fmt.Errorf("read payments: %w", err)
+	}
+	paymentsByKey := make(map[string][]soakPayment)
+	for rows.Next() {
+		var p soakPayment
+		if err := rows.Scan(&p.Key, &p.ID, &p.AmountCents); err != nil {
+			return fmt.Errorf("read payments: %w", err)
+		}
+		paymentsByKey[p.Key] = append(paymentsByKey[p.Key], p)
+		rep.Rows++
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("read payments: %w", err)
+	}
+
+	rows, err = admin.Query(ctx, `SELECT key, state, response FROM idempotency_key WHERE scope = $1`, r.scope)
+	if err != nil {
+		return fmt.Errorf("read stored responses: %w", err)
+	}
+	storedByKey := make(map[string]soakPayment)
+	for rows.Next() {
+		var key, state string
+		var response []byte
+		if err := rows.Scan(&key, &state, &response); err != nil {
+			return fmt.Errorf("read stored responses: %w", err)
+		}
+		if state != "done" {
+			rep.Stranded++
+			continue
+		}
+		var stored soakPayment
+		if err := json.Unmarshal(response, &stored); err != nil {
+			return fmt.Errorf("decode stored response of %s: %w", key, err)
+		}
+		storedByKey[key] = stored
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("read stored responses: %w", err)
+	}
+
+	for _, payments := range paymentsByKey {
+		if len(payments) > 1 {
+			rep.Doubled++
+		}
+	}
+	for i, answer := range answers {
+		if errs[i] != nil {
+			continue
+		}
+		rep.Answered++
+		key := fmt.Sprintf("payment-%d", i)
+		payments := paymentsByKey[key]
+		if len(payments) == 0 {
+			rep.Lost++
+			continue
+		}
+		want := soakPayment{ID: payments[0].ID, Key: key, AmountCents: int64(100 + i)}
+		if answer != want || payments[0] != want || storedByKey[key] != want {
+			rep.WrongAnswers++
+		}
+	}
+	return nil
+}
+
+func (r *soakRun) print(w io.Writer, rep *soakReport) {
+	perOp := func(n int64) float64 { return float64(n) / float64(max(rep.Operations, 1)) }
+	fmt.Fprintf(w, "\nlogical operations:   %d started, %d answered, in %s (%.0f per second)\n",
+		rep.Operations, rep.Answered, rep.Elapsed.Round(time.Millisecond), float64(rep.Answered)/rep.Elapsed.Seconds())
+	fmt.Fprintf(w, "attempts:             %d (%.2f per operation)\n", rep.Attempts, perOp(rep.Attempts))
+	fmt.Fprintf(w, "  answered, executed: %d\n", rep.Executed)
+	fmt.Fprintf(w, "  answered, replayed: %d (an earlier attempt had committed)\n", rep.Replayed)
+	var failed int64
+	for _, n := range rep.Failures {
+		failed += n
+	}
+	fmt.Fprintf(w, "  failed, retried:    %d\n", failed)
+	kinds := make([]string, 0, len(rep.Failures))
+	for kind := range rep.Failures {
+		kinds = append(kinds, kind)
+	}
+	slices.SortFunc(kinds, func(a, b string) int {
+		return cmp.Or(cmp.Compare(rep.Failures[b], rep.Failures[a]), strings.Compare(a, b))
+	})
+	for _, kind := range kinds {
+		fmt.Fprintf(w, "    %-50s %d\n", kind+":", rep.Failures[kind])
+		if r.cfg.Verbose {
+			fmt.Fprintf(w, "      e.g. %s\n", r.samples[kind])
+		}
+	}
+	fmt.Fprintf(w, "business writes run:  %d (%d rolled back by faults)\n", rep.Writes, rep.Writes-rep.Rows)
+	fmt.Fprintf(w, "connections opened:   %d (through the proxy, cancel requests included)\n", rep.Connections)
+	f := rep.Faults
+	fmt.Fprintf(w, "faults injected:      %d\n", f.Terminated+f.TimedOut+f.CutBeforeCommit+f.CutAfterCommit+f.CutRandom+f.TerminatedInWrite+f.CutInWrite+f.Restarts)
+	fmt.Fprintf(w, "  backends terminated in a transaction:         %d\n", f.Terminated)
+	fmt.Fprintf(w, "  calls abandoned by a client timeout:          %d\n", f.TimedOut)
+	fmt.Fprintf(w, "  connections cut before COMMIT reached server: %d\n", f.CutBeforeCommit)
+	fmt.Fprintf(w, "  connections cut after COMMIT, before reply:   %d\n", f.CutAfterCommit)
+	fmt.Fprintf(w, "  connections cut at a random moment:           %d\n", f.CutRandom)
+	fmt.Fprintf(w, "  backends terminated inside a write:           %d\n", f.TerminatedInWrite)
+	fmt.Fprintf(w, "  connections cut inside a write:               %d\n", f.CutInWrite)
+	fmt.Fprintf(w, "  PostgreSQL restarts:                          %d\n", f.Restarts)
+	fmt.Fprintf(w, "payments in the table: %d for %d logical operations (lost %d, doubled %d)\n",
+		rep.Rows, rep.Operations, rep.Lost, rep.Doubled)
+	fmt.Fprintf(w, "answers != stored:     %d (checked against the payment row and the stored response)\n", rep.WrongAnswers)
+	fmt.Fprintf(w, "claims in progress:    %d\n", rep.Stranded)
+}
+
+// countErrors returns how many errs are set, and the first.
+func countErrors(errs []error) (int, error) {
+	var n int
+	var first error
+	for _, err := range errs {
+		if err != nil {
+			if first == nil {
+				first = err
+			}
+			n++
+		}
+	}
+	return n, first
+}
