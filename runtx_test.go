@@ -161,11 +161,14 @@ func TestFnThatEndsRunsTransactionCommitsNothingOfIdems(t *testing.T) {
 // after it prepares them again and succeeds.
 func TestStatementsPreparedAwayArePreparedAgain(t *testing.T) {
 	ctx, pool, scope := setup(t)
-	conn, err := pool.Acquire(ctx)
+	// A connection of the test's own: DEALLOCATE ALL also empties pgx's
+	// statement cache, which would fail the next statements of whichever
+	// test got the connection from the pool.
+	conn, err := pgx.Connect(ctx, env.URL(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer conn.Release()
+	defer conn.Close(context.Background())
 	var calls atomic.Int64
 	if _, err := idem.Run(ctx, conn, scope, "k0", fpA, pay(scope, "k0", 1, &calls)); err != nil {
 		t.Fatal(err)
