@@ -263,3 +263,31 @@ func TestFnThatEndsTheCallersTransactionRecordsNothing(t *testing.T) {
 		t.Errorf("%d records, want 0", n)
 	}
 }
+
+// TestStatementsPreparedByAnEarlierAttemptAreReplaced leaves a statement
+// of idem's name on a connection that has no record of it (as a
+// preparation stopped half-way, or a stale plan, does): the next call
+// replaces it and succeeds, instead of failing on the name for as long as
+// the connection lives.
+func TestStatementsPreparedByAnEarlierAttemptAreReplaced(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	conn, err := pgx.Connect(ctx, env.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if conn.Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+		if _, err := conn.PgConn().Prepare(ctx, "idem_key_lock_1", "SELECT 1", nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	nothing := func(context.Context, pgx.Tx) (int, error) { return 1, nil }
+	for _, key := range []string{"k1", "k2"} {
+		if _, err := idem.Run(ctx, conn, scope, key, fpA, nothing); err != nil {
+			t.Fatalf("%s: %v", key, err)
+		}
+	}
+	if n := countRecords(t, pool, scope); n != 2 {
+		t.Errorf("%d records, want 2", n)
+	}
+}

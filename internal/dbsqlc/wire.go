@@ -98,7 +98,7 @@ func WireFor(ctx context.Context, conn *pgx.Conn) (w *Wire, ok bool, err error) 
 	}
 	w = &Wire{pc: pc}
 	for i, sql := range wireSQL {
-		sd, err := pc.Prepare(ctx, wireNames[i], sql, nil)
+		sd, err := prepare(ctx, pc, wireNames[i], sql)
 		if err != nil {
 			return nil, false, err
 		}
@@ -106,6 +106,22 @@ func WireFor(ctx context.Context, conn *pgx.Conn) (w *Wire, ok bool, err error) 
 	}
 	data[wireKey] = w
 	return w, true, nil
+}
+
+// prepare prepares sql as name on pc. A statement of that name may be
+// there already: one prepared before a failure stopped WireFor half-way,
+// or one made stale by a change to the table (see forget). It is
+// deallocated and prepared again.
+func prepare(ctx context.Context, pc *pgconn.PgConn, name, sql string) (*pgconn.StatementDescription, error) {
+	sd, err := pc.Prepare(ctx, name, sql, nil)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P05" {
+		if err := pc.Deallocate(ctx, name); err != nil {
+			return nil, err
+		}
+		sd, err = pc.Prepare(ctx, name, sql, nil)
+	}
+	return sd, err
 }
 
 // forget drops conn's Wire when err says its prepared statements are gone
