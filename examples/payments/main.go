@@ -101,7 +101,8 @@ func run(ctx context.Context, cfg config, api, receiver net.Listener) error {
 }
 
 // serve serves h on l until ctx ends, then lets the requests in flight
-// finish for a few seconds.
+// finish for a few seconds, and closes the connections still open after
+// that: a client that keeps one open must not keep the service up.
 func serve(ctx context.Context, l net.Listener, h http.Handler) error {
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	errs := make(chan error, 1)
@@ -113,5 +114,10 @@ func serve(ctx context.Context, l net.Listener, h http.Handler) error {
 	}
 	shutdown, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	return srv.Shutdown(shutdown)
+	if err := srv.Shutdown(shutdown); errors.Is(err, context.DeadlineExceeded) {
+		return srv.Close()
+	} else if err != nil {
+		return err
+	}
+	return nil
 }
