@@ -157,12 +157,15 @@ func TestMigrateWaitsForMigrationLockID(t *testing.T) {
 	ctx, db := setupEmpty(t)
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	holder, err := db.Conn(ctx)
+	// The holder takes the lock for a transaction, which a transaction
+	// pooler keeps on one server connection (a session lock could be
+	// released on another, behind PgBouncer).
+	holder, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer holder.Close()
-	if _, err := holder.ExecContext(ctx, `SELECT pg_advisory_lock($1)`, idem.MigrationLockID); err != nil {
+	defer func() { _ = holder.Rollback() }()
+	if _, err := holder.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, idem.MigrationLockID); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
@@ -184,7 +187,7 @@ func TestMigrateWaitsForMigrationLockID(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	if _, err := holder.ExecContext(ctx, `SELECT pg_advisory_unlock($1)`, idem.MigrationLockID); err != nil {
+	if err := holder.Commit(); err != nil {
 		t.Fatal(err)
 	}
 	if err := <-done; err != nil {
