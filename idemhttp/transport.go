@@ -98,7 +98,8 @@ import (
 // within one attempt: it re-sends one that failed on a kept-alive
 // connection before any byte of the answer came back, when the request
 // carries an Idempotency-Key or X-Idempotency-Key field and its body can
-// be sent again, as the Transport's attempts always can (see "Go's
+// be sent again, as the Transport's attempts always can (Request.isReplayable
+// and persistConn.shouldRetryRequest in net/http, as of Go 1.26; see "Go's
 // net/http retries for you" in docs/http.md). Such a re-send carries the
 // same key and body, is safe, and is not counted among the attempts.
 //
@@ -119,7 +120,8 @@ type Transport struct {
 	// token, the server's [Config.Header]. Defaults to [DefaultHeader].
 	Header string
 
-	// NewKey returns the key of a request that has none. It must return 1
+	// NewKey returns the key of a request that has none; it is called
+	// from every goroutine that sends a request. It must return 1
 	// to 255 bytes of printable ASCII (space to tilde), which the Transport
 	// sends as an sf-string; any other value is refused, with an error
 	// that also wraps [idem.ErrInvalidKey], and the request is not sent.
@@ -256,8 +258,9 @@ type attemptKey struct{}
 // Attempts returns the idempotency key with which a [Transport] sent the
 // request that got resp, and how many times it sent it, the attempt that
 // got resp included; "" and 0 for an answer that did not come through a
-// Transport. The key is as the server reads it, unquoted; a request of a
-// safe method, sent without a key, reports "".
+// Transport. The key is as the server reads it, unquoted (a field that
+// holds no valid key is reported as it is); a request of a safe method,
+// sent without a key, reports "".
 //
 // It reads them from the context of resp.Request, which the Transport
 // sets to the attempt that got resp: a function rather than a header
