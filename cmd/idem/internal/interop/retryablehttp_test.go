@@ -163,6 +163,17 @@ func (s *service) pay(t *testing.T, amount string, key string, do func(*http.Req
 	}
 }
 
+// doRetryable returns what sends a request through c.
+func doRetryable(c *retryablehttp.Client) func(*http.Request) (*http.Response, error) {
+	return func(req *http.Request) (*http.Response, error) {
+		r, err := retryablehttp.FromRequest(req)
+		if err != nil {
+			return nil, err
+		}
+		return c.Do(r)
+	}
+}
+
 var amounts = []string{"100", "200", "300", "400", "500", "600"}
 
 // With the Transport outside, go-retryablehttp is its Base: every retry of
@@ -188,14 +199,7 @@ func TestRetryablehttpOnTopOfTransportNeedsTheKeySetOutside(t *testing.T) {
 	t.Parallel()
 	t.Run("key set on the request", func(t *testing.T) {
 		s := setup(t)
-		outer := retryable(t, &idemhttp.Transport{MaxAttempts: 1})
-		do := func(req *http.Request) (*http.Response, error) {
-			r, err := retryablehttp.FromRequest(req)
-			if err != nil {
-				return nil, err
-			}
-			return outer.Do(r)
-		}
+		do := doRetryable(retryable(t, &idemhttp.Transport{MaxAttempts: 1}))
 		for _, amount := range amounts {
 			s.pay(t, amount, testdb.Name("order"), do)
 		}
@@ -204,14 +208,7 @@ func TestRetryablehttpOnTopOfTransportNeedsTheKeySetOutside(t *testing.T) {
 
 	t.Run("no key: each retry is another operation", func(t *testing.T) {
 		s := setup(t)
-		outer := retryable(t, &idemhttp.Transport{MaxAttempts: 1})
-		do := func(req *http.Request) (*http.Response, error) {
-			r, err := retryablehttp.FromRequest(req)
-			if err != nil {
-				return nil, err
-			}
-			return outer.Do(r)
-		}
+		do := doRetryable(retryable(t, &idemhttp.Transport{MaxAttempts: 1}))
 		s.pay(t, "100", "", do)
 		s.mu.Lock()
 		keys := s.keys["100"]
