@@ -11,13 +11,13 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"math/rand/v2"
 	"net/http"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/backoff"
 )
 
 // Transport is an [http.RoundTripper] for the clients of an idemhttp
@@ -398,10 +398,7 @@ func (s *transportSettings) send(out *http.Request, key string, body bodySource)
 			resp.Request = r
 		}
 		retryAfter, retry := retryable(ctx, resp, err)
-		wait := s.backoff(n)
-		if retryAfter > wait {
-			wait = retryAfter
-		}
+		wait := max(backoff.Jitter(n, s.baseDelay, s.maxDelay), retryAfter)
 		deadline, hasDeadline := ctx.Deadline()
 		if !retry || n >= s.maxAttempts || retryAfter > s.maxDelay || hasDeadline && time.Until(deadline) < wait {
 			if err != nil {
@@ -413,37 +410,10 @@ func (s *transportSettings) send(out *http.Request, key string, body bodySource)
 			_, _ = io.CopyN(io.Discard, resp.Body, drainBytes)
 			_ = resp.Body.Close()
 		}
-		timer := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			timer.Stop()
-			return nil, &attemptError{key: key, n: n, doing: "waiting to retry after attempt", err: ctx.Err()}
-		case <-timer.C:
+		if err := backoff.Sleep(ctx, wait); err != nil {
+			return nil, &attemptError{key: key, n: n, doing: "waiting to retry after attempt", err: err}
 		}
 	}
-}
-
-// backoff is the wait before the retry that follows attempt n: BaseDelay
-// doubled n-1 times, capped at MaxDelay, and jittered between its half and
-// its whole.
-func (s *transportSettings) backoff(n int) time.Duration {
-	d := s.baseDelay
-	if d == 0 {
-		return 0
-	}
-	for i := 1; i < n && d < s.maxDelay; i++ {
-		if d > math.MaxInt64/2 {
-			d = math.MaxInt64
-			break
-		}
-		d *= 2
-	}
-	d = min(d, s.maxDelay)
-	if d <= 1 {
-		return d
-	}
-	half := d / 2
-	return half + rand.N(d-half+1)
 }
 
 // retryable reports whether an attempt that got resp or err is worth
