@@ -109,6 +109,15 @@ behind the middleware, reads its key with [Middleware.ParseKey] and answers
 idem's errors with [Middleware.WriteError], so that its clients see the
 same keys and the same problems as the middleware's.
 
+# Clients
+
+[Transport] is the client side, an [http.RoundTripper] for an
+[http.Client]: it gives each request without a key a fresh one and retries
+the request with that key and the same body (network errors, 409 with
+Retry-After, 5xx; never another 4xx) within the deadline of the request's
+context. Its documentation states its rules; [Attempts] reports the key and
+the attempts of an answer.
+
 # Privacy and observability
 
 A stored answer holds the handler's body and headers, often personal data;
