@@ -383,6 +383,9 @@ func isFullMethod(m string) bool {
 // checkMetadataKey says what is wrong with a metadata key that cannot carry
 // an idempotency key; "" when nothing is.
 func checkMetadataKey(key string) string {
+	if key == "" {
+		return "is empty"
+	}
 	for i := range len(key) {
 		c := key[i]
 		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-' || c == '_' || c == '.') {
