@@ -3,6 +3,7 @@ module github.com/pgidem/idem/idemgrpc
 go 1.26.8
 
 require (
+	connectrpc.com/connect v1.21.1
 	github.com/grpc-ecosystem/go-grpc-middleware/v2 v2.3.4
 	github.com/jackc/pgx/v5 v5.13.0
 	github.com/pgidem/idem v0.0.0-00010101000000-000000000000
