@@ -24,9 +24,15 @@ import (
 )
 
 func TestRetryGetsTheSameResponseAndMetadataMarkedReplayed(t *testing.T) {
+	t.Run("after a transaction", func(t *testing.T) { testRetryGetsTheSameAnswer(t, idemgrpc.Config{}) })
+	// The retry read before any transaction.
+	t.Run("LookupFirst", func(t *testing.T) { testRetryGetsTheSameAnswer(t, idemgrpc.Config{LookupFirst: true}) })
+}
+
+func testRetryGetsTheSameAnswer(t *testing.T, cfg idemgrpc.Config) {
 	ctx, pool, tenant := setup(t)
 	var p payments
-	conn := serve(t, pool, idemgrpc.Config{}, p.server())
+	conn := serve(t, pool, cfg, p.server())
 	req := &testpb.PayRequest{AmountCents: 2500, Labels: map[string]string{"order": "o-1"}}
 
 	first := pay(ctx, conn, tenant, "k1", req)
@@ -188,6 +194,7 @@ func TestDatabaseUnavailableIsUnavailable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(down.Close)
 	var p payments
 	conn := serve(t, down, idemgrpc.Config{}, p.server())
 	a := pay(ctx, conn, tenant, "k", &testpb.PayRequest{})
