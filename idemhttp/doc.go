@@ -36,6 +36,14 @@ own http.Transport retries for it), and where idemhttp departs from the
 draft and from Stripe, on purpose, are in the reference page
 https://github.com/pgidem/idem/blob/main/docs/http.md.
 
+A call of the gRPC or gRPC-Web protocol to a covered method is refused in
+its own protocol, with UNIMPLEMENTED in a trailers-only answer, and the
+handler does not run: its status travels in HTTP trailers, which the
+middleware does not store, so a replay would be half an answer. The
+interceptor of github.com/pgidem/idem/idemgrpc serves gRPC. Connect's unary
+calls are plain POSTs and work (see
+https://github.com/pgidem/idem/blob/main/docs/grpc.md).
+
 # Configuration
 
 [NewMiddleware] checks a [Config] once, applies its defaults, and refuses a

@@ -27,6 +27,10 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.next.ServeHTTP(w, r)
 		return
 	}
+	if isGRPC(r) {
+		refuseGRPC(w, r)
+		return
+	}
 	key, err := h.ParseKey(r)
 	if err != nil {
 		if isKeyMissing(err) && !h.required {
