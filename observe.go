@@ -56,7 +56,7 @@ type Observer struct {
 	flowEvents       metric.Int64Counter
 	flowStepAttempts metric.Int64Counter
 	logger           *slog.Logger
-	logKeys       bool
+	logKeys          bool
 }
 
 // instruments is observer.Instruments under an unexported name, so that
