@@ -299,13 +299,18 @@ func (r *flowRun) keepLease(ctx context.Context, step string, renewed time.Time)
 				return
 			case <-ticker.C:
 			}
+			// A renewal that has not succeeded by the time the lease runs
+			// out is given up: a database out of reach must not keep
+			// the call going past its lease.
 			sent := time.Now()
+			renewCtx, cancelRenew := context.WithDeadline(ctx, renewed.Add(r.o.lease))
 			var n int64
-			err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
-				n, err = q.FlowLease(ctx, dbsqlc.FlowLeaseParams{Lease: interval(r.o.lease), Step: step,
+			err := onDB(renewCtx, r.db, func(q *dbsqlc.Queries) (err error) {
+				n, err = q.FlowLease(renewCtx, dbsqlc.FlowLeaseParams{Lease: interval(r.o.lease), Step: step,
 					Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
 				return err
 			})
+			cancelRenew()
 			switch {
 			case err == nil && n == 1:
 				renewed = sent
