@@ -194,8 +194,10 @@ func (o *Observer) logRelease(ctx context.Context, scope, key string, err error)
 		slog.String("scope", scope), slog.String("key", o.loggedKey(key)), slog.Any("error", err))
 }
 
+// loggedKey is key as logs and errors show it: in full with
+// ObserverConfig.LogKeys, else hashed (also without an Observer).
 func (o *Observer) loggedKey(key string) string {
-	if o.logKeys {
+	if o != nil && o.logKeys {
 		return key
 	}
 	sum := sha256.Sum256([]byte(key))

@@ -266,7 +266,8 @@ WHERE (scope, key) IN (
 -- FlowInspect reads one flow whatever its state, for operators.
 SELECT name, fingerprint, state, input, output, epoch, leased_until, step, runs, last_error,
        created_at, completed_at, expires_at,
-       coalesce(expires_at <= now(), false)::bool AS expired
+       coalesce(expires_at <= now(), false)::bool AS expired,
+       coalesce(leased_until > now(), false)::bool AS leased
 FROM idem_flow
 WHERE scope = @scope::text
   AND key = @key::text;

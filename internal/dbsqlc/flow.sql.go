@@ -326,7 +326,8 @@ func (q *Queries) FlowGet(ctx context.Context, arg FlowGetParams) (FlowGetRow, e
 const flowInspect = `-- name: FlowInspect :one
 SELECT name, fingerprint, state, input, output, epoch, leased_until, step, runs, last_error,
        created_at, completed_at, expires_at,
-       coalesce(expires_at <= now(), false)::bool AS expired
+       coalesce(expires_at <= now(), false)::bool AS expired,
+       coalesce(leased_until > now(), false)::bool AS leased
 FROM idem_flow
 WHERE scope = $1::text
   AND key = $2::text
@@ -352,6 +353,7 @@ type FlowInspectRow struct {
 	CompletedAt pgtype.Timestamptz
 	ExpiresAt   pgtype.Timestamptz
 	Expired     bool
+	Leased      bool
 }
 
 // FlowInspect reads one flow whatever its state, for operators.
@@ -373,6 +375,7 @@ func (q *Queries) FlowInspect(ctx context.Context, arg FlowInspectParams) (FlowI
 		&i.CompletedAt,
 		&i.ExpiresAt,
 		&i.Expired,
+		&i.Leased,
 	)
 	return i, err
 }
