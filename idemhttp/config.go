@@ -213,8 +213,11 @@ type settings struct {
 	fingerprint      func(*http.Request, []byte) ([]byte, error)
 	txOptions        pgx.TxOptions
 	logger           *slog.Logger
-	// runOptions are what each keyed request hands idem.Run.
-	runOptions []idem.Option
+	// runOptions are what each keyed request hands idem.Run; flowOptions
+	// what FlowHandler hands a flow's Run: the wait, which the 409's
+	// Retry-After tells, and what the Config sets beyond the defaults, so
+	// that a flow's own options stand otherwise.
+	runOptions, flowOptions []idem.Option
 	// retryAfter is the Retry-After of a 409, in seconds: the wait, rounded
 	// up, since the first request took at least that long already.
 	retryAfter string
@@ -386,6 +389,16 @@ func newSettings(cfg Config) (settings, error) {
 	}
 	if cfg.Observer != nil {
 		s.runOptions = append(s.runOptions, idem.WithObserver(cfg.Observer))
+	}
+	s.flowOptions = []idem.Option{idem.WithWait(wait)}
+	if cfg.Retention != 0 {
+		s.flowOptions = append(s.flowOptions, idem.WithRetention(retention))
+	}
+	if cfg.Codec != nil {
+		s.flowOptions = append(s.flowOptions, idem.WithCodec(cfg.Codec))
+	}
+	if cfg.Observer != nil {
+		s.flowOptions = append(s.flowOptions, idem.WithObserver(cfg.Observer))
 	}
 	// Whatever else idem would refuse on every request stops the program
 	// too; each field above was checked on its own, so this is a backstop.
