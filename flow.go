@@ -61,7 +61,9 @@ type Flow[In, Out any] struct {
 // keys: 1 to 255 bytes of UTF-8 without NUL.
 //
 // opts apply to every run of the flow, [Flow.Resume]'s included; options
-// given to one [Flow.Run] come after them. Of idem's options, flows use
+// given to one [Flow.Run] come after them. Give NewFlow what concerns the
+// flow's stored values, [WithCodec] above all: Resume opens the stored
+// input with the flow's own options only. Of idem's options, flows use
 // [WithWait] (a duplicate's wait for the executor), [WithRetention]
 // (counted from the flow's completion), [WithTxOptions] (the local steps'
 // transactions), [WithMaxResponseSize] and [WithCodec] (the stored input,

@@ -214,9 +214,9 @@ type settings struct {
 	txOptions        pgx.TxOptions
 	logger           *slog.Logger
 	// runOptions are what each keyed request hands idem.Run; flowOptions
-	// what FlowHandler hands a flow's Run: the wait, which the 409's
-	// Retry-After tells, and what the Config sets beyond the defaults, so
-	// that a flow's own options stand otherwise.
+	// what FlowHandler hands a flow's Run: only the wait, which the 409's
+	// Retry-After tells. How a flow stores is the flow's own (NewFlow's
+	// options), which its completer uses too.
 	runOptions, flowOptions []idem.Option
 	// retryAfter is the Retry-After of a 409, in seconds: the wait, rounded
 	// up, since the first request took at least that long already.
@@ -391,15 +391,6 @@ func newSettings(cfg Config) (settings, error) {
 		s.runOptions = append(s.runOptions, idem.WithObserver(cfg.Observer))
 	}
 	s.flowOptions = []idem.Option{idem.WithWait(wait)}
-	if cfg.Retention != 0 {
-		s.flowOptions = append(s.flowOptions, idem.WithRetention(retention))
-	}
-	if cfg.Codec != nil {
-		s.flowOptions = append(s.flowOptions, idem.WithCodec(cfg.Codec))
-	}
-	if cfg.Observer != nil {
-		s.flowOptions = append(s.flowOptions, idem.WithObserver(cfg.Observer))
-	}
 	// Whatever else idem would refuse on every request stops the program
 	// too; each field above was checked on its own, so this is a backstop.
 	if err := idem.CheckOptions(s.runOptions...); err != nil {

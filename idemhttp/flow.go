@@ -37,10 +37,12 @@ import (
 //     the middleware's do, then gets 409 key-in-progress; a flow stopped
 //     for a person's decision gets 409 operation-stopped.
 //
-// [Config.Wait] is given to every run; [Config.Retention], Codec and
-// Observer when the Config sets them, over flow's own options. The other
-// fields that concern stored responses (Store, ReplayHeaders,
-// MaxResponseBytes, LookupFirst, TxOptions) do not apply to flows.
+// [Config.Wait] is given to every run. How the flow stores its records is
+// the flow's own affair, set by the options given to [idem.NewFlow], which
+// its completer ([idem.Flow.Resume]) uses too: the fields of Config that
+// concern stored answers (Retention, Codec, Observer, Store,
+// ReplayHeaders, MaxResponseBytes, LookupFirst, TxOptions) do not apply to
+// flows.
 func FlowHandler[In, Out any](m *Middleware, flow *idem.Flow[In, Out],
 	input func(r *http.Request, body []byte) (In, error),
 	answer func(w http.ResponseWriter, r *http.Request, out Out),
