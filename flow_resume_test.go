@@ -160,3 +160,30 @@ func setLease(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key,
 		t.Fatal(err)
 	}
 }
+
+func TestFlowWithACodecSealsWhatItStoresAndResumesWithIt(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps, idem.WithCodec(&reverseCodec{}))
+	abandon(t, ctx, pool, flow, p, scope, "k")
+	info, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Sealed values are stored as JSON strings of the sealed bytes.
+	if sealed := func(b []byte) bool { return strings.HasPrefix(string(b), `"`) }; !sealed(info.Input) ||
+		strings.Contains(string(info.Input), "2500") || !sealed(info.Steps[0].Result) {
+		t.Fatalf("stored in clear: input %s, step result %s", info.Input, info.Steps[0].Result)
+	}
+	if resumed, err := flow.Resume(ctx, pool); err != nil || resumed != 1 {
+		t.Fatalf("Resume = %d, %v; want 1", resumed, err)
+	}
+	res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+	if err != nil || !res.Replayed || res.Value.ChargeID != "ch_1" {
+		t.Fatalf("the replay: %+v, %v", res, err)
+	}
+	info, err = idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || !strings.HasPrefix(string(info.Output), `"`) || strings.Contains(string(info.Output), "ch_1") {
+		t.Fatalf("the answer stored in clear: %s, %v", info.Output, err)
+	}
+}
