@@ -53,19 +53,8 @@ func FlowHandler[In, Out any](m *Middleware, flow *idem.Flow[In, Out],
 			m.WriteError(w, r, err)
 			return
 		}
-		scope, err := m.scope(r)
-		if err != nil {
-			m.writeProblem(w, http.StatusBadRequest, ProblemScopeUnknown, "The request does not say who is calling, so its "+m.header+" cannot be scoped.")
-			return
-		}
-		h := &handler{Middleware: m}
-		body, ok := h.readBody(w, r)
+		scope, body, fp, ok := (&handler{Middleware: m}).readKeyed(w, r)
 		if !ok {
-			return
-		}
-		fp, err := m.fingerprint(r, body)
-		if err != nil {
-			m.writeProblem(w, http.StatusBadRequest, ProblemFingerprintFailed, "The request cannot be fingerprinted to check its "+m.header+".")
 			return
 		}
 		in, err := input(r, body)
