@@ -131,7 +131,7 @@ func (s *recSpan) SetAttributes(kv ...attribute.KeyValue) {
 		if a.Key == "idem.outcome" {
 			s.span.Outcome = a.Value.AsString()
 		}
-		s.span.Attrs[string(a.Key)] = a.Value.Emit()
+		s.span.Attrs[string(a.Key)] = a.Value.String()
 	}
 }
 
