@@ -48,7 +48,8 @@ func commands() []command {
 		{"migrate", "apply, roll back or list the embedded migrations: migrate up|down|status", runMigrate},
 		{"purge", "delete expired records in batches", runPurge},
 		{"stats", "show the operations running now, records by state, the table's size and the outbox backlog", runStats},
-		{"inspect", "show one record: inspect SCOPE KEY", runInspect},
+		{"inspect", "show one record, or with -flow one flow: inspect [-flow] SCOPE KEY", runInspect},
+		{"flow-end", "end a flow that runs or needs attention: flow-end SCOPE KEY REASON", runFlowEnd},
 		{"schema", "print idem's tables as SQL, for sqlc and other tools that read a schema", runSchema},
 	}
 }
