@@ -137,6 +137,77 @@ func BenchmarkFlowPerOperation(b *testing.B) {
 	}
 }
 
+// TestFlowPhasesChargeEachPaymentOnce runs the flow comparison's phases
+// briefly and checks what each wrote: one payment per operation, with the
+// provider's charge recorded on it, and one charge per payment.
+func TestFlowPhasesChargeEachPaymentOnce(t *testing.T) {
+	t.Parallel()
+	pool := env.Pool(t)
+	ctx := t.Context()
+	if err := bench.CreateFlowSchema(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	scope := testdb.Name("bench-flow-phases")
+	p := bench.NewProvider(time.Millisecond)
+	totals, err := bench.Interleave(ctx, bench.FlowPhases(pool, pool, p, scope), 4, 1, 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if totals["flow"].Ops != 20 || totals["tx-held"].Ops != 20 {
+		t.Fatalf("ran %d flows and %d held transactions, want 20 each", totals["flow"].Ops, totals["tx-held"].Ops)
+	}
+	var payments, charged, charges int
+	err = pool.QueryRow(ctx, `SELECT count(*), count(charge_id), count(DISTINCT charge_id) FROM bench_flow_payment WHERE scope = $1`,
+		scope).Scan(&payments, &charged, &charges)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if payments != 40 || charged != 40 || charges != 40 {
+		t.Fatalf("%d payments, %d with a charge, %d distinct charges; want 40 of each", payments, charged, charges)
+	}
+}
+
+// TestConnGaugeCountsAcquiredConnections checks the gauge against
+// connections acquired and released by hand: the most held at once, and
+// that time is counted only while some are held.
+func TestConnGaugeCountsAcquiredConnections(t *testing.T) {
+	t.Parallel()
+	pool, gauge, err := bench.GaugedPool(t.Context(), env.Pool(t).Config(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	var conns []*pgxpool.Conn
+	for range 3 {
+		c, err := pool.Acquire(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+	}
+	if peak, _ := gauge.Read(); peak != 3 {
+		t.Fatalf("peak %d with 3 connections acquired, want 3", peak)
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+	peak, heldTime := gauge.Read()
+	if peak != 3 || heldTime <= 0 {
+		t.Fatalf("after releasing them: peak %d, held time %s; want 3 and some", peak, heldTime)
+	}
+	gauge.Reset()
+	if _, err := pool.Exec(t.Context(), `SELECT 1`); err != nil {
+		t.Fatal(err)
+	}
+	if peak, _ := gauge.Read(); peak != 1 {
+		t.Fatalf("after a reset and one statement: peak %d, want 1", peak)
+	}
+	_, idle := gauge.Read()
+	if _, again := gauge.Read(); again != idle {
+		t.Fatalf("held time grew from %s to %s with no connection held", idle, again)
+	}
+}
+
 // gaugedPool opens a pool of flowBenchConns connections on cfg's settings,
 // with a gauge of the connections it hands out, closed when b ends.
 func gaugedPool(b *testing.B, cfg *pgxpool.Config) (*pgxpool.Pool, *bench.ConnGauge) {
