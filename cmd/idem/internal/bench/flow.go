@@ -251,45 +251,13 @@ func GaugedPool(ctx context.Context, cfg *pgxpool.Config, maxConns int32) (*pgxp
 // when checkpoints happen, which on a shared server is whenever the
 // others' WAL asks for one.
 func DatabaseWAL(ctx context.Context, pool *pgxpool.Pool, phase Phase, ops int64) (perOp float64, parts []WALPart, err error) {
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		return 0, nil, err
-	}
-	defer conn.Release()
-	if _, err := conn.Exec(ctx, `CREATE EXTENSION IF NOT EXISTS pg_walinspect`); err != nil {
-		return 0, nil, fmt.Errorf("pg_walinspect: %w", err)
-	}
-	if _, err := conn.Exec(ctx, `SELECT pg_create_physical_replication_slot(
-		'idem_bench_' || pg_backend_pid(), immediately_reserve => true, temporary => true)`); err != nil {
-		return 0, nil, fmt.Errorf("reserve WAL: %w", err)
-	}
-	defer conn.Exec(context.WithoutCancel(ctx), `SELECT pg_drop_replication_slot('idem_bench_' || pg_backend_pid())`)
-	// The slot keeps the WAL from the last checkpoint on, which holds the
-	// database's earlier work too: count from here.
-	var start string
-	if err := conn.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&start); err != nil {
-		return 0, nil, err
-	}
-	for i := range ops {
-		if err := phase.Op(ctx, i); err != nil {
-			return 0, nil, fmt.Errorf("%s: %w", phase.Name, err)
-		}
-	}
-	rows, err := conn.Query(ctx, databaseWALQuery, start)
-	if err != nil {
-		return 0, nil, err
-	}
-	for rows.Next() {
-		var part WALPart
-		var total int64
-		if err := rows.Scan(&part.Part, &total); err != nil {
-			return 0, nil, err
-		}
-		part.Bytes = float64(total) / float64(ops)
-		perOp += part.Bytes
-		parts = append(parts, part)
-	}
-	return perOp, parts, rows.Err()
+	return measureWAL(ctx, pool, phase, ops, databaseWALQuery, func(conn *pgxpool.Conn, _ string) ([]any, error) {
+		// The slot keeps the WAL from the last checkpoint on, which holds
+		// the database's earlier work too: count from here.
+		var start string
+		err := conn.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&start)
+		return []any{start}, err
+	})
 }
 
 // databaseWALQuery sums the WAL records since $1, full-page images left
