@@ -44,6 +44,7 @@ func commands() []command {
 	return []command{
 		{"demo", "fire a retry storm of payments and show that none is lost or doubled", runDemo},
 		{"soak", "inject faults under a payment load and check that nothing is lost or doubled", runSoak},
+		{"flowsoak", "kill the processes running flows that call a provider, and check every effect happened once", runFlowSoak},
 		{"bench", "compare idem.Run with a bare transaction and other designs, side by side", runBench},
 		{"migrate", "apply, roll back or list the embedded migrations: migrate up|down|status", runMigrate},
 		{"purge", "delete expired records in batches", runPurge},
