@@ -248,19 +248,30 @@ WHERE scope = @scope::text
   AND key = @key::text
   AND state IN ('running', 'attention');
 
--- name: FlowPurgeExpired :execrows
+-- name: FlowPurgeExpired :one
 -- FlowPurgeExpired deletes up to @max_rows flows whose retention has
--- passed, with their steps, oldest expiry first. Only finished flows
--- expire: a running flow, or one that needs attention, is never purged.
-DELETE FROM idem_flow
-WHERE (scope, key) IN (
-    SELECT expired.scope, expired.key
-    FROM idem_flow AS expired
-    WHERE expired.expires_at <= now()
-    ORDER BY expired.expires_at
-    LIMIT @max_rows::int
-    FOR UPDATE SKIP LOCKED
-);
+-- passed, with their steps, oldest expiry first, and returns how many
+-- flows it deleted. Only finished flows expire: a running flow, or one
+-- that needs attention, is never purged.
+WITH purged AS (
+    DELETE FROM idem_flow
+    WHERE (scope, key) IN (
+        SELECT expired.scope, expired.key
+        FROM idem_flow AS expired
+        WHERE expired.expires_at <= now()
+        ORDER BY expired.expires_at
+        LIMIT @max_rows::int
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING scope, key
+),
+steps AS (
+    DELETE FROM idem_flow_step AS s
+    USING purged
+    WHERE s.scope = purged.scope
+      AND s.key = purged.key
+)
+SELECT count(*) FROM purged;
 
 -- name: FlowInspect :one
 -- FlowInspect reads one flow whatever its state, for operators.

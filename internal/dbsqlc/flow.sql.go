@@ -473,27 +473,37 @@ func (q *Queries) FlowLease(ctx context.Context, arg FlowLeaseParams) (int64, er
 	return result.RowsAffected(), nil
 }
 
-const flowPurgeExpired = `-- name: FlowPurgeExpired :execrows
-DELETE FROM idem_flow
-WHERE (scope, key) IN (
-    SELECT expired.scope, expired.key
-    FROM idem_flow AS expired
-    WHERE expired.expires_at <= now()
-    ORDER BY expired.expires_at
-    LIMIT $1::int
-    FOR UPDATE SKIP LOCKED
+const flowPurgeExpired = `-- name: FlowPurgeExpired :one
+WITH purged AS (
+    DELETE FROM idem_flow
+    WHERE (scope, key) IN (
+        SELECT expired.scope, expired.key
+        FROM idem_flow AS expired
+        WHERE expired.expires_at <= now()
+        ORDER BY expired.expires_at
+        LIMIT $1::int
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING scope, key
+),
+steps AS (
+    DELETE FROM idem_flow_step AS s
+    USING purged
+    WHERE s.scope = purged.scope
+      AND s.key = purged.key
 )
+SELECT count(*) FROM purged
 `
 
 // FlowPurgeExpired deletes up to @max_rows flows whose retention has
-// passed, with their steps, oldest expiry first. Only finished flows
-// expire: a running flow, or one that needs attention, is never purged.
+// passed, with their steps, oldest expiry first, and returns how many
+// flows it deleted. Only finished flows expire: a running flow, or one
+// that needs attention, is never purged.
 func (q *Queries) FlowPurgeExpired(ctx context.Context, maxRows int32) (int64, error) {
-	result, err := q.db.Exec(ctx, flowPurgeExpired, maxRows)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	row := q.db.QueryRow(ctx, flowPurgeExpired, maxRows)
+	var count int64
+	err := row.Scan(&count)
+	return count, err
 }
 
 const flowRelease = `-- name: FlowRelease :exec
