@@ -117,6 +117,14 @@ behind the middleware, reads its key with [Middleware.ParseKey] and answers
 idem's errors with [Middleware.WriteError], so that its clients see the
 same keys and the same problems as the middleware's.
 
+# Endpoints that call other systems
+
+An endpoint whose write calls another system in the middle (charging a
+card, reserving stock) is served by an [idem.Flow] through [FlowHandler]:
+the middleware holds no transaction while the flow runs, with the same
+keys, scopes, fingerprints and problems; a flow that did not complete is
+503 operation-incomplete, not stored, and its retry continues it.
+
 # Clients
 
 [Transport] is the client side, an [http.RoundTripper] for an
