@@ -12,6 +12,7 @@ import (
 
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/pgtime"
 )
 
 // MaxKeyLength is the longest key or scope accepted, in bytes.
@@ -521,6 +522,8 @@ func (c claimed) failed(ctx context.Context, tx pgx.Tx, k keyRef, o *options, ca
 	return cause
 }
 
+// retentionInterval is the retention as PostgreSQL's interval, rounded up
+// to the microsecond as every duration idem sends is (see pgtime).
 func (o *options) retentionInterval() pgtype.Interval {
-	return pgtype.Interval{Microseconds: o.retention.Microseconds(), Valid: true}
+	return pgtime.Interval(o.retention)
 }

@@ -34,3 +34,26 @@ func TestInvalidOptionsAreRejected(t *testing.T) {
 		t.Errorf("CheckOptions of none: %v", err)
 	}
 }
+
+// A retention that is not a whole number of microseconds is rounded up, as
+// every duration idem sends to PostgreSQL is: 1.001µs keeps a record for
+// 2µs, never for less than asked.
+func TestRetentionIsRoundedUpToTheMicrosecond(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	for _, iso := range []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead} {
+		key := "k-" + string(iso)
+		_, err := idem.Run(ctx, pool, scope, key, fpA, func(context.Context, pgx.Tx) (int, error) { return 1, nil },
+			idem.WithRetention(time.Microsecond+time.Nanosecond), idem.WithTxOptions(pgx.TxOptions{IsoLevel: iso}))
+		if err != nil {
+			t.Fatalf("%s: %v", iso, err)
+		}
+		var kept time.Duration
+		if err := pool.QueryRow(ctx, `SELECT expires_at - created_at FROM idempotency_key WHERE scope = $1 AND key = $2`,
+			scope, key).Scan(&kept); err != nil {
+			t.Fatal(err)
+		}
+		if kept != 2*time.Microsecond {
+			t.Errorf("%s: retention of 1.001µs kept the record for %s, want 2µs", iso, kept)
+		}
+	}
+}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgidem/idem/internal/backoff"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/guard"
 )
@@ -151,7 +152,7 @@ func (p *Purger) run(ctx context.Context, db TxBeginner, cfg PurgerConfig) {
 			if deleted < int64(cfg.Batch) {
 				break
 			}
-			if sleep(ctx, cfg.Pause) != nil {
+			if backoff.Sleep(ctx, cfg.Pause) != nil {
 				return
 			}
 		}
@@ -159,7 +160,7 @@ func (p *Purger) run(ctx context.Context, db TxBeginner, cfg PurgerConfig) {
 			cfg.Logger.LogAttrs(ctx, slog.LevelInfo, "idem: purged expired records",
 				slog.Int64("deleted", pass), slog.Duration("took", time.Since(started)))
 		}
-		if sleep(ctx, cfg.Interval) != nil {
+		if backoff.Sleep(ctx, cfg.Interval) != nil {
 			return
 		}
 	}

@@ -3,11 +3,11 @@ package idem
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgidem/idem/internal/backoff"
 	"github.com/pgidem/idem/internal/guard"
 )
 
@@ -82,25 +82,9 @@ func retry(ctx context.Context, attempt func() error) error {
 		if n == maxTxAttempts {
 			return fmt.Errorf("idem: gave up after %d attempts: %w", n, err)
 		}
-		if err := sleep(ctx, retryDelay(n)); err != nil {
+		if err := backoff.Sleep(ctx, backoff.Jitter(n, retryBaseDelay, retryMaxDelay)); err != nil {
 			return err
 		}
-	}
-}
-
-func retryDelay(attempt int) time.Duration {
-	ceiling := min(retryBaseDelay<<(attempt-1), retryMaxDelay)
-	return ceiling/2 + rand.N(ceiling/2+1)
-}
-
-func sleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
 	}
 }
 
