@@ -72,11 +72,14 @@ func purgeBatch(ctx context.Context, db TxBeginner, batch int) (int64, error) {
 	return deleted, nil
 }
 
-// PurgerConfig configures [StartPurger]. The zero value is usable.
+// PurgerConfig configures [StartPurger]. The zero value of every field
+// means its default, so the zero value is usable; [StartPurger] refuses a
+// field that cannot work with an error that names it and wraps
+// [ErrInvalidOption].
 type PurgerConfig struct {
 	// Batch is how many records one transaction deletes. Small batches keep
-	// each transaction short, so live claims never wait on it for long.
-	// Defaults to DefaultPurgeBatch.
+	// each transaction short, so live claims never wait on it for long. At
+	// most math.MaxInt32. Defaults to DefaultPurgeBatch.
 	Batch int
 
 	// Pause is how long the purger rests between two batches while expired
@@ -84,13 +87,45 @@ type PurgerConfig struct {
 	// Defaults to 10ms.
 	Pause time.Duration
 
-	// Interval is how long the purger sleeps once nothing expired is left.
-	// Defaults to 1m.
+	// Interval is how long the purger sleeps once nothing expired is left,
+	// and after a failed batch. Defaults to 1m.
 	Interval time.Duration
 
 	// Logger receives a line per pass that deleted something, and failures.
-	// Defaults to no logging.
+	// Defaults to slog.Default(), as everywhere in idem; to log nothing,
+	// give slog.New(slog.DiscardHandler).
 	Logger *slog.Logger
+}
+
+// check applies the defaults to cfg's zero fields, and refuses the first
+// field that cannot work.
+func (cfg *PurgerConfig) check() error {
+	if cfg.Batch == 0 {
+		cfg.Batch = DefaultPurgeBatch
+	}
+	if cfg.Batch < 1 || cfg.Batch > math.MaxInt32 {
+		return invalidPurgerField("Batch", "must be between 1 and %d, got %d", math.MaxInt32, cfg.Batch)
+	}
+	switch {
+	case cfg.Pause < 0:
+		return invalidPurgerField("Pause", "must not be negative (0 means the default, 10ms), got %s", cfg.Pause)
+	case cfg.Pause == 0:
+		cfg.Pause = 10 * time.Millisecond
+	}
+	switch {
+	case cfg.Interval < 0:
+		return invalidPurgerField("Interval", "must not be negative (0 means the default, 1m), got %s", cfg.Interval)
+	case cfg.Interval == 0:
+		cfg.Interval = time.Minute
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return nil
+}
+
+func invalidPurgerField(field, format string, args ...any) error {
+	return fmt.Errorf("idem: PurgerConfig.%s: %s: %w", field, fmt.Sprintf(format, args...), ErrInvalidOption)
 }
 
 // Purger deletes expired records in the background until stopped. Create it
@@ -108,25 +143,16 @@ type Purger struct {
 // replica) can run at once: each skips rows another holds. A failed batch is
 // logged and retried after Interval.
 func StartPurger(ctx context.Context, db TxBeginner, cfg PurgerConfig) (*Purger, error) {
-	if cfg.Batch == 0 {
-		cfg.Batch = DefaultPurgeBatch
+	if db == nil {
+		return nil, fmt.Errorf("idem: StartPurger: db must not be nil: %w", ErrInvalidOption)
 	}
-	if err := checkBatch(cfg.Batch); err != nil {
+	if err := cfg.check(); err != nil {
 		return nil, err
-	}
-	if cfg.Pause < 0 || cfg.Interval < 0 {
-		return nil, fmt.Errorf("%w: purger pause and interval must not be negative", ErrInvalidOption)
 	}
 	// Once the purger runs, the connection is its alone: checked now, it
 	// fails the start rather than every pass.
 	if err := guard.CheckIdle(db, purgeAdvice); err != nil {
 		return nil, err
-	}
-	if cfg.Pause == 0 {
-		cfg.Pause = 10 * time.Millisecond
-	}
-	if cfg.Interval == 0 {
-		cfg.Interval = time.Minute
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	p := &Purger{cancel: cancel, done: make(chan struct{})}
@@ -144,7 +170,7 @@ func (p *Purger) run(ctx context.Context, db TxBeginner, cfg PurgerConfig) {
 			pass += deleted
 			p.deleted.Add(deleted)
 			if err != nil {
-				if ctx.Err() == nil && cfg.Logger != nil {
+				if ctx.Err() == nil {
 					cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: purge failed", slog.Any("error", err))
 				}
 				break
@@ -156,7 +182,7 @@ func (p *Purger) run(ctx context.Context, db TxBeginner, cfg PurgerConfig) {
 				return
 			}
 		}
-		if pass > 0 && cfg.Logger != nil {
+		if pass > 0 {
 			cfg.Logger.LogAttrs(ctx, slog.LevelInfo, "idem: purged expired records",
 				slog.Int64("deleted", pass), slog.Duration("took", time.Since(started)))
 		}

@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"reflect"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -64,9 +67,52 @@ func TestPurgerDeletesExpiredInTheBackground(t *testing.T) {
 	if purger.Deleted() != 10 {
 		t.Fatalf("Deleted() = %d, want 10", purger.Deleted())
 	}
-	if _, err := idem.StartPurger(ctx, pool, idem.PurgerConfig{Batch: -1}); !errors.Is(err, idem.ErrInvalidOption) {
-		t.Fatalf("negative batch: %v, want ErrInvalidOption", err)
+}
+
+// StartPurger refuses every field that cannot work, naming it, before it
+// starts anything; each field is either refused for some value below or
+// listed as taking every value.
+func TestStartPurgerRefusesEveryInvalidField(t *testing.T) {
+	ctx, pool, scope := setupOwnDatabase(t)
+	stillThere := expiredRecord(t, ctx, pool, scope)
+	aboveInt32 := math.MaxInt32
+	aboveInt32++ // a variable: on 32-bit platforms it wraps, and is refused as negative
+	cases := []struct {
+		field  string
+		config idem.PurgerConfig
+	}{
+		{"Batch", idem.PurgerConfig{Batch: -1}},
+		{"Batch", idem.PurgerConfig{Batch: aboveInt32}},
+		{"Pause", idem.PurgerConfig{Pause: -time.Nanosecond}},
+		{"Interval", idem.PurgerConfig{Interval: -time.Second}},
 	}
+	tested := map[string]bool{}
+	for _, c := range cases {
+		p, err := idem.StartPurger(ctx, pool, c.config)
+		if p != nil {
+			p.Stop()
+		}
+		want := "idem: PurgerConfig." + c.field + ": "
+		if !errors.Is(err, idem.ErrInvalidOption) || !strings.Contains(err.Error(), want) {
+			t.Errorf("%+v: err = %v, want idem.ErrInvalidOption naming %q", c.config, err, want)
+		}
+		tested[c.field] = true
+	}
+	anyValue := map[string]string{
+		"Logger": "nil means slog.Default()",
+	}
+	for f := range reflect.TypeFor[idem.PurgerConfig]().Fields() {
+		if !tested[f.Name] && anyValue[f.Name] == "" {
+			t.Errorf("PurgerConfig.%s: no invalid value tested, and not listed as taking every value", f.Name)
+		}
+	}
+	if p, err := idem.StartPurger(ctx, nil, idem.PurgerConfig{}); !errors.Is(err, idem.ErrInvalidOption) || !strings.Contains(err.Error(), "db must not be nil") {
+		if p != nil {
+			p.Stop()
+		}
+		t.Errorf("nil db: err = %v, want idem.ErrInvalidOption naming it", err)
+	}
+	stillThere() // no refused purger deleted anything
 }
 
 func TestPurgerStopsWithItsContext(t *testing.T) {
