@@ -11,12 +11,13 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/ident"
+	"github.com/pgidem/idem/internal/keylock"
 	"github.com/pgidem/idem/internal/pgtime"
 )
 
 // MaxKeyLength is the longest key or scope accepted, in bytes.
-const MaxKeyLength = 255
+const MaxKeyLength = ident.MaxLength
 
 // Result is what [Do] and [Run] return on success.
 type Result[T any] struct {
@@ -139,16 +140,16 @@ type keyRef struct {
 // out-of-bounds input is rejected, never truncated, because truncation turns
 // distinct keys into collisions.
 func newKeyRef(scope, key string, fp []byte) (keyRef, error) {
-	if err := guard.CheckIdentifier(scope); err != nil {
+	if err := ident.Check(scope); err != nil {
 		return keyRef{}, fmt.Errorf("%w: %s", ErrInvalidScope, err)
 	}
-	if err := guard.CheckIdentifier(key); err != nil {
+	if err := ident.Check(key); err != nil {
 		return keyRef{}, fmt.Errorf("%w: %s", ErrInvalidKey, err)
 	}
 	if fp == nil {
 		fp = []byte{}
 	}
-	return keyRef{scope: scope, key: key, fp: fp, lockID: guard.LockID(scope, key)}, nil
+	return keyRef{scope: scope, key: key, fp: fp, lockID: keylock.ID(scope, key)}, nil
 }
 
 // The outcomes of a call, as the idem.outcome attribute of an [Observer]'s

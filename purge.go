@@ -12,8 +12,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem/internal/backoff"
+	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
 )
 
 // DefaultPurgeBatch is the number of records a purge deletes per
@@ -34,7 +34,7 @@ func Purge(ctx context.Context, db TxBeginner, batch int) (int64, error) {
 	if err := checkBatch(batch); err != nil {
 		return 0, err
 	}
-	if err := guard.CheckIdle(db, purgeAdvice); err != nil {
+	if err := dberr.CheckIdle(db, purgeAdvice); err != nil {
 		return 0, err
 	}
 	var total int64
@@ -151,7 +151,7 @@ func StartPurger(ctx context.Context, db TxBeginner, cfg PurgerConfig) (*Purger,
 	}
 	// Once the purger runs, the connection is its alone: checked now, it
 	// fails the start rather than every pass.
-	if err := guard.CheckIdle(db, purgeAdvice); err != nil {
+	if err := dberr.CheckIdle(db, purgeAdvice); err != nil {
 		return nil, err
 	}
 	ctx, cancel := context.WithCancel(ctx)

@@ -8,7 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem/internal/backoff"
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/dberr"
 )
 
 // TxBeginner begins transactions. *pgxpool.Pool, *pgxpool.Conn and
@@ -37,7 +37,7 @@ type TxBeginner interface {
 // [ErrConnInTransaction], and fn is not run.
 func WithTx(ctx context.Context, db TxBeginner, txOptions pgx.TxOptions, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	return retry(ctx, func() error {
-		if err := guard.CheckIdle(db, "WithTx begins its own transaction: pass the pool, or run fn in the caller's transaction"); err != nil {
+		if err := dberr.CheckIdle(db, "WithTx begins its own transaction: pass the pool, or run fn in the caller's transaction"); err != nil {
 			return err
 		}
 		tx, err := db.BeginTx(ctx, txOptions)
@@ -76,7 +76,7 @@ const (
 func retry(ctx context.Context, attempt func() error) error {
 	for n := 1; ; n++ {
 		err := attempt()
-		if err == nil || !guard.IsRetryable(err) {
+		if err == nil || !dberr.IsRetryable(err) {
 			return err
 		}
 		if n == maxTxAttempts {
