@@ -252,7 +252,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	// like an expired record (see KeyClaim).
 	done := func() bool { return *found && !rec.Expired && rec.State == stateDone }
 	if done() {
-		c, err := judge(rec.Fingerprint, rec.Response, k.fp)
+		c, err := replayOrMismatch(rec.Fingerprint, rec.Response, k.fp)
 		return c, tx, err
 	}
 	switch lock.Lock {
@@ -267,7 +267,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 			return claimed{outcome: outcomeFailed}, tx, translate("idem: wait for key", err)
 		}
 		if done() {
-			c, err := judge(rec.Fingerprint, rec.Response, k.fp)
+			c, err := replayOrMismatch(rec.Fingerprint, rec.Response, k.fp)
 			return c, tx, err
 		}
 	}
@@ -340,7 +340,7 @@ func claimRow(ctx context.Context, tx pgx.Tx, k keyRef, o *options, expired bool
 		return c, nil
 	}
 	if found && !rec.Expired && rec.State == stateDone {
-		return judge(rec.Fingerprint, rec.Response, k.fp)
+		return replayOrMismatch(rec.Fingerprint, rec.Response, k.fp)
 	}
 	// Under REPEATABLE READ a record committed since the snapshot fails
 	// the INSERT itself; at READ COMMITTED, KeyGet sees what was in the way.
@@ -350,9 +350,10 @@ func claimRow(ctx context.Context, tx pgx.Tx, k keyRef, o *options, expired bool
 // same compares keys by scope and key, not by their lock's hash.
 func (k keyRef) same(other keyRef) bool { return k.scope == other.scope && k.key == other.key }
 
-// judge decides what a duplicate gets from the live, completed record in
-// its way.
-func judge(storedFP, response, fp []byte) (claimed, error) {
+// replayOrMismatch decides what a duplicate gets from the live, completed
+// record in its way: its stored value to replay when the fingerprints
+// match, ErrFingerprintMismatch when they do not.
+func replayOrMismatch(storedFP, response, fp []byte) (claimed, error) {
 	if !bytes.Equal(storedFP, fp) {
 		return claimed{outcome: outcomeMismatch}, ErrFingerprintMismatch
 	}
@@ -373,7 +374,7 @@ func execute[T any](ctx context.Context, tx pgx.Tx, k keyRef, c claimed,
 		// a caller that recovers and commits would leave the key blocked.
 		defer func() {
 			if p := recover(); p != nil {
-				_ = c.failed(ctx, tx, k, o, nil)
+				_ = c.releaseOnFailure(ctx, tx, k, o, nil)
 				panic(p)
 			}
 		}()
@@ -384,14 +385,14 @@ func execute[T any](ctx context.Context, tx pgx.Tx, k keyRef, c claimed,
 		return fn(ctx, tx)
 	}()
 	if err != nil {
-		return res, s, c.failed(ctx, tx, k, o, fmt.Errorf("idem: %w", err))
+		return res, s, c.releaseOnFailure(ctx, tx, k, o, fmt.Errorf("idem: %w", err))
 	}
 	s = store{k: k, c: c, retention: o.retentionInterval()}
 	// Once stores no response: a SQL NULL, the zero pgtype.Text.
 	if !o.noResponse {
 		encoded, err := encodeResponse(value, k.scope, o)
 		if err != nil {
-			return res, s, c.failed(ctx, tx, k, o, err)
+			return res, s, c.releaseOnFailure(ctx, tx, k, o, err)
 		}
 		s.response = pgtype.Text{String: string(encoded), Valid: true}
 	}
@@ -501,13 +502,14 @@ func (r *recordChanged) Error() string {
 
 func (r *recordChanged) Unwrap() []error { return []error{ErrSerialization, r.err} }
 
-// failed ends a claim whose operation failed with cause. At READ COMMITTED
-// nothing was written: the transaction holds only the key's lock, which
-// ends with it. A record written early is removed, so that a caller who
-// commits anyway never commits a record stuck in progress; the removal is
-// bounded by cleanupTimeout even when ctx has ended or the connection is
-// dead, and if it fails the transaction cannot commit anything.
-func (c claimed) failed(ctx context.Context, tx pgx.Tx, k keyRef, o *options, cause error) error {
+// releaseOnFailure ends a claim whose operation failed with cause, and
+// returns the error to report. At READ COMMITTED nothing was written: the
+// transaction holds only the key's lock, which ends with it. A record
+// written early is removed, so that a caller who commits anyway never
+// commits a record stuck in progress; the removal is bounded by
+// cleanupTimeout even when ctx has ended or the connection is dead, and if
+// it fails the transaction cannot commit anything.
+func (c claimed) releaseOnFailure(ctx context.Context, tx pgx.Tx, k keyRef, o *options, cause error) error {
 	if !c.early {
 		return cause
 	}

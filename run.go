@@ -197,7 +197,7 @@ func lookup(ctx context.Context, q *dbsqlc.Queries, k keyRef) (stored []byte, fo
 	if err != nil {
 		return nil, false, translate("idem: look up key", err)
 	}
-	c, err := judge(rec.Fingerprint, rec.Response, k.fp)
+	c, err := replayOrMismatch(rec.Fingerprint, rec.Response, k.fp)
 	return c.stored, err == nil, err
 }
 
