@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/backoff"
 	"github.com/pgidem/idem/internal/dberr"
@@ -24,9 +26,10 @@ const DefaultPurgeBatch = 1000
 // returns how many it deleted. Short transactions keep each one's locks and
 // WAL small; rows another transaction holds are skipped rather than waited
 // for, and a reclaim whose expired record is purged under it inserts a new
-// one instead. Purging is never needed for
-// correctness: an expired record already counts as absent. It keeps the
-// table and its indexes small.
+// one instead. Each batch starts at the expiry where the last one stopped,
+// so that none walks again over the index entries its predecessors left
+// for VACUUM. Purging is never needed for correctness: an expired record
+// already counts as absent. It keeps the table and its indexes small.
 //
 // batch must be between 1 and math.MaxInt32; [DefaultPurgeBatch] is a
 // reasonable start. For purging in the background, see [StartPurger].
@@ -38,10 +41,11 @@ func Purge(ctx context.Context, db TxBeginner, batch int) (int64, error) {
 		return 0, err
 	}
 	var total int64
+	w := newPurgeWalk(db, batch)
 	for {
-		deleted, err := purgeBatch(ctx, db, batch)
+		deleted, done, err := w.next(ctx)
 		total += deleted
-		if err != nil || deleted < int64(batch) {
+		if err != nil || done {
 			return total, err
 		}
 	}
@@ -58,18 +62,55 @@ func checkBatch(batch int) error {
 	return nil
 }
 
-// purgeBatch deletes up to batch expired records in one transaction.
-func purgeBatch(ctx context.Context, db TxBeginner, batch int) (int64, error) {
-	var deleted int64
-	err := WithTx(ctx, db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
-		var err error
-		deleted, err = dbsqlc.New(tx).KeyPurgeExpired(ctx, int32(batch))
-		return err
-	})
-	if err != nil {
-		return 0, fmt.Errorf("idem: purge: %w", err)
+// purgeWalk is one pass over the expired records, in order of expiry, one
+// transaction of up to batch records at a time (KeyPurgeExpired).
+type purgeWalk struct {
+	db    TxBeginner
+	batch int
+	// after is the expiry the next batch starts at: the latest expiry the
+	// last batch deleted, at first the oldest there is.
+	after pgtype.Timestamptz
+}
+
+func newPurgeWalk(db TxBeginner, batch int) *purgeWalk {
+	return &purgeWalk{db: db, batch: batch,
+		after: pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}}
+}
+
+// next deletes the next batch in a transaction of its own. done is true
+// when the batch was the pass's last: it deleted fewer than batch records.
+//
+// On a pool or a connection the batch is one statement sent on its own,
+// which PostgreSQL runs as a transaction of its own: one round trip instead
+// of three (BEGIN, the statement, COMMIT). It cannot deadlock or fail to
+// serialize, since it waits for no row (SKIP LOCKED). Other TxBeginners get
+// an explicit transaction.
+func (w *purgeWalk) next(ctx context.Context) (deleted int64, done bool, err error) {
+	var row dbsqlc.KeyPurgeExpiredRow
+	arg := dbsqlc.KeyPurgeExpiredParams{After: w.after, MaxRows: int32(w.batch)}
+	switch db := w.db.(type) {
+	case *pgxpool.Pool, *pgxpool.Conn, *pgx.Conn:
+		row, err = dbsqlc.New(db.(dbsqlc.DBTX)).KeyPurgeExpired(ctx, arg)
+		if err != nil {
+			err = translate("idem: purge", err)
+		}
+	default:
+		err = WithTx(ctx, w.db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			row, err = dbsqlc.New(tx).KeyPurgeExpired(ctx, arg)
+			return err
+		})
+		if err != nil {
+			err = fmt.Errorf("idem: purge: %w", err)
+		}
 	}
-	return deleted, nil
+	if err != nil {
+		return 0, true, err
+	}
+	if row.Reached.Valid {
+		w.after = row.Reached
+	}
+	return row.Deleted, row.Deleted < int64(w.batch), nil
 }
 
 // PurgerConfig configures [StartPurger]. The zero value of every field
@@ -82,10 +123,18 @@ type PurgerConfig struct {
 	// most math.MaxInt32. Defaults to DefaultPurgeBatch.
 	Batch int
 
-	// Pause is how long the purger rests between two batches while expired
-	// records remain, so that it paces itself instead of taking a core.
-	// Defaults to 10ms.
+	// Pause is how long the purger rests at least between two batches while
+	// expired records remain, so that it paces itself instead of taking a
+	// core. Defaults to 5ms.
 	Pause time.Duration
+
+	// PauseFactor lengthens the rest after a batch to PauseFactor times
+	// the time that batch took, when that is longer than Pause (and never
+	// beyond Interval). The purger then spends at most 1/(1+PauseFactor)
+	// of its time purging: on a busy server, where each batch takes longer,
+	// it slows down with the server instead of taking a larger share of
+	// it. Negative means none: the rest is Pause alone. Defaults to 0.25.
+	PauseFactor float64
 
 	// Interval is how long the purger sleeps once nothing expired is left,
 	// and after a failed batch. Defaults to 1m.
@@ -108,9 +157,15 @@ func (cfg *PurgerConfig) check() error {
 	}
 	switch {
 	case cfg.Pause < 0:
-		return invalidPurgerField("Pause", "must not be negative (0 means the default, 10ms), got %s", cfg.Pause)
+		return invalidPurgerField("Pause", "must not be negative (0 means the default, %s), got %s", defaultPause, cfg.Pause)
 	case cfg.Pause == 0:
-		cfg.Pause = 10 * time.Millisecond
+		cfg.Pause = defaultPause
+	}
+	switch {
+	case math.IsNaN(cfg.PauseFactor) || math.IsInf(cfg.PauseFactor, 0):
+		return invalidPurgerField("PauseFactor", "must be a finite number, got %v", cfg.PauseFactor)
+	case cfg.PauseFactor == 0:
+		cfg.PauseFactor = defaultPauseFactor
 	}
 	switch {
 	case cfg.Interval < 0:
@@ -123,6 +178,13 @@ func (cfg *PurgerConfig) check() error {
 	}
 	return nil
 }
+
+// The defaults of PurgerConfig's pacing, with batches of DefaultPurgeBatch,
+// as BenchmarkPurgerMillionRows measures them (docs/performance.md).
+const (
+	defaultPause       = 5 * time.Millisecond
+	defaultPauseFactor = 0.25
+)
 
 func invalidPurgerField(field, format string, args ...any) error {
 	return fmt.Errorf("idem: PurgerConfig.%s: %s: %w", field, fmt.Sprintf(format, args...), ErrInvalidOption)
@@ -165,8 +227,11 @@ func (p *Purger) run(ctx context.Context, db TxBeginner, cfg PurgerConfig) {
 	for {
 		pass := int64(0)
 		started := time.Now()
+		w := newPurgeWalk(db, cfg.Batch)
 		for {
-			deleted, err := purgeBatch(ctx, db, cfg.Batch)
+			batchStarted := time.Now()
+			deleted, done, err := w.next(ctx)
+			took := time.Since(batchStarted)
 			pass += deleted
 			p.deleted.Add(deleted)
 			if err != nil {
@@ -175,10 +240,10 @@ func (p *Purger) run(ctx context.Context, db TxBeginner, cfg PurgerConfig) {
 				}
 				break
 			}
-			if deleted < int64(cfg.Batch) {
+			if done {
 				break
 			}
-			if backoff.Sleep(ctx, cfg.Pause) != nil {
+			if backoff.Sleep(ctx, cfg.rest(took)) != nil {
 				return
 			}
 		}
@@ -192,11 +257,23 @@ func (p *Purger) run(ctx context.Context, db TxBeginner, cfg PurgerConfig) {
 	}
 }
 
+// rest is how long the purger rests after a batch that took took: Pause,
+// or PauseFactor times took when that is longer, up to Interval.
+func (cfg *PurgerConfig) rest(took time.Duration) time.Duration {
+	scaled := cfg.PauseFactor * float64(took) // in float: no overflow
+	if scaled <= float64(cfg.Pause) {
+		return cfg.Pause
+	}
+	return max(cfg.Pause, time.Duration(min(scaled, float64(cfg.Interval))))
+}
+
 // Stop stops the purger and waits for its current batch to end.
 func (p *Purger) Stop() {
 	p.once.Do(p.cancel)
 	<-p.done
 }
 
-// Deleted returns how many records the purger has deleted so far.
+// Deleted returns how many records the purger has deleted so far. A batch
+// that Stop or the end of ctx interrupts as it commits is not counted,
+// though it may have committed.
 func (p *Purger) Deleted() int64 { return p.deleted.Load() }

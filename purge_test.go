@@ -84,6 +84,9 @@ func TestStartPurgerRefusesEveryInvalidField(t *testing.T) {
 		{"Batch", idem.PurgerConfig{Batch: -1}},
 		{"Batch", idem.PurgerConfig{Batch: aboveInt32}},
 		{"Pause", idem.PurgerConfig{Pause: -time.Nanosecond}},
+		{"PauseFactor", idem.PurgerConfig{PauseFactor: math.NaN()}},
+		{"PauseFactor", idem.PurgerConfig{PauseFactor: math.Inf(1)}},
+		{"PauseFactor", idem.PurgerConfig{PauseFactor: math.Inf(-1)}},
 		{"Interval", idem.PurgerConfig{Interval: -time.Second}},
 	}
 	tested := map[string]bool{}
@@ -154,3 +157,46 @@ func TestPurgeDeletesOnlyExpired(t *testing.T) {
 		t.Fatalf("batch 0: %v, want ErrInvalidOption", err)
 	}
 }
+
+// A purge walks the expiry index batch by batch, each starting at the
+// expiry where the last one stopped. Records that share an expiry across
+// a batch's end are all deleted, and a record that another transaction
+// holds, passed over by the walk, is deleted by the next purge.
+func TestPurgeWalksPastSharedExpiriesAndComesBackForHeldRecords(t *testing.T) {
+	ctx, pool, scope := setupOwnDatabase(t)
+	// Three expiries, seven records each: batches of 3 end inside each
+	// group. One record, expired before all of them, is held; two are live.
+	if _, err := pool.Exec(ctx, `
+INSERT INTO idempotency_key (scope, key, fingerprint, state, expires_at)
+SELECT $1, 'expired-' || g, '\x00'::bytea, 'done', now() - (g % 3 + 1) * interval '1 hour'
+FROM generate_series(1, 21) AS g
+UNION ALL SELECT $1, 'held', '\x00'::bytea, 'done', now() - interval '1 day'
+UNION ALL SELECT $1, 'live-' || g, '\x00'::bytea, 'done', now() + interval '1 hour' FROM generate_series(1, 2) AS g`, scope); err != nil {
+		t.Fatal(err)
+	}
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback(ctx)
+	if _, err := holder.Exec(ctx, `SELECT 1 FROM idempotency_key WHERE scope = $1 AND key = 'held' FOR UPDATE`, scope); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := idem.Purge(ctx, pool, 3); err != nil || n != 21 {
+		t.Fatalf("Purge deleted %d, %v; want the 21 expired records that no one holds", n, err)
+	}
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// A TxBeginner that is neither a pool nor a connection gets a
+	// transaction per batch instead of a statement.
+	if n, err := idem.Purge(ctx, beginOnly{pool}, 3); err != nil || n != 1 {
+		t.Fatalf("the next Purge deleted %d, %v; want the record that was held", n, err)
+	}
+	if n := countRecords(t, pool, scope); n != 2 {
+		t.Fatalf("%d records left, want the 2 live ones", n)
+	}
+}
+
+// beginOnly is a TxBeginner that only begins transactions.
+type beginOnly struct{ idem.TxBeginner }
