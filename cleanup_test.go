@@ -39,7 +39,7 @@ func setupFrozen(t *testing.T) (context.Context, *pgxpool.Pool, string, *freezer
 	if testdb.BehindPooler() {
 		// The test is about the client's deadline, not the pooler; and a
 		// client that vanishes mid-transaction can crash PgBouncer 1.18
-		// (see the README's "Behind PgBouncer").
+		// (see docs/pgbouncer.md, "What to configure").
 		cfg = env.DirectPool(t).Config()
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

@@ -91,6 +91,18 @@ a value that cannot work makes every call given it fail with
 [ErrInvalidOption] before anything is sent; [CheckOptions] checks options
 once, when a program sets them up.
 
+One rule for zero and negative values holds in idem, idemhttp and outbox.
+In a configuration struct ([PurgerConfig], [ObserverConfig],
+idemhttp.Config, outbox.Config) the zero value of a field means its
+default, stated on the field, and a nil Logger means slog.Default(). An
+option is an explicit choice, so its zero means zero: WithWait(0) does not
+wait, and leaving the option out gives the default. In both, a negative
+value means "none" where the field or option says so (no wait, no bound,
+no limit) and is refused elsewhere. A configuration is checked once, where
+it is built (StartPurger, idemhttp.NewMiddleware, outbox.NewRelay), and
+each invalid field is refused with an error that names it and wraps
+[ErrInvalidOption].
+
 The package's own failures are sentinel values, checked with errors.Is, and
 each one's documentation says when it is returned and what to do:
 [ErrInvalidScope], [ErrInvalidKey], [ErrInvalidOption], [ErrInvalidVersion],

@@ -4,7 +4,7 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/dberr"
 )
 
 // ErrInvalidKey is returned when a key is empty, longer than 255 bytes, not
@@ -37,7 +37,7 @@ var ErrFingerprintMismatch = errors.New("idem: key reused with a different reque
 // After a wait that ran out, the caller's transaction is aborted, because
 // the statement that waited failed inside it: roll it back. The client
 // should retry later with the same key.
-var ErrInProgress = guard.ErrInProgress
+var ErrInProgress = dberr.ErrInProgress
 
 // ErrReadOnly is returned when the transaction is read-only, or the server
 // a standby (a connection that reached a replica, as after a failover when
@@ -74,7 +74,7 @@ var ErrResponseNotStorable = errors.New("idem: response cannot be stored")
 // key was completed after the transaction's snapshot was taken. The whole
 // transaction must be retried; [Run] and [WithTx] do so on their own, and
 // the retry replays the key's answer.
-var ErrSerialization = guard.ErrSerialization
+var ErrSerialization = dberr.ErrSerialization
 
 // ErrConnInTransaction is returned by [Run], [WithTx], [Purge],
 // [StartPurger] and the outbox's Relay.Run when db is a *pgx.Conn or
@@ -85,11 +85,11 @@ var ErrSerialization = guard.ErrSerialization
 // the caller's to commit or roll back. Pass the pool or an idle
 // connection, or, to make a write exactly-once in the caller's
 // transaction, call [Do] with it.
-var ErrConnInTransaction = guard.ErrConnInTransaction
+var ErrConnInTransaction = dberr.ErrConnInTransaction
 
 // translate turns driver errors from the package's own statements into the
-// package's sentinel errors (see [guard.Translate]).
-func translate(op string, err error) error { return guard.Translate(op, err) }
+// package's sentinel errors (see [dberr.Translate]).
+func translate(op string, err error) error { return dberr.Translate(op, err) }
 
 // ErrLeaseLost is returned by a step of a [Flow], and by [Flow.Run], when
 // the executor no longer holds the flow: its lease ran out before it could

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -15,8 +14,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/pgidem/idem/internal/backoff"
+	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/ident"
 )
 
 // Flow is an operation made exactly-once per (scope, key), as [Run] makes
@@ -75,7 +76,7 @@ type Flow[In, Out any] struct {
 // [ErrInvalidOption]): flows are made at start-up, from values written in
 // the code, as regexp.MustCompile's patterns are.
 func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...Option) *Flow[In, Out] {
-	if err := guard.CheckIdentifier(name); err != nil {
+	if err := ident.Check(name); err != nil {
 		panic(fmt.Errorf("%w: NewFlow: name %q: %s", ErrInvalidOption, name, err))
 	}
 	if fn == nil {
@@ -124,7 +125,7 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 	if err != nil {
 		return Result[Out]{}, err
 	}
-	if err := guard.CheckIdle(db, "a flow commits transactions of its own: pass the pool or an idle connection"); err != nil {
+	if err := dberr.CheckIdle(db, "a flow commits transactions of its own: pass the pool or an idle connection"); err != nil {
 		return Result[Out]{}, err
 	}
 	input, err := encodeResponse(in, scope, &o)
@@ -206,17 +207,16 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			obs.claimDone(outcomeInProgress)
 			return nil, nil, fmt.Errorf("%w: flow %q is running elsewhere past the wait budget", ErrInProgress, f.name)
 		}
-		if err := sleep(ctx, min(pollDelay(attempt), remaining)); err != nil {
+		if err := backoff.Sleep(ctx, min(pollDelay(attempt), remaining)); err != nil {
 			return nil, nil, err
 		}
 	}
 }
 
 // pollDelay is how long a duplicate waits before it looks at a flow that
-// another executor holds again: 5ms, growing to about 100ms.
+// another executor holds again: 5ms, doubling to 100ms, jittered.
 func pollDelay(attempt int) time.Duration {
-	ceiling := min(5*time.Millisecond<<min(attempt, 5), 100*time.Millisecond)
-	return ceiling/2 + rand.N(ceiling/2+1)
+	return backoff.Jitter(attempt+1, 5*time.Millisecond, 100*time.Millisecond)
 }
 
 // execute runs the flow's function as the executor r, and records its

@@ -12,8 +12,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgidem/idem/internal/backoff"
+	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
 )
 
 // resumeBatch is the most flows one pass of Resume takes.
@@ -38,7 +39,7 @@ func (f *Flow[In, Out]) Resume(ctx context.Context, db TxBeginner) (resumed int,
 	if err != nil {
 		return 0, err
 	}
-	if err := guard.CheckIdle(db, "a flow commits transactions of its own: pass the pool or an idle connection"); err != nil {
+	if err := dberr.CheckIdle(db, "a flow commits transactions of its own: pass the pool or an idle connection"); err != nil {
 		return 0, err
 	}
 	var abandoned []dbsqlc.FlowAbandonedRow
@@ -134,7 +135,7 @@ func (f *Flow[In, Out]) StartResumer(ctx context.Context, db TxBeginner, cfg Res
 	case db == nil:
 		return nil, fmt.Errorf("%w: StartResumer needs a database, got nil", ErrInvalidOption)
 	}
-	if err := guard.CheckIdle(db, "a resumer commits transactions of its own: pass the pool"); err != nil {
+	if err := dberr.CheckIdle(db, "a resumer commits transactions of its own: pass the pool"); err != nil {
 		return nil, err
 	}
 	interval := cmp.Or(cfg.Interval, 10*time.Second)
@@ -157,7 +158,7 @@ func (f *Flow[In, Out]) StartResumer(ctx context.Context, db TxBeginner, cfg Res
 			if resumed+countErrors(err) >= resumeBatch {
 				continue
 			}
-			if sleep(ctx, interval) != nil {
+			if backoff.Sleep(ctx, interval) != nil {
 				return
 			}
 		}

@@ -13,7 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/ident"
 )
 
 // Steps is what a flow's function takes its steps with: pass it to
@@ -365,7 +365,7 @@ func (r *flowRun) stop(ctx context.Context, why string) error {
 // that the step is the one earlier runs recorded at its place, if any, and
 // returns its place and its record. end ends it.
 func (r *flowRun) begin(name, kind string) (int32, *dbsqlc.FlowStepsRow, error) {
-	if err := guard.CheckIdentifier(name); err != nil {
+	if err := ident.Check(name); err != nil {
 		return 0, nil, fmt.Errorf("%w: step name %q: %s", ErrInvalidOption, name, err)
 	}
 	if r.returned.Load() {

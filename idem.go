@@ -11,11 +11,13 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/ident"
+	"github.com/pgidem/idem/internal/keylock"
+	"github.com/pgidem/idem/internal/pgtime"
 )
 
 // MaxKeyLength is the longest key or scope accepted, in bytes.
-const MaxKeyLength = 255
+const MaxKeyLength = ident.MaxLength
 
 // Result is what [Do] and [Run] return on success.
 type Result[T any] struct {
@@ -138,16 +140,16 @@ type keyRef struct {
 // out-of-bounds input is rejected, never truncated, because truncation turns
 // distinct keys into collisions.
 func newKeyRef(scope, key string, fp []byte) (keyRef, error) {
-	if err := guard.CheckIdentifier(scope); err != nil {
+	if err := ident.Check(scope); err != nil {
 		return keyRef{}, fmt.Errorf("%w: %s", ErrInvalidScope, err)
 	}
-	if err := guard.CheckIdentifier(key); err != nil {
+	if err := ident.Check(key); err != nil {
 		return keyRef{}, fmt.Errorf("%w: %s", ErrInvalidKey, err)
 	}
 	if fp == nil {
 		fp = []byte{}
 	}
-	return keyRef{scope: scope, key: key, fp: fp, lockID: guard.LockID(scope, key)}, nil
+	return keyRef{scope: scope, key: key, fp: fp, lockID: keylock.ID(scope, key)}, nil
 }
 
 // The outcomes of a call, as the idem.outcome attribute of an [Observer]'s
@@ -250,7 +252,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	// like an expired record (see KeyClaim).
 	done := func() bool { return *found && !rec.Expired && rec.State == stateDone }
 	if done() {
-		c, err := judge(rec.Fingerprint, rec.Response, k.fp)
+		c, err := replayOrMismatch(rec.Fingerprint, rec.Response, k.fp)
 		return c, tx, err
 	}
 	switch lock.Lock {
@@ -265,7 +267,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 			return claimed{outcome: outcomeFailed}, tx, translate("idem: wait for key", err)
 		}
 		if done() {
-			c, err := judge(rec.Fingerprint, rec.Response, k.fp)
+			c, err := replayOrMismatch(rec.Fingerprint, rec.Response, k.fp)
 			return c, tx, err
 		}
 	}
@@ -338,7 +340,7 @@ func claimRow(ctx context.Context, tx pgx.Tx, k keyRef, o *options, expired bool
 		return c, nil
 	}
 	if found && !rec.Expired && rec.State == stateDone {
-		return judge(rec.Fingerprint, rec.Response, k.fp)
+		return replayOrMismatch(rec.Fingerprint, rec.Response, k.fp)
 	}
 	// Under REPEATABLE READ a record committed since the snapshot fails
 	// the INSERT itself; at READ COMMITTED, KeyGet sees what was in the way.
@@ -348,9 +350,10 @@ func claimRow(ctx context.Context, tx pgx.Tx, k keyRef, o *options, expired bool
 // same compares keys by scope and key, not by their lock's hash.
 func (k keyRef) same(other keyRef) bool { return k.scope == other.scope && k.key == other.key }
 
-// judge decides what a duplicate gets from the live, completed record in
-// its way.
-func judge(storedFP, response, fp []byte) (claimed, error) {
+// replayOrMismatch decides what a duplicate gets from the live, completed
+// record in its way: its stored value to replay when the fingerprints
+// match, ErrFingerprintMismatch when they do not.
+func replayOrMismatch(storedFP, response, fp []byte) (claimed, error) {
 	if !bytes.Equal(storedFP, fp) {
 		return claimed{outcome: outcomeMismatch}, ErrFingerprintMismatch
 	}
@@ -371,7 +374,7 @@ func execute[T any](ctx context.Context, tx pgx.Tx, k keyRef, c claimed,
 		// a caller that recovers and commits would leave the key blocked.
 		defer func() {
 			if p := recover(); p != nil {
-				_ = c.failed(ctx, tx, k, o, nil)
+				_ = c.releaseOnFailure(ctx, tx, k, o, nil)
 				panic(p)
 			}
 		}()
@@ -382,14 +385,14 @@ func execute[T any](ctx context.Context, tx pgx.Tx, k keyRef, c claimed,
 		return fn(ctx, tx)
 	}()
 	if err != nil {
-		return res, s, c.failed(ctx, tx, k, o, fmt.Errorf("idem: %w", err))
+		return res, s, c.releaseOnFailure(ctx, tx, k, o, fmt.Errorf("idem: %w", err))
 	}
 	s = store{k: k, c: c, retention: o.retentionInterval()}
 	// Once stores no response: a SQL NULL, the zero pgtype.Text.
 	if !o.noResponse {
 		encoded, err := encodeResponse(value, k.scope, o)
 		if err != nil {
-			return res, s, c.failed(ctx, tx, k, o, err)
+			return res, s, c.releaseOnFailure(ctx, tx, k, o, err)
 		}
 		s.response = pgtype.Text{String: string(encoded), Valid: true}
 	}
@@ -499,13 +502,14 @@ func (r *recordChanged) Error() string {
 
 func (r *recordChanged) Unwrap() []error { return []error{ErrSerialization, r.err} }
 
-// failed ends a claim whose operation failed with cause. At READ COMMITTED
-// nothing was written: the transaction holds only the key's lock, which
-// ends with it. A record written early is removed, so that a caller who
-// commits anyway never commits a record stuck in progress; the removal is
-// bounded by cleanupTimeout even when ctx has ended or the connection is
-// dead, and if it fails the transaction cannot commit anything.
-func (c claimed) failed(ctx context.Context, tx pgx.Tx, k keyRef, o *options, cause error) error {
+// releaseOnFailure ends a claim whose operation failed with cause, and
+// returns the error to report. At READ COMMITTED nothing was written: the
+// transaction holds only the key's lock, which ends with it. A record
+// written early is removed, so that a caller who commits anyway never
+// commits a record stuck in progress; the removal is bounded by
+// cleanupTimeout even when ctx has ended or the connection is dead, and if
+// it fails the transaction cannot commit anything.
+func (c claimed) releaseOnFailure(ctx context.Context, tx pgx.Tx, k keyRef, o *options, cause error) error {
 	if !c.early {
 		return cause
 	}
@@ -521,6 +525,8 @@ func (c claimed) failed(ctx context.Context, tx pgx.Tx, k keyRef, o *options, ca
 	return cause
 }
 
+// retentionInterval is the retention as PostgreSQL's interval, rounded up
+// to the microsecond as every duration idem sends is (see pgtime).
 func (o *options) retentionInterval() pgtype.Interval {
-	return pgtype.Interval{Microseconds: o.retention.Microseconds(), Valid: true}
+	return pgtime.Interval(o.retention)
 }

@@ -11,7 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/ident"
+	"github.com/pgidem/idem/internal/keylock"
 )
 
 func TestDoInCallersTransaction(t *testing.T) {
@@ -190,7 +191,7 @@ func TestKeysWhoseLocksCollideAreNotNested(t *testing.T) {
 	ctx, pool, _ := setup(t)
 	// A pair found by brute force; the scope is part of the hash.
 	scope, a, b := "s", "5c38ed5d79a66352ebf7", "47a4f6b5e87317ccd6db"
-	if guard.LockID(scope, a) != guard.LockID(scope, b) {
+	if keylock.ID(scope, a) != keylock.ID(scope, b) {
 		t.Fatal("the keys no longer collide: find another pair")
 	}
 	var calls atomic.Int64
@@ -298,7 +299,7 @@ func TestInvalidScopesAndKeysNeverReachTheDatabase(t *testing.T) {
 // TestMaxKeyLengthIsTheEnforcedLimit keeps the documented constant and the
 // check the calls make the same.
 func TestMaxKeyLengthIsTheEnforcedLimit(t *testing.T) {
-	if idem.MaxKeyLength != guard.MaxIdentifierLength {
-		t.Fatalf("idem.MaxKeyLength = %d, but keys are checked against %d", idem.MaxKeyLength, guard.MaxIdentifierLength)
+	if idem.MaxKeyLength != ident.MaxLength {
+		t.Fatalf("idem.MaxKeyLength = %d, but keys are checked against %d", idem.MaxKeyLength, ident.MaxLength)
 	}
 }

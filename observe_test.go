@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"reflect"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -144,5 +145,26 @@ func TestCodecSealsStoredResponses(t *testing.T) {
 	// Without the codec, the sealed record cannot be read as a value.
 	if _, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 4200, &calls)); err == nil {
 		t.Fatal("a sealed record replayed without its codec")
+	}
+}
+
+// ObserverConfig has no value that NewObserver refuses: each field is
+// listed here with what its zero value means, so that a field added with
+// values that cannot work gets a test that they are refused.
+func TestObserverConfigTakesEveryValue(t *testing.T) {
+	t.Parallel()
+	anyValue := map[string]string{
+		"MeterProvider":  "nil means no metrics",
+		"TracerProvider": "nil means no spans",
+		"Logger":         "nil means slog.Default()",
+		"LogKeys":        "false logs hashed keys",
+	}
+	for f := range reflect.TypeFor[idem.ObserverConfig]().Fields() {
+		if anyValue[f.Name] == "" {
+			t.Errorf("ObserverConfig.%s: not listed as taking every value; if some values cannot work, NewObserver must refuse them, naming the field", f.Name)
+		}
+	}
+	if _, err := idem.NewObserver(idem.ObserverConfig{}); err != nil {
+		t.Errorf("zero ObserverConfig: %v", err)
 	}
 }

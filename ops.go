@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/keylock"
 	"github.com/pgidem/idem/internal/migration"
 )
 
@@ -105,7 +105,7 @@ func ReadStats(ctx context.Context, db TxBeginner) (Stats, error) {
 	var s Stats
 	err := WithTx(ctx, db, readOnly, func(ctx context.Context, tx pgx.Tx) error {
 		q := dbsqlc.New(tx)
-		f, err := q.KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: guard.LockTag})
+		f, err := q.KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: keylock.Tag})
 		if err != nil {
 			return fmt.Errorf("idem: stats: operations running: %w", err)
 		}
@@ -182,7 +182,7 @@ func Inspect(ctx context.Context, db TxBeginner, scope, key string) (KeyInfo, er
 	var info KeyInfo
 	err = WithTx(ctx, db, readOnly, func(ctx context.Context, tx pgx.Tx) error {
 		q := dbsqlc.New(tx)
-		f, err := q.KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: guard.LockTag, LockID: k.lockID})
+		f, err := q.KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: keylock.Tag, LockID: k.lockID})
 		if err != nil {
 			return fmt.Errorf("idem: inspect: lock: %w", err)
 		}

@@ -28,6 +28,12 @@ const (
 // its value when it is made: an option made from a value that cannot work
 // makes every call it is given to fail with [ErrInvalidOption], before
 // anything is sent to the database.
+//
+// An option is an explicit choice, so its zero means zero: WithWait(0) is
+// no wait, not the default; leaving the option out gives the default. A
+// negative duration means "none" where none makes sense (WithWait,
+// WithIdleTimeout), as in the configs of idemhttp and outbox, and is
+// refused where it does not (WithRetention).
 type Option interface {
 	apply(*options) error
 }
@@ -111,19 +117,20 @@ func WithRetention(d time.Duration) Option {
 // WithWait sets how long a duplicate waits for a concurrent attempt on the
 // same key to finish. When that attempt commits in time, the duplicate
 // replays its outcome; when it rolls back, the duplicate runs the function
-// itself; past the budget, the duplicate returns [ErrInProgress]. Zero means
-// not at all (PostgreSQL's own lock_timeout of 0 would wait forever, so zero
-// is sent as the server's smallest budget, one millisecond). Negative
-// values, and values beyond lock_timeout's range (about 24 days), are
-// rejected. The budget covers only the wait for the key: the function and
-// the rest of the transaction keep the caller's own lock_timeout. A caller's
-// statement_timeout shorter than the budget cuts the wait short with the
-// driver's own error. Defaults to 5s.
+// itself; past the budget, the duplicate returns [ErrInProgress]. Zero or a
+// negative value means not at all: the duplicate returns ErrInProgress at
+// once (PostgreSQL's own lock_timeout of 0 would wait forever, so no wait
+// is sent as the server's smallest budget, one millisecond). Values beyond
+// lock_timeout's range (about 24 days) are rejected. The budget covers
+// only the wait for the key: the function and the rest of the transaction
+// keep the caller's own lock_timeout. A caller's statement_timeout shorter
+// than the budget cuts the wait short with the driver's own error.
+// Defaults to 5s.
 func WithWait(d time.Duration) Option {
-	if d < 0 || d > maxWait {
-		return invalid("wait must be between 0 and %s, got %s", maxWait, d)
+	if d > maxWait {
+		return invalid("wait must not exceed %s, got %s", maxWait, d)
 	}
-	return optionFunc(func(o *options) { o.wait = d })
+	return optionFunc(func(o *options) { o.wait = max(d, 0) })
 }
 
 // maxWait is the longest wait PostgreSQL's lock_timeout can express: its
@@ -151,15 +158,15 @@ func millis(d time.Duration) string {
 // option the server ends the session, and with it the transaction and the
 // key's lock, after d of silence. The function's own statements are not
 // limited, only the gaps between them: choose d longer than the longest
-// pause the function makes between two statements. Zero means no bound of
-// idem's (the server's or role's own setting applies); negative values
-// and values beyond the setting's range (about 24 days) are rejected.
-// Defaults to zero.
+// pause the function makes between two statements. Zero or a negative
+// value means no bound of idem's (the server's or role's own setting
+// applies); values beyond the setting's range (about 24 days) are
+// rejected. Defaults to none.
 func WithIdleTimeout(d time.Duration) Option {
-	if d < 0 || d > maxWait {
-		return invalid("idle timeout must be between 0 and %s, got %s", maxWait, d)
+	if d > maxWait {
+		return invalid("idle timeout must not exceed %s, got %s", maxWait, d)
 	}
-	return optionFunc(func(o *options) { o.idleTimeout = d })
+	return optionFunc(func(o *options) { o.idleTimeout = max(d, 0) })
 }
 
 // WithLookupFirst makes [Run] read the key before it begins a transaction.

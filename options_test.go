@@ -3,7 +3,9 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,8 +18,9 @@ func TestInvalidOptionsAreRejected(t *testing.T) {
 	ctx := context.Background()
 	fn := func(context.Context, pgx.Tx) (int, error) { return 1, nil }
 	for _, opt := range []idem.Option{
-		idem.WithRetention(0), idem.WithRetention(500 * time.Nanosecond), idem.WithWait(-time.Second), idem.WithMaxResponseSize(0),
-		idem.WithWait(25 * 24 * time.Hour), idem.WithWait(time.Duration(math.MaxInt64)),
+		idem.WithRetention(0), idem.WithRetention(-time.Hour), idem.WithRetention(500 * time.Nanosecond), idem.WithMaxResponseSize(0),
+		idem.WithMaxResponseSize(-1), idem.WithWait(25 * 24 * time.Hour), idem.WithWait(time.Duration(math.MaxInt64)),
+		idem.WithIdleTimeout(25 * 24 * time.Hour),
 	} {
 		if _, err := idem.Do(ctx, panicTx{}, "s", "k", nil, fn, opt); !errors.Is(err, idem.ErrInvalidOption) {
 			t.Errorf("err = %v, want ErrInvalidOption", err)
@@ -30,7 +33,90 @@ func TestInvalidOptionsAreRejected(t *testing.T) {
 	if err := idem.CheckOptions(idem.WithRetention(time.Microsecond), idem.WithWait(0), idem.WithMaxResponseSize(1)); err != nil {
 		t.Errorf("CheckOptions of the smallest values that work: %v", err)
 	}
+	// A negative wait or idle timeout means none (see
+	// TestANegativeWaitDoesNotWait, TestANegativeIdleTimeoutSetsNoBound).
+	if err := idem.CheckOptions(idem.WithWait(-time.Nanosecond), idem.WithWait(time.Duration(math.MinInt64)),
+		idem.WithIdleTimeout(-time.Second), idem.WithIdleTimeout(0)); err != nil {
+		t.Errorf("CheckOptions of a negative wait and idle timeout: %v", err)
+	}
 	if err := idem.CheckOptions(); err != nil {
 		t.Errorf("CheckOptions of none: %v", err)
+	}
+}
+
+// A retention that is not a whole number of microseconds is rounded up, as
+// every duration idem sends to PostgreSQL is: 1.001µs keeps a record for
+// 2µs, never for less than asked.
+func TestRetentionIsRoundedUpToTheMicrosecond(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	for _, iso := range []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead} {
+		key := "k-" + string(iso)
+		_, err := idem.Run(ctx, pool, scope, key, fpA, func(context.Context, pgx.Tx) (int, error) { return 1, nil },
+			idem.WithRetention(time.Microsecond+time.Nanosecond), idem.WithTxOptions(pgx.TxOptions{IsoLevel: iso}))
+		if err != nil {
+			t.Fatalf("%s: %v", iso, err)
+		}
+		var kept time.Duration
+		if err := pool.QueryRow(ctx, `SELECT expires_at - created_at FROM idempotency_key WHERE scope = $1 AND key = $2`,
+			scope, key).Scan(&kept); err != nil {
+			t.Fatal(err)
+		}
+		if kept != 2*time.Microsecond {
+			t.Errorf("%s: retention of 1.001µs kept the record for %s, want 2µs", iso, kept)
+		}
+	}
+}
+
+// A negative wait means no wait, as WithWait(0) does: a duplicate of a key
+// held by an open transaction gets ErrInProgress at once, without waiting
+// the default 5s.
+func TestANegativeWaitDoesNotWait(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	holdKey(t, ctx, pool, scope, "k", time.Hour, false)
+	var calls atomic.Int64
+	for _, d := range []time.Duration{-time.Second, time.Duration(math.MinInt64)} {
+		started := time.Now()
+		_, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 1, &calls), idem.WithWait(d))
+		if !errors.Is(err, idem.ErrInProgress) {
+			t.Fatalf("WithWait(%s): err = %v, want ErrInProgress", d, err)
+		}
+		if waited := time.Since(started); waited >= idem.DefaultWait {
+			t.Errorf("WithWait(%s) waited %s, as long as the default wait", d, waited)
+		}
+	}
+	if calls.Load() != 0 {
+		t.Fatal("fn ran while another attempt held the key")
+	}
+}
+
+// A negative idle timeout means no bound of idem's, as zero does: the
+// claim leaves the session's idle_in_transaction_session_timeout as it is,
+// where a positive one sets it for the transaction.
+func TestANegativeIdleTimeoutSetsNoBound(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	var session string
+	if err := pool.QueryRow(ctx, `SHOW idle_in_transaction_session_timeout`).Scan(&session); err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range []struct {
+		opt  idem.Option
+		want string
+	}{
+		{idem.WithIdleTimeout(-time.Second), session},
+		{idem.WithIdleTimeout(0), session},
+		{idem.WithIdleTimeout(2 * time.Second), "2s"},
+	} {
+		key := fmt.Sprint("k", i)
+		res, err := idem.Run(ctx, pool, scope, key, fpA, func(ctx context.Context, tx pgx.Tx) (string, error) {
+			var got string
+			err := tx.QueryRow(ctx, `SHOW idle_in_transaction_session_timeout`).Scan(&got)
+			return got, err
+		}, c.opt)
+		if err != nil {
+			t.Fatalf("case %d: %v", i, err)
+		}
+		if res.Value != c.want {
+			t.Errorf("case %d: idle_in_transaction_session_timeout in fn is %q, want %q", i, res.Value, c.want)
+		}
 	}
 }

@@ -10,9 +10,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgidem/idem/internal/backoff"
+	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
 )
 
 // DefaultPurgeBatch is the number of records a purge deletes per
@@ -23,9 +26,10 @@ const DefaultPurgeBatch = 1000
 // returns how many it deleted. Short transactions keep each one's locks and
 // WAL small; rows another transaction holds are skipped rather than waited
 // for, and a reclaim whose expired record is purged under it inserts a new
-// one instead. Purging is never needed for
-// correctness: an expired record already counts as absent. It keeps the
-// table and its indexes small.
+// one instead. Each batch starts at the expiry where the last one stopped,
+// so that none walks again over the index entries its predecessors left
+// for VACUUM. Purging is never needed for correctness: an expired record
+// already counts as absent. It keeps the table and its indexes small.
 //
 // batch must be between 1 and math.MaxInt32; [DefaultPurgeBatch] is a
 // reasonable start. For purging in the background, see [StartPurger].
@@ -33,14 +37,15 @@ func Purge(ctx context.Context, db TxBeginner, batch int) (int64, error) {
 	if err := checkBatch(batch); err != nil {
 		return 0, err
 	}
-	if err := guard.CheckIdle(db, purgeAdvice); err != nil {
+	if err := dberr.CheckIdle(db, purgeAdvice); err != nil {
 		return 0, err
 	}
 	var total int64
+	w := newPurgeWalk(db, batch)
 	for {
-		deleted, err := purgeBatch(ctx, db, batch)
+		deleted, done, err := w.next(ctx)
 		total += deleted
-		if err != nil || deleted < int64(batch) {
+		if err != nil || done {
 			return total, err
 		}
 	}
@@ -57,39 +62,132 @@ func checkBatch(batch int) error {
 	return nil
 }
 
-// purgeBatch deletes up to batch expired records in one transaction.
-func purgeBatch(ctx context.Context, db TxBeginner, batch int) (int64, error) {
-	var deleted int64
-	err := WithTx(ctx, db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
-		var err error
-		deleted, err = dbsqlc.New(tx).KeyPurgeExpired(ctx, int32(batch))
-		return err
-	})
-	if err != nil {
-		return 0, fmt.Errorf("idem: purge: %w", err)
-	}
-	return deleted, nil
+// purgeWalk is one pass over the expired records, in order of expiry, one
+// transaction of up to batch records at a time (KeyPurgeExpired).
+type purgeWalk struct {
+	db    TxBeginner
+	batch int
+	// after is the expiry the next batch starts at: the latest expiry the
+	// last batch deleted, at first the oldest there is.
+	after pgtype.Timestamptz
 }
 
-// PurgerConfig configures [StartPurger]. The zero value is usable.
+func newPurgeWalk(db TxBeginner, batch int) *purgeWalk {
+	return &purgeWalk{db: db, batch: batch,
+		after: pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}}
+}
+
+// next deletes the next batch in a transaction of its own. done is true
+// when the batch was the pass's last: it deleted fewer than batch records.
+//
+// On a pool or a connection the batch is one statement sent on its own,
+// which PostgreSQL runs as a transaction of its own: one round trip instead
+// of three (BEGIN, the statement, COMMIT). It cannot deadlock or fail to
+// serialize, since it waits for no row (SKIP LOCKED). Other TxBeginners get
+// an explicit transaction.
+func (w *purgeWalk) next(ctx context.Context) (deleted int64, done bool, err error) {
+	var row dbsqlc.KeyPurgeExpiredRow
+	arg := dbsqlc.KeyPurgeExpiredParams{After: w.after, MaxRows: int32(w.batch)}
+	switch db := w.db.(type) {
+	case *pgxpool.Pool, *pgxpool.Conn, *pgx.Conn:
+		row, err = dbsqlc.New(db.(dbsqlc.DBTX)).KeyPurgeExpired(ctx, arg)
+		if err != nil {
+			err = translate("idem: purge", err)
+		}
+	default:
+		err = WithTx(ctx, w.db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			row, err = dbsqlc.New(tx).KeyPurgeExpired(ctx, arg)
+			return err
+		})
+		if err != nil {
+			err = fmt.Errorf("idem: purge: %w", err)
+		}
+	}
+	if err != nil {
+		return 0, true, err
+	}
+	if row.Reached.Valid {
+		w.after = row.Reached
+	}
+	return row.Deleted, row.Deleted < int64(w.batch), nil
+}
+
+// PurgerConfig configures [StartPurger]. The zero value of every field
+// means its default, so the zero value is usable; [StartPurger] refuses a
+// field that cannot work with an error that names it and wraps
+// [ErrInvalidOption].
 type PurgerConfig struct {
 	// Batch is how many records one transaction deletes. Small batches keep
-	// each transaction short, so live claims never wait on it for long.
-	// Defaults to DefaultPurgeBatch.
+	// each transaction short, so live claims never wait on it for long. At
+	// most math.MaxInt32. Defaults to DefaultPurgeBatch.
 	Batch int
 
-	// Pause is how long the purger rests between two batches while expired
-	// records remain, so that it paces itself instead of taking a core.
-	// Defaults to 10ms.
+	// Pause is how long the purger rests at least between two batches while
+	// expired records remain, so that it paces itself instead of taking a
+	// core. Defaults to 5ms.
 	Pause time.Duration
 
-	// Interval is how long the purger sleeps once nothing expired is left.
-	// Defaults to 1m.
+	// PauseFactor lengthens the rest after a batch to PauseFactor times
+	// the time that batch took, when that is longer than Pause (and never
+	// beyond Interval). The purger then spends at most 1/(1+PauseFactor)
+	// of its time purging: on a busy server, where each batch takes longer,
+	// it slows down with the server instead of taking a larger share of
+	// it. Negative means none: the rest is Pause alone. Defaults to 0.25.
+	PauseFactor float64
+
+	// Interval is how long the purger sleeps once nothing expired is left,
+	// and after a failed batch. Defaults to 1m.
 	Interval time.Duration
 
 	// Logger receives a line per pass that deleted something, and failures.
-	// Defaults to no logging.
+	// Defaults to slog.Default(), as everywhere in idem; to log nothing,
+	// give slog.New(slog.DiscardHandler).
 	Logger *slog.Logger
+}
+
+// check applies the defaults to cfg's zero fields, and refuses the first
+// field that cannot work.
+func (cfg *PurgerConfig) check() error {
+	if cfg.Batch == 0 {
+		cfg.Batch = DefaultPurgeBatch
+	}
+	if cfg.Batch < 1 || cfg.Batch > math.MaxInt32 {
+		return invalidPurgerField("Batch", "must be between 1 and %d, got %d", math.MaxInt32, cfg.Batch)
+	}
+	switch {
+	case cfg.Pause < 0:
+		return invalidPurgerField("Pause", "must not be negative (0 means the default, %s), got %s", defaultPause, cfg.Pause)
+	case cfg.Pause == 0:
+		cfg.Pause = defaultPause
+	}
+	switch {
+	case math.IsNaN(cfg.PauseFactor) || math.IsInf(cfg.PauseFactor, 0):
+		return invalidPurgerField("PauseFactor", "must be a finite number, got %v", cfg.PauseFactor)
+	case cfg.PauseFactor == 0:
+		cfg.PauseFactor = defaultPauseFactor
+	}
+	switch {
+	case cfg.Interval < 0:
+		return invalidPurgerField("Interval", "must not be negative (0 means the default, 1m), got %s", cfg.Interval)
+	case cfg.Interval == 0:
+		cfg.Interval = time.Minute
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return nil
+}
+
+// The defaults of PurgerConfig's pacing, with batches of DefaultPurgeBatch,
+// as BenchmarkPurgerMillionRows measures them (docs/performance.md).
+const (
+	defaultPause       = 5 * time.Millisecond
+	defaultPauseFactor = 0.25
+)
+
+func invalidPurgerField(field, format string, args ...any) error {
+	return fmt.Errorf("idem: PurgerConfig.%s: %s: %w", field, fmt.Sprintf(format, args...), ErrInvalidOption)
 }
 
 // Purger deletes expired records in the background until stopped. Create it
@@ -107,25 +205,16 @@ type Purger struct {
 // replica) can run at once: each skips rows another holds. A failed batch is
 // logged and retried after Interval.
 func StartPurger(ctx context.Context, db TxBeginner, cfg PurgerConfig) (*Purger, error) {
-	if cfg.Batch == 0 {
-		cfg.Batch = DefaultPurgeBatch
+	if db == nil {
+		return nil, fmt.Errorf("idem: StartPurger: db must not be nil: %w", ErrInvalidOption)
 	}
-	if err := checkBatch(cfg.Batch); err != nil {
+	if err := cfg.check(); err != nil {
 		return nil, err
-	}
-	if cfg.Pause < 0 || cfg.Interval < 0 {
-		return nil, fmt.Errorf("%w: purger pause and interval must not be negative", ErrInvalidOption)
 	}
 	// Once the purger runs, the connection is its alone: checked now, it
 	// fails the start rather than every pass.
-	if err := guard.CheckIdle(db, purgeAdvice); err != nil {
+	if err := dberr.CheckIdle(db, purgeAdvice); err != nil {
 		return nil, err
-	}
-	if cfg.Pause == 0 {
-		cfg.Pause = 10 * time.Millisecond
-	}
-	if cfg.Interval == 0 {
-		cfg.Interval = time.Minute
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	p := &Purger{cancel: cancel, done: make(chan struct{})}
@@ -138,31 +227,44 @@ func (p *Purger) run(ctx context.Context, db TxBeginner, cfg PurgerConfig) {
 	for {
 		pass := int64(0)
 		started := time.Now()
+		w := newPurgeWalk(db, cfg.Batch)
 		for {
-			deleted, err := purgeBatch(ctx, db, cfg.Batch)
+			batchStarted := time.Now()
+			deleted, done, err := w.next(ctx)
+			took := time.Since(batchStarted)
 			pass += deleted
 			p.deleted.Add(deleted)
 			if err != nil {
-				if ctx.Err() == nil && cfg.Logger != nil {
+				if ctx.Err() == nil {
 					cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: purge failed", slog.Any("error", err))
 				}
 				break
 			}
-			if deleted < int64(cfg.Batch) {
+			if done {
 				break
 			}
-			if sleep(ctx, cfg.Pause) != nil {
+			if backoff.Sleep(ctx, cfg.rest(took)) != nil {
 				return
 			}
 		}
-		if pass > 0 && cfg.Logger != nil {
+		if pass > 0 {
 			cfg.Logger.LogAttrs(ctx, slog.LevelInfo, "idem: purged expired records",
 				slog.Int64("deleted", pass), slog.Duration("took", time.Since(started)))
 		}
-		if sleep(ctx, cfg.Interval) != nil {
+		if backoff.Sleep(ctx, cfg.Interval) != nil {
 			return
 		}
 	}
+}
+
+// rest is how long the purger rests after a batch that took took: Pause,
+// or PauseFactor times took when that is longer, up to Interval.
+func (cfg *PurgerConfig) rest(took time.Duration) time.Duration {
+	scaled := cfg.PauseFactor * float64(took) // in float: no overflow
+	if scaled <= float64(cfg.Pause) {
+		return cfg.Pause
+	}
+	return max(cfg.Pause, time.Duration(min(scaled, float64(cfg.Interval))))
 }
 
 // Stop stops the purger and waits for its current batch to end.
@@ -171,5 +273,7 @@ func (p *Purger) Stop() {
 	<-p.done
 }
 
-// Deleted returns how many records the purger has deleted so far.
+// Deleted returns how many records the purger has deleted so far. A batch
+// that Stop or the end of ctx interrupts as it commits is not counted,
+// though it may have committed.
 func (p *Purger) Deleted() int64 { return p.deleted.Load() }

@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"reflect"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -64,9 +67,55 @@ func TestPurgerDeletesExpiredInTheBackground(t *testing.T) {
 	if purger.Deleted() != 10 {
 		t.Fatalf("Deleted() = %d, want 10", purger.Deleted())
 	}
-	if _, err := idem.StartPurger(ctx, pool, idem.PurgerConfig{Batch: -1}); !errors.Is(err, idem.ErrInvalidOption) {
-		t.Fatalf("negative batch: %v, want ErrInvalidOption", err)
+}
+
+// StartPurger refuses every field that cannot work, naming it, before it
+// starts anything; each field is either refused for some value below or
+// listed as taking every value.
+func TestStartPurgerRefusesEveryInvalidField(t *testing.T) {
+	ctx, pool, scope := setupOwnDatabase(t)
+	stillThere := expiredRecord(t, ctx, pool, scope)
+	aboveInt32 := math.MaxInt32
+	aboveInt32++ // a variable: on 32-bit platforms it wraps, and is refused as negative
+	cases := []struct {
+		field  string
+		config idem.PurgerConfig
+	}{
+		{"Batch", idem.PurgerConfig{Batch: -1}},
+		{"Batch", idem.PurgerConfig{Batch: aboveInt32}},
+		{"Pause", idem.PurgerConfig{Pause: -time.Nanosecond}},
+		{"PauseFactor", idem.PurgerConfig{PauseFactor: math.NaN()}},
+		{"PauseFactor", idem.PurgerConfig{PauseFactor: math.Inf(1)}},
+		{"PauseFactor", idem.PurgerConfig{PauseFactor: math.Inf(-1)}},
+		{"Interval", idem.PurgerConfig{Interval: -time.Second}},
 	}
+	tested := map[string]bool{}
+	for _, c := range cases {
+		p, err := idem.StartPurger(ctx, pool, c.config)
+		if p != nil {
+			p.Stop()
+		}
+		want := "idem: PurgerConfig." + c.field + ": "
+		if !errors.Is(err, idem.ErrInvalidOption) || !strings.Contains(err.Error(), want) {
+			t.Errorf("%+v: err = %v, want idem.ErrInvalidOption naming %q", c.config, err, want)
+		}
+		tested[c.field] = true
+	}
+	anyValue := map[string]string{
+		"Logger": "nil means slog.Default()",
+	}
+	for f := range reflect.TypeFor[idem.PurgerConfig]().Fields() {
+		if !tested[f.Name] && anyValue[f.Name] == "" {
+			t.Errorf("PurgerConfig.%s: no invalid value tested, and not listed as taking every value", f.Name)
+		}
+	}
+	if p, err := idem.StartPurger(ctx, nil, idem.PurgerConfig{}); !errors.Is(err, idem.ErrInvalidOption) || !strings.Contains(err.Error(), "db must not be nil") {
+		if p != nil {
+			p.Stop()
+		}
+		t.Errorf("nil db: err = %v, want idem.ErrInvalidOption naming it", err)
+	}
+	stillThere() // no refused purger deleted anything
 }
 
 func TestPurgerStopsWithItsContext(t *testing.T) {
@@ -108,3 +157,46 @@ func TestPurgeDeletesOnlyExpired(t *testing.T) {
 		t.Fatalf("batch 0: %v, want ErrInvalidOption", err)
 	}
 }
+
+// A purge walks the expiry index batch by batch, each starting at the
+// expiry where the last one stopped. Records that share an expiry across
+// a batch's end are all deleted, and a record that another transaction
+// holds, passed over by the walk, is deleted by the next purge.
+func TestPurgeWalksPastSharedExpiriesAndComesBackForHeldRecords(t *testing.T) {
+	ctx, pool, scope := setupOwnDatabase(t)
+	// Three expiries, seven records each: batches of 3 end inside each
+	// group. One record, expired before all of them, is held; two are live.
+	if _, err := pool.Exec(ctx, `
+INSERT INTO idempotency_key (scope, key, fingerprint, state, expires_at)
+SELECT $1, 'expired-' || g, '\x00'::bytea, 'done', now() - (g % 3 + 1) * interval '1 hour'
+FROM generate_series(1, 21) AS g
+UNION ALL SELECT $1, 'held', '\x00'::bytea, 'done', now() - interval '1 day'
+UNION ALL SELECT $1, 'live-' || g, '\x00'::bytea, 'done', now() + interval '1 hour' FROM generate_series(1, 2) AS g`, scope); err != nil {
+		t.Fatal(err)
+	}
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback(ctx)
+	if _, err := holder.Exec(ctx, `SELECT 1 FROM idempotency_key WHERE scope = $1 AND key = 'held' FOR UPDATE`, scope); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := idem.Purge(ctx, pool, 3); err != nil || n != 21 {
+		t.Fatalf("Purge deleted %d, %v; want the 21 expired records that no one holds", n, err)
+	}
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// A TxBeginner that is neither a pool nor a connection gets a
+	// transaction per batch instead of a statement.
+	if n, err := idem.Purge(ctx, beginOnly{pool}, 3); err != nil || n != 1 {
+		t.Fatalf("the next Purge deleted %d, %v; want the record that was held", n, err)
+	}
+	if n := countRecords(t, pool, scope); n != 2 {
+		t.Fatalf("%d records left, want the 2 live ones", n)
+	}
+}
+
+// beginOnly is a TxBeginner that only begins transactions.
+type beginOnly struct{ idem.TxBeginner }

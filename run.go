@@ -10,8 +10,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
 )
 
 // Run begins a transaction on db, runs [Do] in it with the same arguments,
@@ -66,7 +66,7 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 		return Result[T]{}, fmt.Errorf("idem: acquire connection: %w", err)
 	}
 	defer release()
-	if err := guard.CheckIdle(conn, "Run begins its own transaction: pass the pool, or call Do with the caller's transaction"); err != nil {
+	if err := dberr.CheckIdle(conn, "Run begins its own transaction: pass the pool, or call Do with the caller's transaction"); err != nil {
 		return Result[T]{}, err
 	}
 
@@ -197,7 +197,7 @@ func lookup(ctx context.Context, q *dbsqlc.Queries, k keyRef) (stored []byte, fo
 	if err != nil {
 		return nil, false, translate("idem: look up key", err)
 	}
-	c, err := judge(rec.Fingerprint, rec.Response, k.fp)
+	c, err := replayOrMismatch(rec.Fingerprint, rec.Response, k.fp)
 	return c.stored, err == nil, err
 }
 

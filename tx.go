@@ -3,12 +3,12 @@ package idem
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/backoff"
+	"github.com/pgidem/idem/internal/dberr"
 )
 
 // TxBeginner begins transactions. *pgxpool.Pool, *pgxpool.Conn and
@@ -37,7 +37,7 @@ type TxBeginner interface {
 // [ErrConnInTransaction], and fn is not run.
 func WithTx(ctx context.Context, db TxBeginner, txOptions pgx.TxOptions, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	return retry(ctx, func() error {
-		if err := guard.CheckIdle(db, "WithTx begins its own transaction: pass the pool, or run fn in the caller's transaction"); err != nil {
+		if err := dberr.CheckIdle(db, "WithTx begins its own transaction: pass the pool, or run fn in the caller's transaction"); err != nil {
 			return err
 		}
 		tx, err := db.BeginTx(ctx, txOptions)
@@ -76,31 +76,15 @@ const (
 func retry(ctx context.Context, attempt func() error) error {
 	for n := 1; ; n++ {
 		err := attempt()
-		if err == nil || !guard.IsRetryable(err) {
+		if err == nil || !dberr.IsRetryable(err) {
 			return err
 		}
 		if n == maxTxAttempts {
 			return fmt.Errorf("idem: gave up after %d attempts: %w", n, err)
 		}
-		if err := sleep(ctx, retryDelay(n)); err != nil {
+		if err := backoff.Sleep(ctx, backoff.Jitter(n, retryBaseDelay, retryMaxDelay)); err != nil {
 			return err
 		}
-	}
-}
-
-func retryDelay(attempt int) time.Duration {
-	ceiling := min(retryBaseDelay<<(attempt-1), retryMaxDelay)
-	return ceiling/2 + rand.N(ceiling/2+1)
-}
-
-func sleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
 	}
 }
 

@@ -25,9 +25,10 @@ func usable(t *testing.T, ctx context.Context, tx pgx.Tx) bool {
 	return err == nil
 }
 
-// TestWhichErrorsLeaveTheCallersTransactionUsable pins down what the README
-// says: after which errors from Do the caller's transaction still runs
-// statements, and after which it must be rolled back.
+// TestWhichErrorsLeaveTheCallersTransactionUsable pins down what Do's
+// documentation and each error's say (see docs/how-it-works.md): after
+// which errors from Do the caller's transaction still runs statements, and
+// after which it must be rolled back.
 func TestWhichErrorsLeaveTheCallersTransactionUsable(t *testing.T) {
 	ctx, pool, scope := setup(t)
 	var calls atomic.Int64
@@ -101,6 +102,6 @@ func TestWhichErrorsLeaveTheCallersTransactionUsable(t *testing.T) {
 		t.Fatalf("duplicate of a held key: %v, want ErrInProgress", err)
 	}
 	if usable(t, ctx, tx) {
-		t.Error("the transaction is usable after ErrInProgress; the README says to roll it back")
+		t.Error("the transaction is usable after ErrInProgress; ErrInProgress's documentation says to roll it back")
 	}
 }

@@ -308,7 +308,7 @@ func newSettings(cfg Config) (settings, error) {
 	}
 
 	wait := cmp.Or(cfg.Wait, idem.DefaultWait)
-	wait = max(wait, 0) // negative: no wait, which idem spells 0
+	wait = max(wait, 0) // negative: no wait, as for idem.WithWait; 0 here for Retry-After
 	if err := idem.CheckOptions(idem.WithWait(wait)); err != nil {
 		return settings{}, &fieldError{field: "Config.Wait",
 			problem: fmt.Sprintf("must not exceed math.MaxInt32 milliseconds, the longest lock_timeout, got %s", cfg.Wait), cause: err}

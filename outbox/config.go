@@ -9,7 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/ident"
 )
 
 // Config is how a [Relay] delivers. The zero value of every field means its
@@ -174,7 +174,7 @@ func (c *Config) withDefaults() (Config, error) {
 		return Config{}, invalidField("RetryDelay", "must not exceed Config.MaxRetryDelay (%s), got %s", r.MaxRetryDelay, r.RetryDelay)
 	}
 	for i, d := range r.Destinations {
-		if err := guard.CheckIdentifier(d); err != nil {
+		if err := ident.Check(d); err != nil {
 			return Config{}, invalidField(fmt.Sprintf("Destinations[%d]", i), "invalid destination %q: %s", d, err)
 		}
 	}

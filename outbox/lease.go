@@ -8,8 +8,8 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
 	"github.com/pgidem/idem/internal/pgtime"
 )
 
@@ -53,7 +53,7 @@ func ExtendLease(ctx context.Context, d time.Duration) error {
 		var err error
 		n, err = q.OutboxExtendLease(ctx, dbsqlc.OutboxExtendLeaseParams{Lease: pgtime.Interval(d), ID: dl.id, Attempt: dl.attempt})
 		if err != nil {
-			return guard.Translate("outbox: extend lease", err)
+			return dberr.Translate("outbox: extend lease", err)
 		}
 		return nil
 	})

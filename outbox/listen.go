@@ -11,8 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem/internal/backoff"
+	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
 )
 
 // probeTimeout is how long a relay waits for its own notification to reach
@@ -68,7 +68,7 @@ func (r *Relay) listenOnce(ctx context.Context, hearing *hearing, wake chan<- st
 		_ = conn.Close(closeCtx)
 	}()
 	if err := dbsqlc.New(conn).OutboxListen(ctx); err != nil {
-		return guard.Translate("outbox: listen", err)
+		return dberr.Translate("outbox: listen", err)
 	}
 
 	// A pooler in transaction mode runs LISTEN on whichever server
@@ -77,7 +77,7 @@ func (r *Relay) listenOnce(ctx context.Context, hearing *hearing, wake chan<- st
 	probe := "probe:" + crand.Text()
 	err = r.do(ctx, func(ctx context.Context, q *dbsqlc.Queries) error {
 		if err := q.OutboxNotifyProbe(ctx, probe); err != nil {
-			return guard.Translate("outbox: send a probe notification", err)
+			return dberr.Translate("outbox: send a probe notification", err)
 		}
 		return nil
 	})

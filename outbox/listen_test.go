@@ -124,7 +124,7 @@ func TestRelayWithoutListeningConnectionSaysSo(t *testing.T) {
 func TestNotifyWakesListeningRelays(t *testing.T) {
 	ctx, pool, scope, dest := setup(t)
 	delivered := make(chan string, 1)
-	// As in production (the README's "Behind PgBouncer"): the relay's
+	// As in production (docs/pgbouncer.md): the relay's
 	// statements and Notify's transactions go through the pool, which
 	// behind a transaction pooler reaches PostgreSQL through it, while the
 	// relay listens on a direct connection, since LISTEN needs a session of

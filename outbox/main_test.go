@@ -106,7 +106,7 @@ func startRelay(t *testing.T, ctx context.Context, db idem.TxBeginner, handler o
 // directListen returns the connection settings a relay in the tests
 // listens for notifications with: the throwaway database reached directly,
 // not through the transaction pooler the tests may run behind
-// (TEST_PGBOUNCER=1), as the README's "Behind PgBouncer" advises.
+// (TEST_PGBOUNCER=1), as docs/pgbouncer.md advises.
 func directListen(t *testing.T) *pgx.ConnConfig {
 	t.Helper()
 	return env.DirectPool(t).Config().ConnConfig
@@ -114,7 +114,7 @@ func directListen(t *testing.T) *pgx.ConnConfig {
 
 // listenDirectly gives a relay on a pool, when the tests run behind a
 // transaction pooler, the direct connection to listen on that production
-// gives it (the README's "Behind PgBouncer"), unless config names one
+// gives it (docs/pgbouncer.md), unless config names one
 // already. A relay that listened through the pooler would leave LISTEN on
 // the pooler's server connections, whose notifications then reach clients
 // that did not ask for them, and PgBouncer 1.18 exits when one arrives on

@@ -5,8 +5,8 @@ import (
 	"time"
 
 	"github.com/pgidem/idem/internal/backoff"
+	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
 	"github.com/pgidem/idem/internal/pgtime"
 )
 
@@ -47,7 +47,7 @@ func (r *Relay) purge(ctx context.Context) {
 				MaxRows:      purgeBatch,
 			})
 			if err != nil {
-				return guard.Translate("outbox: purge delivered messages", err)
+				return dberr.Translate("outbox: purge delivered messages", err)
 			}
 			return nil
 		})
@@ -73,7 +73,7 @@ func (r *Relay) countBacklog(ctx context.Context) {
 	err := r.do(ctx, func(ctx context.Context, q *dbsqlc.Queries) error {
 		var err error
 		if rows, err = q.OutboxBacklog(ctx, r.config.Destinations); err != nil {
-			return guard.Translate("outbox: count the backlog", err)
+			return dberr.Translate("outbox: count the backlog", err)
 		}
 		return nil
 	})

@@ -11,8 +11,9 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/ident"
 )
 
 // MaxNameLength is the longest scope, key, destination or ordering key
@@ -145,7 +146,7 @@ func Enqueue(ctx context.Context, tx pgx.Tx, entry Entry) (id int64, err error) 
 			return id, nil
 		}
 		if !errors.Is(err, pgx.ErrNoRows) {
-			return 0, guard.Translate("outbox: enqueue", err)
+			return 0, dberr.Translate("outbox: enqueue", err)
 		}
 		// The statement found the key taken; a message committed while it
 		// waited is invisible to its snapshot, so read it with a new one.
@@ -154,7 +155,7 @@ func Enqueue(ctx context.Context, tx pgx.Tx, entry Entry) (id int64, err error) 
 			continue
 		}
 		if err != nil {
-			return 0, guard.Translate("outbox: enqueue: read the enqueued message", err)
+			return 0, dberr.Translate("outbox: enqueue: read the enqueued message", err)
 		}
 		if !entry.same(got.Scope, got.Key, got.Destination, got.Payload, got.OrderingKey) {
 			return 0, fmt.Errorf("%w (message %d)", ErrEntryMismatch, got.ID)
@@ -219,7 +220,7 @@ func EnqueueMany(ctx context.Context, tx pgx.Tx, entries []Entry) (ids []int64, 
 		}
 		inserted, err := q.OutboxInsertMany(ctx, p)
 		if err != nil {
-			return nil, guard.Translate("outbox: enqueue many", err)
+			return nil, dberr.Translate("outbox: enqueue many", err)
 		}
 		for _, row := range inserted {
 			found[row.IdempotencyKey] = row.ID
@@ -238,7 +239,7 @@ func EnqueueMany(ctx context.Context, tx pgx.Tx, entries []Entry) (ids []int64, 
 		// and compare them with the entries.
 		got, err := q.OutboxGetByKeys(ctx, taken)
 		if err != nil {
-			return nil, guard.Translate("outbox: enqueue many: read the enqueued messages", err)
+			return nil, dberr.Translate("outbox: enqueue many: read the enqueued messages", err)
 		}
 		for _, g := range got {
 			e := &entries[first[g.IdempotencyKey]]
@@ -285,7 +286,7 @@ func EnqueueMany(ctx context.Context, tx pgx.Tx, entries []Entry) (ids []int64, 
 // idem.outbox.relays metric, when it does not.
 func Notify(ctx context.Context, tx pgx.Tx) error {
 	if err := dbsqlc.New(tx).OutboxNotify(ctx); err != nil {
-		return guard.Translate("outbox: notify", err)
+		return dberr.Translate("outbox: notify", err)
 	}
 	return nil
 }
@@ -300,7 +301,7 @@ func Notify(ctx context.Context, tx pgx.Tx) error {
 func Requeue(ctx context.Context, tx pgx.Tx, id int64) (requeued bool, err error) {
 	n, err := dbsqlc.New(tx).OutboxRequeue(ctx, id)
 	if err != nil {
-		return false, guard.Translate("outbox: requeue", err)
+		return false, dberr.Translate("outbox: requeue", err)
 	}
 	return n == 1, nil
 }
@@ -313,17 +314,17 @@ func (e *Entry) same(scope, key, destination string, payload []byte, orderingKey
 }
 
 func (e *Entry) check() error {
-	if err := guard.CheckIdentifier(e.Scope); err != nil {
+	if err := ident.Check(e.Scope); err != nil {
 		return fmt.Errorf("%w: %w: %s", ErrInvalidEntry, idem.ErrInvalidScope, err)
 	}
-	if err := guard.CheckIdentifier(e.Key); err != nil {
+	if err := ident.Check(e.Key); err != nil {
 		return fmt.Errorf("%w: %w: %s", ErrInvalidEntry, idem.ErrInvalidKey, err)
 	}
-	if err := guard.CheckIdentifier(e.Destination); err != nil {
+	if err := ident.Check(e.Destination); err != nil {
 		return fmt.Errorf("%w: destination: %s", ErrInvalidEntry, err)
 	}
 	if e.OrderingKey != "" {
-		if err := guard.CheckIdentifier(e.OrderingKey); err != nil {
+		if err := ident.Check(e.OrderingKey); err != nil {
 			return fmt.Errorf("%w: ordering key: %s", ErrInvalidEntry, err)
 		}
 	}

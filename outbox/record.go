@@ -6,8 +6,8 @@ import (
 	"slices"
 	"time"
 
+	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
 	"github.com/pgidem/idem/internal/pgtime"
 )
 
@@ -112,7 +112,7 @@ func (r *Relay) recordStatement(ctx context.Context, what string, outcomes []res
 	err = r.do(ctx, func(ctx context.Context, q *dbsqlc.Queries) error {
 		var err error
 		if rows, err = q.OutboxRecordAndLease(ctx, p); err != nil {
-			return guard.Translate(what, err)
+			return dberr.Translate(what, err)
 		}
 		return nil
 	})

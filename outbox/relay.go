@@ -15,8 +15,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/backoff"
+	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/guard"
 	"github.com/pgidem/idem/internal/observer"
 )
 
@@ -164,7 +164,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		return errors.New("outbox: the relay is already running")
 	}
 	defer r.running.Store(false)
-	if err := guard.CheckIdle(r.db, "a relay runs statements of its own on it: pass the pool, or a connection that is idle and the relay's alone"); err != nil {
+	if err := dberr.CheckIdle(r.db, "a relay runs statements of its own on it: pass the pool, or a connection that is idle and the relay's alone"); err != nil {
 		return fmt.Errorf("outbox: relay: %w", err)
 	}
 

@@ -194,21 +194,41 @@ WHERE scope = @scope::text
   AND key = @key::text
   AND state = 'in_progress';
 
--- name: KeyPurgeExpired :execrows
--- KeyPurgeExpired deletes up to @max_rows expired records, oldest expiry
--- first, skipping rows another transaction holds (a claim written early
--- at REPEATABLE READ over an expired record). A reclaim at READ COMMITTED
+-- name: KeyPurgeExpired :one
+-- KeyPurgeExpired deletes up to @max_rows expired records whose expiry is
+-- @after or later, oldest expiry first, and returns how many it deleted
+-- and the latest expiry among them (NULL when none). A purge passes that
+-- back as the next batch's @after, so that each batch starts where the
+-- last one stopped: the entries of the rows a batch deleted stay in the
+-- expiry index until VACUUM, and a batch that started from the oldest
+-- expiry would walk over all of them again, a cost that grows with every
+-- batch. Records of the same expiry as the last one deleted are looked at
+-- again, so none is missed.
+--
+-- Rows another transaction holds (a claim written early at REPEATABLE READ
+-- over an expired record) are skipped, not waited for; the next pass, which
+-- starts from the oldest expiry, finds them. A reclaim at READ COMMITTED
 -- holds no row until it writes: if this deletes the expired record first,
--- the reclaim's KeyReplace inserts instead.
-DELETE FROM idempotency_key
-WHERE (scope, key) IN (
-    SELECT expired.scope, expired.key
-    FROM idempotency_key AS expired
-    WHERE expired.expires_at <= now()
-    ORDER BY expired.expires_at
-    LIMIT @max_rows::int
-    FOR UPDATE SKIP LOCKED
-);
+-- the reclaim's KeyReplace inserts instead. The rows are deleted by the
+-- (tableoid, ctid) under which they were locked, which no one can change
+-- while the lock holds: the DELETE fetches each row directly instead of
+-- through the primary key (tableoid tells apart the partitions of a
+-- partitioned table, whose ctids repeat).
+WITH purged AS (
+    DELETE FROM idempotency_key AS doomed
+    WHERE (doomed.tableoid, doomed.ctid) IN (
+        SELECT expired.tableoid, expired.ctid
+        FROM idempotency_key AS expired
+        WHERE expired.expires_at <= now()
+          AND expired.expires_at >= @after::timestamptz
+        ORDER BY expired.expires_at
+        LIMIT @max_rows::int
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING doomed.expires_at
+)
+SELECT count(*) AS deleted, max(purged.expires_at)::timestamptz AS reached
+FROM purged;
 
 -- name: KeyStats :one
 -- KeyStats summarizes the table for operators. It reads every row: run it

@@ -14,7 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/guard"
+	"github.com/pgidem/idem/internal/keylock"
 )
 
 // runCommand runs the command line args against databaseURL and returns
@@ -192,11 +192,11 @@ func TestStatsAndInspectSayTheyCountLocksByIdemsTag(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
-	const inRange = int64(guard.LockTag)<<48 | 12345
+	const inRange = int64(keylock.Tag)<<48 | 12345
 	for _, lock := range []string{
-		fmt.Sprintf("SELECT pg_advisory_xact_lock(%d)", inRange),              // counted
-		"SELECT pg_advisory_xact_lock(12345)",                                 // outside the tag
-		fmt.Sprintf("SELECT pg_advisory_xact_lock(%d, 1)", guard.LockTag<<16), // two keys: objsubid 2
+		fmt.Sprintf("SELECT pg_advisory_xact_lock(%d)", inRange),            // counted
+		"SELECT pg_advisory_xact_lock(12345)",                               // outside the tag
+		fmt.Sprintf("SELECT pg_advisory_xact_lock(%d, 1)", keylock.Tag<<16), // two keys: objsubid 2
 	} {
 		if _, err := tx.Exec(ctx, lock); err != nil {
 			t.Fatal(err)

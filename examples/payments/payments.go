@@ -96,7 +96,8 @@ func (Repository) Create(ctx context.Context, tx pgx.Tx, merchant string, req Pa
 }
 
 // merchantOf is who calls: the bearer token stands for real
-// authentication. It is idemhttp's scope too.
+// authentication. It is idemhttp's scope: the handler reads it back with
+// idemhttp.Scope.
 func merchantOf(r *http.Request) (string, error) {
 	merchant, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 	if !ok || merchant == "" || len(merchant) > 200 {
@@ -128,12 +129,12 @@ func createPayment(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusUnprocessableEntity, "a payment needs an order_id, a positive amount_cents and an ISO 4217 currency")
 		return
 	}
-	merchant, err := merchantOf(r) // idemhttp checked it already
-	if err != nil {
-		writeError(w, http.StatusUnauthorized, err.Error())
-		return
-	}
-	p, replayed, err := Repository{}.Create(r.Context(), idemhttp.Tx(r.Context()), merchant, req)
+	// The merchant is the scope idemhttp claimed the request's key under:
+	// merchantOf ran once, in the middleware, which turned away a request
+	// without a merchant (400) or without a key (Required) before this ran.
+	ctx := r.Context()
+	merchant := idemhttp.Scope(ctx)
+	p, replayed, err := Repository{}.Create(ctx, idemhttp.Tx(ctx), merchant, req)
 	switch {
 	case errors.Is(err, idem.ErrFingerprintMismatch):
 		// A final answer: idemhttp stores it for this key.
@@ -146,7 +147,7 @@ func createPayment(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("order %s is being paid by another request: retry", req.OrderID))
 		return
 	case err != nil:
-		slog.ErrorContext(r.Context(), "payments: create", "error", err)
+		slog.ErrorContext(ctx, "payments: create", "merchant", merchant, "idempotency_key", idemhttp.Key(ctx), "error", err)
 		writeError(w, http.StatusInternalServerError, "the payment could not be recorded: retry")
 		return
 	}

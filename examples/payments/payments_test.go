@@ -282,4 +282,9 @@ func TestAnOrderIsPaidOnceWithOneAmount(t *testing.T) {
 	if n := count(t, pool, `SELECT count(*) FROM payment WHERE amount_cents = 900`); n != 0 {
 		t.Fatalf("%d payments of the second amount", n)
 	}
+	// The payment is the caller's: the handler took the merchant from
+	// idemhttp.Scope.
+	if n := count(t, pool, `SELECT count(*) FROM payment WHERE merchant = 'merchant-2' AND order_id = 'o-1'`); n != 1 {
+		t.Fatalf("%d payments of order o-1 recorded for merchant-2, want 1", n)
+	}
 }

@@ -47,7 +47,7 @@ type Env struct {
 // BehindPooler reports whether the tests reach PostgreSQL through a
 // transaction pooler (TEST_PGBOUNCER=1). A test of something a
 // transaction pooler cannot carry, such as LISTEN, does then what the
-// README's "Behind PgBouncer" says, taking [Env.DirectPool] for that part.
+// docs/pgbouncer.md says, taking [Env.DirectPool] for that part.
 func BehindPooler() bool { return os.Getenv("TEST_PGBOUNCER") == "1" }
 
 type execMode struct {

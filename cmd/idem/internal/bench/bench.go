@@ -127,7 +127,9 @@ func (s *Stats) BytesPerOp() float64 { return float64(s.Bytes) / float64(s.Ops) 
 // RoundTripsPerOp is the number of round trips per operation.
 func (s *Stats) RoundTripsPerOp() float64 { return float64(s.RoundTrips) / float64(s.Ops) }
 
-func (s *Stats) add(o *Stats) {
+// Add adds o's operations, time, allocations, round trips and latencies
+// to s's, as one phase measured in several windows.
+func (s *Stats) Add(o *Stats) {
 	s.Ops += o.Ops
 	s.Elapsed += o.Elapsed
 	s.Mallocs += o.Mallocs
@@ -325,7 +327,7 @@ func (m Meter) Interleave(ctx context.Context, phases []Phase, clients, rounds i
 			if err != nil {
 				return nil, err
 			}
-			totals[p.Name].add(s)
+			totals[p.Name].Add(s)
 		}
 	}
 	return totals, nil

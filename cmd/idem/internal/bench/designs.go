@@ -35,7 +35,7 @@ const Floor = "key-row-only"
 //   - two-phase: reserve the key in a committed transaction of its own, then
 //     write the payment and complete the key in a second transaction;
 //   - single-statement: the claim and the payment in one statement, for a
-//     response known before the write (see the README);
+//     response known before the write (see docs/performance.md);
 //   - key-row-only: not a design but the floor of every design that writes
 //     a key row: the payment, then the key's row pipelined with COMMIT,
 //     nothing read, locked or waited for (a duplicate fails on the primary
@@ -251,7 +251,7 @@ WITH stored AS (
 )
 SELECT 1 / count(*) FROM stored`
 
-// singleStatement is the README's pattern for a hot path whose response is
+// singleStatement is docs/performance.md's pattern for a hot path whose response is
 // known before the write: the payment insert reads the claim, so it runs only
 // when the key was free, and both commit in one implicit transaction.
 const singleStatement = `

@@ -1,21 +1,19 @@
-// Package guard holds what idem and its subpackages share at their
-// boundaries: the errors that driver errors become, and the rules for the
-// identifiers they accept. The idem package re-exports the errors.
-package guard
+// Package dberr holds the errors that idem and its subpackages share at
+// the driver's boundary: the sentinels that driver errors become, their
+// translation, which of them a retry can cure, and the check that refuses a
+// connection already in a transaction. The idem package re-exports the
+// sentinels.
+package dberr
 
 import (
 	"errors"
 	"fmt"
 	"strings"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
-
-// MaxIdentifierLength is the longest scope, key or name accepted, in bytes.
-const MaxIdentifierLength = 255
 
 // Errors that driver errors are translated into; see idem's documentation
 // of ErrInProgress and ErrSerialization.
@@ -114,58 +112,4 @@ func IsRetryable(err error) bool {
 		return pgErr.Code == sqlstateSerializationFailure || pgErr.Code == sqlstateDeadlockDetected
 	}
 	return false
-}
-
-// CheckIdentifier applies the rules for scopes, keys and names: 1 to
-// MaxIdentifierLength bytes of valid UTF-8 without NUL. Out-of-bounds input
-// is rejected, never truncated, because truncation turns distinct
-// identifiers into one. The error says what is wrong, without the value.
-func CheckIdentifier(s string) error {
-	switch {
-	case s == "":
-		return errors.New("empty")
-	case len(s) > MaxIdentifierLength:
-		return fmt.Errorf("%d bytes, more than %d", len(s), MaxIdentifierLength)
-	case !utf8.ValidString(s):
-		return errors.New("not valid UTF-8")
-	case strings.IndexByte(s, 0) >= 0:
-		return errors.New("contains a NUL byte")
-	}
-	return nil
-}
-
-// LockTag fills the top 16 bits of every key's lock id, so that idem's
-// advisory locks can be told from an application's in pg_locks, where the
-// top half of a bigint lock id is classid: classid >> 16 is LockTag.
-//
-// idem's lock ids are thus the bigints 0x1de0000000000000 to
-// 0x1de0ffffffffffff (2152720621883097088 to 2153002096859807743), which
-// pg_locks shows as locktype advisory, objsubid 1, classid 501219328 to
-// 501284863. Nothing else tells idem's locks from others: idem stats, idem
-// inspect and idem_key_lock count every bigint advisory lock of this
-// database in that range as idem's, an application's own included. An
-// application that takes advisory locks by bigint id should keep its ids out
-// of the range; ids spread over all bigints, as hashtextextended's are, land
-// in it once in 65,536. Locks taken with two int keys (objsubid 2) are
-// never counted.
-const LockTag = 0x1de0
-
-// LockID is the id of the transaction-scoped advisory lock that a call
-// holds on (scope, key) from its claim until its transaction ends. pg_locks
-// shows it as locktype advisory, objsubid 1, classid its top 32 bits and
-// objid its bottom 32. Below LockTag, it is a 48-bit FNV-1a hash of scope
-// and key: two keys with the same hash only wait for each other, and the
-// primary key, not the lock, keeps their records apart. See LockTag for the
-// range of ids this gives, and what else may hold one.
-func LockID(scope, key string) int64 {
-	const offset, prime = 14695981039346656037, 1099511628211
-	h := uint64(offset)
-	for i := range len(scope) {
-		h = (h ^ uint64(scope[i])) * prime
-	}
-	h *= prime // a NUL byte between them: no identifier holds one
-	for i := range len(key) {
-		h = (h ^ uint64(key[i])) * prime
-	}
-	return LockTag<<48 | int64(h&(1<<48-1))
 }
