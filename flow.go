@@ -319,32 +319,3 @@ func storableText(s string) string {
 func interval(d time.Duration) pgtype.Interval {
 	return pgtype.Interval{Microseconds: d.Microseconds(), Valid: true}
 }
-
-// batchSender sends batches: a pool or a connection.
-type batchSender interface {
-	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
-}
-
-// sendBatch sends b on db, in one implicit transaction of its own: on a
-// pool or connection directly, on any other TxBeginner in a transaction
-// begun for it.
-func sendBatch(ctx context.Context, db TxBeginner, b *pgx.Batch) error {
-	if s, ok := db.(batchSender); ok {
-		return s.SendBatch(ctx, b).Close()
-	}
-	return WithTx(ctx, db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
-		return tx.SendBatch(ctx, b).Close()
-	})
-}
-
-// onDB runs fn's statement on db, in a transaction of its own: on a pool or
-// connection directly, on any other TxBeginner in a transaction begun for
-// it.
-func onDB(ctx context.Context, db TxBeginner, fn func(q *dbsqlc.Queries) error) error {
-	if d, ok := db.(dbsqlc.DBTX); ok {
-		return fn(dbsqlc.New(d))
-	}
-	return WithTx(ctx, db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
-		return fn(dbsqlc.New(tx))
-	})
-}

@@ -9,9 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/backoff"
 	"github.com/pgidem/idem/internal/dberr"
@@ -22,8 +20,10 @@ import (
 // transaction unless told otherwise.
 const DefaultPurgeBatch = 1000
 
-// Purge deletes every expired record, batch rows per transaction, and
-// returns how many it deleted. Short transactions keep each one's locks and
+// Purge deletes every expired record, and every finished flow whose
+// retention has passed (with its steps; a flow in progress, or stopped for
+// attention, never expires), batch rows per transaction, and returns how
+// many it deleted. Short transactions keep each one's locks and
 // WAL small; rows another transaction holds are skipped rather than waited
 // for, and a reclaim whose expired record is purged under it inserts a new
 // one instead. Each batch starts at the expiry where the last one stopped,
@@ -63,13 +63,17 @@ func checkBatch(batch int) error {
 }
 
 // purgeWalk is one pass over the expired records, in order of expiry, one
-// transaction of up to batch records at a time (KeyPurgeExpired).
+// transaction of up to batch records at a time (KeyPurgeExpired), then
+// over the finished flows whose retention has passed (FlowPurgeExpired).
 type purgeWalk struct {
 	db    TxBeginner
 	batch int
-	// after is the expiry the next batch starts at: the latest expiry the
-	// last batch deleted, at first the oldest there is.
+	// after is the expiry the next batch of records starts at: the latest
+	// expiry the last batch deleted, at first the oldest there is.
 	after pgtype.Timestamptz
+	// flows is set once no expired record is left: the pass goes on with
+	// the flows.
+	flows bool
 }
 
 func newPurgeWalk(db TxBeginner, batch int) *purgeWalk {
@@ -78,39 +82,35 @@ func newPurgeWalk(db TxBeginner, batch int) *purgeWalk {
 }
 
 // next deletes the next batch in a transaction of its own. done is true
-// when the batch was the pass's last: it deleted fewer than batch records.
+// when the batch was the pass's last: one of flows that deleted fewer than
+// batch.
 //
-// On a pool or a connection the batch is one statement sent on its own,
-// which PostgreSQL runs as a transaction of its own: one round trip instead
-// of three (BEGIN, the statement, COMMIT). It cannot deadlock or fail to
-// serialize, since it waits for no row (SKIP LOCKED). Other TxBeginners get
-// an explicit transaction.
+// On a pool or a connection the batch is one statement sent on its own
+// (see onDB). It cannot deadlock or fail to serialize, since it waits for
+// no row (SKIP LOCKED).
 func (w *purgeWalk) next(ctx context.Context) (deleted int64, done bool, err error) {
 	var row dbsqlc.KeyPurgeExpiredRow
-	arg := dbsqlc.KeyPurgeExpiredParams{After: w.after, MaxRows: int32(w.batch)}
-	switch db := w.db.(type) {
-	case *pgxpool.Pool, *pgxpool.Conn, *pgx.Conn:
-		row, err = dbsqlc.New(db.(dbsqlc.DBTX)).KeyPurgeExpired(ctx, arg)
-		if err != nil {
-			err = translate("idem: purge", err)
-		}
-	default:
-		err = WithTx(ctx, w.db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
-			var err error
-			row, err = dbsqlc.New(tx).KeyPurgeExpired(ctx, arg)
+	flows := w.flows
+	err = onDB(ctx, w.db, func(q *dbsqlc.Queries) (err error) {
+		if flows {
+			deleted, err = q.FlowPurgeExpired(ctx, int32(w.batch))
 			return err
-		})
-		if err != nil {
-			err = fmt.Errorf("idem: purge: %w", err)
 		}
-	}
+		row, err = q.KeyPurgeExpired(ctx, dbsqlc.KeyPurgeExpiredParams{After: w.after, MaxRows: int32(w.batch)})
+		deleted = row.Deleted
+		return err
+	})
 	if err != nil {
-		return 0, true, err
+		return 0, true, translate("idem: purge", err)
+	}
+	if flows {
+		return deleted, deleted < int64(w.batch), nil
 	}
 	if row.Reached.Valid {
 		w.after = row.Reached
 	}
-	return row.Deleted, row.Deleted < int64(w.batch), nil
+	w.flows = deleted < int64(w.batch)
+	return deleted, false, nil
 }
 
 // PurgerConfig configures [StartPurger]. The zero value of every field

@@ -200,3 +200,58 @@ UNION ALL SELECT $1, 'live-' || g, '\x00'::bytea, 'done', now() + interval '1 ho
 
 // beginOnly is a TxBeginner that only begins transactions.
 type beginOnly struct{ idem.TxBeginner }
+
+func TestPurgeDeletesExpiredFlowsAndLeavesTheRestAlone(t *testing.T) {
+	ctx, pool, scope := setupOwnDatabase(t)
+	p := newProvider()
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps)
+	for _, key := range []string{"done", "ended"} {
+		if _, err := flow.Run(ctx, pool, scope, key, fpCharge, chargeIn{Amount: 2500}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	abandon(t, ctx, pool, flow, p, scope, "running")
+	abandon(t, ctx, pool, flow, p, scope, "attention")
+	// Long past any retention, as far as dates go.
+	if _, err := pool.Exec(ctx, `UPDATE idem_flow SET created_at = now() - interval '30 days',
+		expires_at = CASE WHEN state = 'done' THEN now() - interval '1 day' END WHERE scope = $1`, scope); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idem_flow_step SET first_called_at = now() - interval '30 days' WHERE scope = $1`, scope); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := flow.Run(ctx, pool, scope, "attention", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrFlowStopped) {
+		t.Fatalf("past the window: %v, want ErrFlowStopped", err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idem_flow SET state = 'ended', expires_at = now() - interval '1 day'
+		WHERE scope = $1 AND key = 'ended'`, scope); err != nil {
+		t.Fatal(err)
+	}
+
+	deleted, err := idem.Purge(ctx, pool, 1)
+	if err != nil || deleted != 2 {
+		t.Fatalf("Purge = %d, %v; want the 2 finished flows", deleted, err)
+	}
+	var left []string
+	rows, err := pool.Query(ctx, `SELECT f.key || ':' || count(s.seq) FROM idem_flow f
+		LEFT JOIN idem_flow_step s ON s.scope = f.scope AND s.key = f.key WHERE f.scope = $1 GROUP BY f.key ORDER BY f.key`, scope)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var s string
+		if err := rows.Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		left = append(left, s)
+	}
+	if strings.Join(left, " ") != "attention:2 running:2" {
+		t.Fatalf("flows left with their steps: %v, want attention:2 running:2", left)
+	}
+	var orphans int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step s WHERE NOT EXISTS
+		(SELECT FROM idem_flow f WHERE f.scope = s.scope AND f.key = s.key)`).Scan(&orphans); err != nil || orphans != 0 {
+		t.Fatalf("%d steps left without their flow, %v", orphans, err)
+	}
+}

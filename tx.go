@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgidem/idem/internal/backoff"
 	"github.com/pgidem/idem/internal/dberr"
+	"github.com/pgidem/idem/internal/dbsqlc"
 )
 
 // TxBeginner begins transactions. *pgxpool.Pool, *pgxpool.Conn and
@@ -104,4 +105,35 @@ func rollback(ctx context.Context, tx pgx.Tx) {
 	ctx, cancel := cleanupContext(ctx)
 	defer cancel()
 	_ = tx.Rollback(ctx)
+}
+
+// batchSender sends batches: a pool or a connection.
+type batchSender interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// sendBatch sends b on db, in one implicit transaction of its own: on a
+// pool or connection directly, in one round trip; on any other TxBeginner
+// in a transaction begun for it.
+func sendBatch(ctx context.Context, db TxBeginner, b *pgx.Batch) error {
+	if s, ok := db.(batchSender); ok {
+		return s.SendBatch(ctx, b).Close()
+	}
+	return WithTx(ctx, db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
+		return tx.SendBatch(ctx, b).Close()
+	})
+}
+
+// onDB runs fn's statement on db, in a transaction of its own: on a pool or
+// connection directly, as one statement, which PostgreSQL runs as a
+// transaction of its own, in one round trip instead of three (BEGIN, the
+// statement, COMMIT); on any other TxBeginner in a transaction begun for
+// it.
+func onDB(ctx context.Context, db TxBeginner, fn func(q *dbsqlc.Queries) error) error {
+	if d, ok := db.(dbsqlc.DBTX); ok {
+		return fn(dbsqlc.New(d))
+	}
+	return WithTx(ctx, db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
+		return fn(dbsqlc.New(tx))
+	})
 }
