@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
@@ -232,6 +233,17 @@ type soakRun struct {
 	// those injected.
 	terminatesDue, cutsDue        atomic.Int64
 	terminatedInWrite, cutInWrite atomic.Int64
+	// longestLate is how long after its deadline the latest attempt
+	// returned, in nanoseconds.
+	longestLate atomic.Int64
+
+	// Hooks of the failover soak, nil otherwise. afterWrite runs in a
+	// payment's transaction after its write; onAnswer is called when
+	// payment i is answered; keepPaying, while it returns true, has the
+	// clients start payments past cfg.Payments.
+	afterWrite func(ctx context.Context, tx pgx.Tx, p soakPayment) error
+	onAnswer   func(i int)
+	keepPaying func() bool
 
 	mu       sync.Mutex
 	failures map[string]int64
@@ -346,6 +358,7 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 		},
 		Connections: proxy.accepted.Load(),
 		Elapsed:     elapsed,
+		LongestLate: time.Duration(run.longestLate.Load()),
 	}
 	if err := waitForServer(ctx, admin); err != nil {
 		return rep, databaseError{fmt.Errorf("the server did not come back for the final check: %w", err)}
