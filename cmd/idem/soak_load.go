@@ -25,7 +25,9 @@ import (
 // answer or error, and how many were started.
 //
 // When r.keepPaying is set, payments go on being started past Payments
-// while it returns true, up to maxSoakPayments.
+// while it returns true, up to maxSoakPayments. When r.beforeStart is set,
+// a client calls it before it starts a payment, and stops if it returns
+// false.
 func (r *soakRun) payAll(ctx context.Context, stdout io.Writer) ([]soakPayment, []error, int) {
 	size := r.cfg.Payments
 	if r.keepPaying != nil {
@@ -69,6 +71,9 @@ func (r *soakRun) payAll(ctx context.Context, stdout io.Writer) ([]soakPayment, 
 	for range r.cfg.Clients {
 		clients.Go(func() {
 			for ctx.Err() == nil && (stopStarting.IsZero() || time.Now().Before(stopStarting)) {
+				if r.beforeStart != nil && !r.beforeStart(ctx) {
+					return
+				}
 				i, ok := start()
 				if !ok {
 					return
@@ -226,7 +231,7 @@ func failureKind(err error, timedOut bool) string {
 	case errors.Is(err, idem.ErrReadOnly):
 		return "read-only: the connection reached a standby"
 	case errors.As(err, &pgErr) && pgErr.Code == "57P01":
-		return "backend terminated"
+		return "backend terminated, or server shut down (SQLSTATE 57P01)"
 	case errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "57"):
 		return "server shutting down or starting (SQLSTATE " + pgErr.Code + ")"
 	case errors.As(err, &pgErr):

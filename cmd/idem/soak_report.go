@@ -187,24 +187,7 @@ func (r *soakRun) print(w io.Writer, rep *soakReport) {
 	fmt.Fprintf(w, "attempts:             %d (%.2f per operation)\n", rep.Attempts, perOp(rep.Attempts))
 	fmt.Fprintf(w, "  answered, executed: %d\n", rep.Executed)
 	fmt.Fprintf(w, "  answered, replayed: %d (an earlier attempt had committed)\n", rep.Replayed)
-	var failed int64
-	for _, n := range rep.Failures {
-		failed += n
-	}
-	fmt.Fprintf(w, "  failed, retried:    %d\n", failed)
-	kinds := make([]string, 0, len(rep.Failures))
-	for kind := range rep.Failures {
-		kinds = append(kinds, kind)
-	}
-	slices.SortFunc(kinds, func(a, b string) int {
-		return cmp.Or(cmp.Compare(rep.Failures[b], rep.Failures[a]), strings.Compare(a, b))
-	})
-	for _, kind := range kinds {
-		fmt.Fprintf(w, "    %-50s %d\n", kind+":", rep.Failures[kind])
-		if r.cfg.Verbose {
-			fmt.Fprintf(w, "      e.g. %s\n", r.samples[kind])
-		}
-	}
+	printFailures(w, rep.Failures, r.samples, r.cfg.Verbose)
 	fmt.Fprintf(w, "  longest past its deadline: %s\n", rep.LongestLate.Round(time.Millisecond))
 	fmt.Fprintf(w, "business writes run:  %d (%d rolled back by faults)\n", rep.Writes, rep.Writes-rep.Rows)
 	fmt.Fprintf(w, "connections opened:   %d (through the proxy, cancel requests included)\n", rep.Connections)
@@ -222,6 +205,29 @@ func (r *soakRun) print(w io.Writer, rep *soakReport) {
 		rep.Rows, rep.Operations, rep.Lost, rep.Doubled)
 	fmt.Fprintf(w, "answers != stored:     %d (checked against the payment row and the stored response)\n", rep.WrongAnswers)
 	fmt.Fprintf(w, "claims in progress:    %d\n", rep.Stranded)
+}
+
+// printFailures prints the failed attempts, by kind, most frequent first,
+// with an example of each when verbose.
+func printFailures(w io.Writer, failures map[string]int64, samples map[string]string, verbose bool) {
+	var failed int64
+	for _, n := range failures {
+		failed += n
+	}
+	fmt.Fprintf(w, "  failed, retried:    %d\n", failed)
+	kinds := make([]string, 0, len(failures))
+	for kind := range failures {
+		kinds = append(kinds, kind)
+	}
+	slices.SortFunc(kinds, func(a, b string) int {
+		return cmp.Or(cmp.Compare(failures[b], failures[a]), strings.Compare(a, b))
+	})
+	for _, kind := range kinds {
+		fmt.Fprintf(w, "    %-50s %d\n", kind+":", failures[kind])
+		if verbose {
+			fmt.Fprintf(w, "      e.g. %s\n", samples[kind])
+		}
+	}
 }
 
 // countErrors returns how many errs are set, and the first.
