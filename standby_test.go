@@ -11,15 +11,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/idemtest/pgtemp"
 	"github.com/pgidem/idem/internal/testdb"
 )
-
-// A standby is a server of its own, whatever TEST_DATABASE_URL names:
-// these tests start a throwaway primary and a streaming standby of it.
 
 // TestRunOnAStandbyIsErrReadOnly points Run, Do and Once at a real
 // standby, as a connection string without target_session_attrs=read-write
@@ -29,7 +24,11 @@ import (
 // the standby by a lookup (WithLookupFirst), which writes nothing. A pool
 // that asks for target_session_attrs=read-write never uses the standby.
 func TestRunOnAStandbyIsErrReadOnly(t *testing.T) {
-	ctx, primary, standby := startStandby(t)
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	pair := testdb.StartPair(t, ctx)
+	primary, standby := pair.PrimaryPool, pair.StandbyPool
 	scope := testdb.Name("standby")
 	var calls atomic.Int64
 
@@ -38,7 +37,7 @@ func TestRunOnAStandbyIsErrReadOnly(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitForReplay(t, ctx, primary, standby)
+	pair.WaitForReplay(t, ctx)
 
 	_, err = idem.Run(ctx, standby, scope, "new", fpA, pay(scope, "new", 100, &calls))
 	if !errors.Is(err, idem.ErrReadOnly) || !strings.Contains(err.Error(), "standby") {
@@ -84,73 +83,5 @@ func TestRunOnAStandbyIsErrReadOnly(t *testing.T) {
 	}
 	if calls.Load() != 1 {
 		t.Errorf("fn ran %d times on the standby", calls.Load()-1)
-	}
-}
-
-// startStandby starts a throwaway primary with idem's tables and the
-// tests' payment table, and a streaming standby of it, both stopped when
-// the test ends, and returns a pool on each. It marks the test parallel.
-func startStandby(t *testing.T) (context.Context, *pgxpool.Pool, *pgxpool.Pool) {
-	t.Helper()
-	if testing.Short() {
-		t.Skip("-short: database tests are skipped")
-	}
-	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	t.Cleanup(cancel)
-	start := func(cfg pgtemp.Config) (*pgtemp.Server, *pgxpool.Pool) {
-		srv, err := pgtemp.Start(ctx, cfg)
-		if err != nil {
-			t.Fatalf("these tests need a throwaway primary and standby, started from a local PostgreSQL installation: %v", err)
-		}
-		t.Cleanup(func() {
-			if err := srv.Stop(); err != nil {
-				t.Errorf("stop the throwaway server: %v", err)
-			}
-		})
-		pool, err := pgxpool.New(ctx, srv.URL)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(pool.Close)
-		return srv, pool
-	}
-	srv, primary := start(pgtemp.Config{Fast: true, MaxConnections: 50})
-	sqlDB := stdlib.OpenDBFromPool(primary)
-	defer sqlDB.Close()
-	if err := idem.Migrate(ctx, sqlDB); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := primary.Exec(ctx, testdb.AppSchema); err != nil {
-		t.Fatal(err)
-	}
-	_, standby := start(pgtemp.Config{Fast: true, MaxConnections: 50, StandbyOf: srv})
-	var inRecovery bool
-	if err := standby.QueryRow(ctx, `SELECT pg_is_in_recovery()`).Scan(&inRecovery); err != nil || !inRecovery {
-		t.Fatalf("the standby is not in recovery: %v, %v", inRecovery, err)
-	}
-	return ctx, primary, standby
-}
-
-// waitForReplay waits until the standby has replayed everything the
-// primary has written so far, committed asynchronously too (the servers
-// are Fast): up to the WAL's insert position, not its write position.
-func waitForReplay(t *testing.T, ctx context.Context, primary, standby *pgxpool.Pool) {
-	t.Helper()
-	var lsn string
-	if err := primary.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&lsn); err != nil {
-		t.Fatal(err)
-	}
-	for {
-		var caughtUp bool
-		err := standby.QueryRow(ctx, `SELECT pg_last_wal_replay_lsn() >= $1::text::pg_lsn`, lsn).Scan(&caughtUp)
-		if err == nil && caughtUp {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("the standby did not replay up to %s: %v", lsn, err)
-		case <-time.After(20 * time.Millisecond):
-		}
 	}
 }
