@@ -94,6 +94,7 @@ func TestRunOnAStandbyIsErrReadOnly(t *testing.T) {
 // cancel request. PostgreSQL then stops waiting and keeps the commit on
 // the primary alone, and the retry replays it, answered though the
 // standby never had it: a failover to that standby would lose it.
+// statement_timeout does not end the wait.
 func TestAReplayDoesNotWaitForTheSynchronousStandby(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
@@ -132,14 +133,29 @@ func TestAReplayDoesNotWaitForTheSynchronousStandby(t *testing.T) {
 
 	scope := testdb.Name("sync")
 	var calls atomic.Int64
-	deadline, cancelCall := context.WithTimeout(ctx, time.Second)
-	defer cancelCall()
-	_, err = idem.Run(deadline, pool, scope, "k", fpA, pay(scope, "k", 100, &calls))
-	if !errors.Is(err, context.DeadlineExceeded) {
+	callWithin := func(pool *pgxpool.Pool, key string, d time.Duration) error {
+		deadline, cancel := context.WithTimeout(ctx, d)
+		defer cancel()
+		_, err := idem.Run(deadline, pool, scope, key, fpA, pay(scope, key, 100, &calls))
+		return err
+	}
+	if err := callWithin(pool, "k", time.Second); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("a call whose COMMIT waits for a stopped standby got %v, want its deadline", err)
 	}
 	retry, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 100, &calls), idem.WithWait(30*time.Second))
 	if err != nil || !retry.Replayed || calls.Load() != 1 {
 		t.Fatalf("the retry got %+v, %v (fn ran %d times); want a replay of the commit the standby never had", retry, err, calls.Load())
+	}
+
+	// statement_timeout, unlike a cancel request, does not end the wait:
+	// the call still runs into its deadline.
+	cfg.ConnConfig.RuntimeParams["statement_timeout"] = "1s"
+	timed, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer timed.Close()
+	if err := callWithin(timed, "timed", 3*time.Second); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("with statement_timeout = 1s, a call whose COMMIT waits for a stopped standby got %v, want its deadline", err)
 	}
 }
