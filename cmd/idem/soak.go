@@ -209,8 +209,8 @@ receipt, which a relay delivers to a consumer using idem.Once. It checks,
 per payment, its effect, its record, its receipt, and whether the answer
 the client got is the one finally stored; with async it counts the
 answered payments that a failover lost. Its only other fault is
--timeout-rate, off by default.`)
-	fs.IntVar(&cfg.Payments, "payments", cfg.Payments, fmt.Sprintf("logical payments to make (at most %d)", maxSoakPayments))
+-timeout-rate, off by default; the other faults' flags do not apply.`)
+	fs.IntVar(&cfg.Payments, "payments", cfg.Payments, fmt.Sprintf("logical payments to make (at most %d; with -failover, at least, and %d by default)", maxSoakPayments, defaultFailoverPayments))
 	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "concurrent clients, one connection each")
 	fs.DurationVar(&cfg.Duration, "duration", cfg.Duration, "stop starting payments after this long (0: make all of -payments)")
 	fs.DurationVar(&cfg.PaymentTimeout, "payment-timeout", cfg.PaymentTimeout, "longest a payment may take, retries included, before it counts as a failure")
