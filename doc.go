@@ -50,6 +50,24 @@ failures and deadlocks, and both refuse a connection that is already in a
 transaction ([ErrConnInTransaction]): inside the caller's transaction, use
 Do.
 
+# Calls to other systems: flows
+
+A write that calls another system in the middle (charge the card at the
+payment provider, then record the charge) is a [Flow]: an operation,
+identified by (scope, key) like Run's, whose function takes steps. A
+local step ([Local]) is a transaction of its own whose writes commit with
+the step's result; a call ([Call]) runs with no transaction open and no
+connection held, its intent recorded before and its result after, with a
+provider key ([ProviderKey]) that stays the same on every attempt, for the
+provider's own idempotency mechanism. A retry, another process, or a
+completer ([Flow.Resume]) continues the operation where it stopped:
+completed steps return their results without running again. One executor
+at a time holds a flow, under a lease it renews; one that lost the lease
+commits nothing more ([ErrLeaseLost]). An uncertain failure is never
+stored; a definite one is part of the flow's answer. The repository's
+docs/flows.md says when to use a flow rather than Run or the outbox, and
+what exactly it guarantees.
+
 # Consumers and other boundaries
 
 [Once] is Do for a message consumer: it records a message's identity beside
@@ -67,7 +85,8 @@ idempotency key the receiver can deduplicate on.
 
 Calls take options, each of which says its default: [WithWait],
 [WithRetention], [WithIdleTimeout], [WithLookupFirst], [WithTxOptions],
-[WithMaxResponseSize], [WithCodec] and [WithObserver]. An option made from
+[WithMaxResponseSize], [WithCodec] and [WithObserver]; flows add [WithLease],
+[WithGrace] and [WithProviderWindow]. An option made from
 a value that cannot work makes every call given it fail with
 [ErrInvalidOption] before anything is sent; [CheckOptions] checks options
 once, when a program sets them up.
@@ -77,7 +96,8 @@ each one's documentation says when it is returned and what to do:
 [ErrInvalidScope], [ErrInvalidKey], [ErrInvalidOption], [ErrInvalidVersion],
 [ErrFingerprintMismatch], [ErrInProgress], [ErrSerialization],
 [ErrReadOnly], [ErrConnInTransaction], [ErrResponseTooLarge] and
-[ErrResponseNotStorable]. Driver errors that mean one of them (a wait that
+[ErrResponseNotStorable]; flows add [ErrLeaseLost], [ErrFlowChanged] and
+[ErrFlowStopped]. Driver errors that mean one of them (a wait that
 ran out, a serialization failure, a deadlock) are translated, so callers
 never inspect SQLSTATE codes for those. Other driver errors come back
 wrapped with what idem was doing, the driver's error in the chain.

@@ -90,3 +90,29 @@ var ErrConnInTransaction = guard.ErrConnInTransaction
 // translate turns driver errors from the package's own statements into the
 // package's sentinel errors (see [guard.Translate]).
 func translate(op string, err error) error { return guard.Translate(op, err) }
+
+// ErrLeaseLost is returned by a step of a [Flow], and by [Flow.Run], when
+// the executor no longer holds the flow: its lease ran out before it could
+// renew it (the process stalled, the database was out of reach), and
+// another executor may have taken the flow over, or an operator ended the
+// flow ([EndFlow]). Nothing the step tried to commit was committed. Return
+// it from the flow's function: the flow is the other executor's to finish,
+// and a retry with the same key waits for it and replays its answer.
+var ErrLeaseLost = errors.New("idem: flow's lease was lost")
+
+// ErrFlowChanged is returned by a step of a [Flow] resumed with steps other
+// than those its earlier runs recorded: a step of another name or kind at
+// the place of a recorded one, as after a deployment that changed the
+// flow's function while flows were in progress. The step does not run and
+// nothing is called. The flow stays as it was, for a version of the
+// function that takes the recorded steps to resume, or for an operator to
+// end ([EndFlow]).
+var ErrFlowChanged = errors.New("idem: flow's steps differ from those recorded")
+
+// ErrFlowStopped is returned by [Flow.Run] for a flow that will not run
+// again: one that needs a person's decision, because a call it had started
+// could not be made again safely (see [WithProviderWindow]), or one that an
+// operator ended ([EndFlow]). The error says which; [InspectFlow] shows the
+// flow's steps and its last error. Retrying does not help: the client
+// should be told that the operation needs attention.
+var ErrFlowStopped = errors.New("idem: flow stopped")

@@ -16,7 +16,12 @@ import (
 
 var env *testdb.Env
 
-func TestMain(m *testing.M) { os.Exit(testdb.Main(m, &env)) }
+func TestMain(m *testing.M) {
+	if os.Getenv(crashEnv) != "" {
+		os.Exit(crashChild()) // a child of the flow crash tests
+	}
+	os.Exit(testdb.Main(m, &env))
+}
 
 // setup marks the test parallel and returns a context, the pool of the
 // throwaway database, and a scope no other test uses.

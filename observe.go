@@ -52,8 +52,11 @@ type Observer struct {
 	tracer        trace.Tracer
 	calls         metric.Int64Counter
 	claimDuration metric.Float64Histogram
-	logger        *slog.Logger
-	logKeys       bool
+	// Of flows (see flow_observe.go).
+	flowEvents       metric.Int64Counter
+	flowStepAttempts metric.Int64Counter
+	logger           *slog.Logger
+	logKeys          bool
 }
 
 // instruments is observer.Instruments under an unexported name, so that
@@ -86,6 +89,18 @@ func NewObserver(cfg ObserverConfig) (*Observer, error) {
 			metric.WithDescription("Time to claim a key, including any wait for a concurrent attempt, by outcome."),
 			metric.WithUnit("s"),
 			metric.WithExplicitBucketBoundaries(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+		if err != nil {
+			return nil, fmt.Errorf("idem: observer: %w", err)
+		}
+		o.flowEvents, err = meter.Int64Counter("idem.flow.events",
+			metric.WithDescription("What runs of flows found and did: started, resumed, replayed, completed, stopped, and failures."),
+			metric.WithUnit("{event}"))
+		if err != nil {
+			return nil, fmt.Errorf("idem: observer: %w", err)
+		}
+		o.flowStepAttempts, err = meter.Int64Counter("idem.flow.step.attempts",
+			metric.WithDescription("Steps of flows that ran, local steps and call attempts, by outcome."),
+			metric.WithUnit("{attempt}"))
 		if err != nil {
 			return nil, fmt.Errorf("idem: observer: %w", err)
 		}
@@ -179,8 +194,10 @@ func (o *Observer) logRelease(ctx context.Context, scope, key string, err error)
 		slog.String("scope", scope), slog.String("key", o.loggedKey(key)), slog.Any("error", err))
 }
 
+// loggedKey is key as logs and errors show it: in full with
+// ObserverConfig.LogKeys, else hashed (also without an Observer).
 func (o *Observer) loggedKey(key string) string {
-	if o.logKeys {
+	if o != nil && o.logKeys {
 		return key
 	}
 	sum := sha256.Sum256([]byte(key))

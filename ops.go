@@ -78,12 +78,28 @@ type Stats struct {
 	OutboxParked int64
 	// OutboxDelivered counts the delivered messages not purged yet.
 	OutboxDelivered int64
+
+	// FlowsRunning counts the flows that an executor holds now (see
+	// [Flow]), and OldestFlowRunning is when the oldest flow in progress
+	// started.
+	FlowsRunning      int64
+	OldestFlowRunning time.Time
+	// FlowsAbandoned counts the flows in progress that no executor holds:
+	// their last run failed or its executor vanished. A retry, or
+	// [Flow.Resume], continues them.
+	FlowsAbandoned int64
+	// FlowsAttention counts the flows stopped for a person's decision
+	// (see [ErrFlowStopped]); [InspectFlow] shows why, [EndFlow] ends one.
+	FlowsAttention int64
+	// FlowsFinished counts the finished flows (done, or ended) whose
+	// retention has not passed, and FlowsExpired those waiting for [Purge].
+	FlowsFinished, FlowsExpired int64
 }
 
 // ReadStats reads [Stats] in a read-only transaction on db, a pool or an
 // idle connection (a connection in a transaction gives
-// [ErrConnInTransaction]). It reads every record and every outbox
-// message: run it from a console or a periodic job, not from a request's
+// [ErrConnInTransaction]). It reads every record, every outbox message and
+// every flow: run it from a console or a periodic job, not from a request's
 // path.
 func ReadStats(ctx context.Context, db TxBeginner) (Stats, error) {
 	var s Stats
@@ -101,12 +117,18 @@ func ReadStats(ctx context.Context, db TxBeginner) (Stats, error) {
 		if err != nil {
 			return fmt.Errorf("idem: stats: outbox: %w", err)
 		}
+		fl, err := q.FlowStats(ctx)
+		if err != nil {
+			return fmt.Errorf("idem: stats: flows: %w", err)
+		}
 		s = Stats{
 			Running: f.Running, OldestRunning: timeOf(f.OldestStart), Waiting: f.Waiting,
 			Done: k.Done, InProgress: k.InProgress, Expired: k.Expired, Scopes: k.Scopes,
 			OldestLive: timeOf(k.OldestLive), TableBytes: k.TableBytes, IndexBytes: k.IndexBytes,
 			OutboxPending: o.Pending, OldestPending: timeOf(o.OldestPending),
 			OutboxParked: o.Parked, OutboxDelivered: o.Delivered,
+			FlowsRunning: fl.Running, OldestFlowRunning: timeOf(fl.OldestRunning), FlowsAbandoned: fl.Abandoned,
+			FlowsAttention: fl.Attention, FlowsFinished: fl.Finished, FlowsExpired: fl.Expired,
 		}
 		return nil
 	})

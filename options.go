@@ -58,6 +58,12 @@ type options struct {
 	noResponse bool
 	observer   *Observer
 	codec      Codec
+
+	// Of flows only (see Flow).
+	lease time.Duration
+	grace time.Duration
+	// providerWindow is negative when there is none.
+	providerWindow time.Duration
 }
 
 // newOptions applies opts over the defaults.
@@ -67,6 +73,8 @@ func newOptions(opts []Option) (options, error) {
 		wait:            DefaultWait,
 		txOptions:       pgx.TxOptions{IsoLevel: pgx.ReadCommitted},
 		maxResponseSize: DefaultMaxResponseSize,
+		lease:           DefaultLease,
+		providerWindow:  DefaultProviderWindow,
 	}
 	for _, opt := range opts {
 		if err := opt.apply(&o); err != nil {
@@ -203,4 +211,63 @@ func WithCodec(codec Codec) Option {
 // observer (see [NewObserver]). Defaults to none.
 func WithObserver(observer *Observer) Option {
 	return optionFunc(func(o *options) { o.observer = observer })
+}
+
+// Options of flows (see [Flow]); calls of [Do], [Run] and [Once] ignore
+// them.
+
+// Default values of the flows' options.
+const (
+	// DefaultLease is how long a flow's executor holds it without renewing
+	// its lease, unless [WithLease] says otherwise.
+	DefaultLease = 10 * time.Second
+
+	// DefaultProviderWindow is how long after a call's first attempt a
+	// flow still calls again, unless [WithProviderWindow] says otherwise:
+	// Stripe keeps idempotency keys for 24 hours.
+	DefaultProviderWindow = 24 * time.Hour
+)
+
+// minLease is the shortest lease: the lease is renewed every third of it,
+// and a renewal is a round trip.
+const minLease = 10 * time.Millisecond
+
+// WithLease sets how long a flow's executor holds the flow without renewing
+// its lease. An executor renews it with every step, and every third of it
+// while a call runs; one that stops renewing (a process killed, a host cut
+// off) loses the flow once the lease has run out: a duplicate, a retry or
+// [Flow.Resume] may then take it over, and whatever the old executor tries
+// to commit afterwards fails with [ErrLeaseLost]. Shorter leases resume
+// sooner after a crash; choose it longer than the longest pause the flow's
+// function makes between two steps, and, when the flow runs on a single
+// connection rather than a pool (no renewal during a call), longer than
+// its longest call. It must be between 10ms and about 24 days (the longest
+// wait PostgreSQL expresses). Defaults to 10s.
+func WithLease(d time.Duration) Option {
+	if d < minLease || d > maxWait {
+		return invalid("lease must be between %s and %s, got %s", minLease, maxWait, d)
+	}
+	return optionFunc(func(o *options) { o.lease = d })
+}
+
+// WithGrace sets how long after a flow's lease has run out [Flow.Resume]
+// leaves it to its client, whose retry would take it over and answer the
+// client itself, before resuming it. Duplicates and retries take a flow over
+// as soon as its lease has run out, whatever the grace. Zero, or a negative
+// value, means none. Defaults to none.
+func WithGrace(d time.Duration) Option {
+	return optionFunc(func(o *options) { o.grace = max(d, 0) })
+}
+
+// WithProviderWindow sets how long after a call's first attempt a flow
+// still calls the other system again with the same provider key (see
+// [Call]). Past it the provider may have forgotten the key, so that a
+// call made again could be applied twice: the flow is stopped instead, for
+// a person to decide ([ErrFlowStopped]). Choose the shortest time for which
+// the providers the flow calls keep their idempotency keys (Stripe: 24
+// hours). Zero means that a call is never made twice; a negative value
+// means no window: calls are made again however old their first attempt.
+// Defaults to 24h.
+func WithProviderWindow(d time.Duration) Option {
+	return optionFunc(func(o *options) { o.providerWindow = d })
 }

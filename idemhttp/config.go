@@ -213,8 +213,11 @@ type settings struct {
 	fingerprint      func(*http.Request, []byte) ([]byte, error)
 	txOptions        pgx.TxOptions
 	logger           *slog.Logger
-	// runOptions are what each keyed request hands idem.Run.
-	runOptions []idem.Option
+	// runOptions are what each keyed request hands idem.Run; flowOptions
+	// what FlowHandler hands a flow's Run: only the wait, which the 409's
+	// Retry-After tells. How a flow stores is the flow's own (NewFlow's
+	// options), which its completer uses too.
+	runOptions, flowOptions []idem.Option
 	// retryAfter is the Retry-After of a 409, in seconds: the wait, rounded
 	// up, since the first request took at least that long already.
 	retryAfter string
@@ -387,6 +390,7 @@ func newSettings(cfg Config) (settings, error) {
 	if cfg.Observer != nil {
 		s.runOptions = append(s.runOptions, idem.WithObserver(cfg.Observer))
 	}
+	s.flowOptions = []idem.Option{idem.WithWait(wait)}
 	// Whatever else idem would refuse on every request stops the program
 	// too; each field above was checked on its own, so this is a backstop.
 	if err := idem.CheckOptions(s.runOptions...); err != nil {

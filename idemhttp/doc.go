@@ -36,6 +36,14 @@ own http.Transport retries for it), and where idemhttp departs from the
 draft and from Stripe, on purpose, are in the reference page
 https://github.com/pgidem/idem/blob/main/docs/http.md.
 
+A call of the gRPC or gRPC-Web protocol to a covered method is refused in
+its own protocol, with UNIMPLEMENTED in a trailers-only answer, and the
+handler does not run: its status travels in HTTP trailers, which the
+middleware does not store, so a replay would be half an answer. The
+interceptor of github.com/pgidem/idem/idemgrpc serves gRPC. Connect's unary
+calls are plain POSTs and work (see
+https://github.com/pgidem/idem/blob/main/docs/grpc.md).
+
 # Configuration
 
 [NewMiddleware] checks a [Config] once, applies its defaults, and refuses a
@@ -108,6 +116,23 @@ An endpoint that calls [idem.Run] or [idem.Do] itself, rather than sit
 behind the middleware, reads its key with [Middleware.ParseKey] and answers
 idem's errors with [Middleware.WriteError], so that its clients see the
 same keys and the same problems as the middleware's.
+
+# Endpoints that call other systems
+
+An endpoint whose write calls another system in the middle (charging a
+card, reserving stock) is served by an [idem.Flow] through [FlowHandler]:
+the middleware holds no transaction while the flow runs, with the same
+keys, scopes, fingerprints and problems; a flow that did not complete is
+503 operation-incomplete, not stored, and its retry continues it.
+
+# Clients
+
+[Transport] is the client side, an [http.RoundTripper] for an
+[http.Client]: it gives each request without a key a fresh one and retries
+the request with that key and the same body (network errors, 409 with
+Retry-After, 5xx; never another 4xx) within the deadline of the request's
+context. Its documentation states its rules; [Attempts] reports the key and
+the attempts of an answer.
 
 # Privacy and observability
 

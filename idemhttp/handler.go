@@ -27,6 +27,10 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.next.ServeHTTP(w, r)
 		return
 	}
+	if isGRPC(r) {
+		refuseGRPC(w, r)
+		return
+	}
 	key, err := h.ParseKey(r)
 	if err != nil {
 		if isKeyMissing(err) && !h.required {
@@ -38,23 +42,32 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.WriteError(w, r, err)
 		return
 	}
+	scope, body, fp, ok := h.readKeyed(w, r)
+	if !ok {
+		return
+	}
+	h.serveKeyed(w, r, requestValues{scope: scope, key: key}, fp, body)
+}
+
+// readKeyed reads what a request with a key needs before anything runs:
+// its scope, its body and its fingerprint; or answers the request itself
+// and reports false.
+func (h *handler) readKeyed(w http.ResponseWriter, r *http.Request) (scope string, body, fp []byte, ok bool) {
 	scope, err := h.scope(r)
 	if err != nil {
 		// The error is the server's view of the caller, which the client
 		// has no business reading.
 		h.writeProblem(w, http.StatusBadRequest, ProblemScopeUnknown, "The request does not say who is calling, so its "+h.header+" cannot be scoped.")
-		return
+		return "", nil, nil, false
 	}
-	body, ok := h.readBody(w, r)
-	if !ok {
-		return
+	if body, ok = h.readBody(w, r); !ok {
+		return "", nil, nil, false
 	}
-	fp, err := h.fingerprint(r, body)
-	if err != nil {
+	if fp, err = h.fingerprint(r, body); err != nil {
 		h.writeProblem(w, http.StatusBadRequest, ProblemFingerprintFailed, "The request cannot be fingerprinted to check its "+h.header+".")
-		return
+		return "", nil, nil, false
 	}
-	h.serveKeyed(w, r, requestValues{scope: scope, key: key}, fp, body)
+	return scope, body, fp, true
 }
 
 // readBody reads the whole request body, or answers the request itself and

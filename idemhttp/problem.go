@@ -82,6 +82,26 @@ const (
 	// replays. The answer carries a Retry-After of one second: the least
 	// wait, not a promise.
 	ProblemDatabaseUnavailable = "database-unavailable"
+
+	// ProblemRequestInvalid (400): the request is not what a flow endpoint
+	// takes (see [FlowHandler]): the detail says why. The flow did not run.
+	// Fix the request; with a new key if it was a mistake, with the same
+	// key if this was its first attempt.
+	ProblemRequestInvalid = "request-invalid"
+
+	// ProblemOperationIncomplete (503): the flow serving the request did
+	// not complete: a call it makes to another system failed, or its
+	// outcome is not known yet. Nothing of the failure was kept: retrying
+	// with the same key, after Retry-After, continues the operation where
+	// it stopped, without repeating what it completed.
+	ProblemOperationIncomplete = "operation-incomplete"
+
+	// ProblemOperationStopped (409): the operation with the key was
+	// stopped, for a person to decide what became of it (a call it had
+	// started could no longer be made again safely), or an operator ended
+	// it. It will not run again: do not retry; the service's operators
+	// know of it.
+	ProblemOperationStopped = "operation-stopped"
 )
 
 // problemTitles are the problems' titles: like their types, they never
@@ -98,6 +118,9 @@ var problemTitles = map[string]string{
 	ProblemResponseNotStored:   "Response too large to replay",
 	ProblemRequestFailed:       "Request not completed",
 	ProblemDatabaseUnavailable: "Database unavailable",
+	ProblemRequestInvalid:      "Request invalid",
+	ProblemOperationIncomplete: "Operation not completed yet",
+	ProblemOperationStopped:    "Operation stopped",
 }
 
 // problem is an RFC 9457 problem details object with a code member.
@@ -135,8 +158,11 @@ func checkProblemTypeBase(base string) string {
 //   - ParseKey's errors: 400 key-missing or key-invalid.
 //   - [idem.ErrInvalidKey]: 400 key-invalid.
 //   - [idem.ErrFingerprintMismatch]: 422 key-reused.
-//   - [idem.ErrInProgress]: 409 key-in-progress, with a Retry-After of
-//     [Config.Wait] in seconds, rounded up (so give idem.Run the same wait).
+//   - [idem.ErrInProgress], and a flow's [idem.ErrLeaseLost] (another
+//     executor has the flow now): 409 key-in-progress, with a Retry-After
+//     of [Config.Wait] in seconds, rounded up (so give idem.Run the same
+//     wait).
+//   - a flow's [idem.ErrFlowStopped]: 409 operation-stopped.
 //   - an error that says the database could not be reached or the
 //     connection to it broke (pgx's connect errors, a closed connection,
 //     a server shutting down), or [idem.ErrReadOnly] (a standby): 503
@@ -159,10 +185,15 @@ func (m *Middleware) WriteError(w http.ResponseWriter, r *http.Request, err erro
 	case errors.Is(err, idem.ErrFingerprintMismatch):
 		m.writeProblem(w, http.StatusUnprocessableEntity, ProblemKeyReused,
 			"This "+m.header+" was already used for a different request. Use a new key for a new request.")
-	case errors.Is(err, idem.ErrInProgress):
+	case errors.Is(err, idem.ErrInProgress), errors.Is(err, idem.ErrLeaseLost):
 		w.Header().Set("Retry-After", m.retryAfter)
 		m.writeProblem(w, http.StatusConflict, ProblemKeyInProgress,
 			"A request with this "+m.header+" is still being processed. Retry it later with the same key.")
+	case errors.Is(err, idem.ErrFlowStopped):
+		m.logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: operation stopped; it needs a person's decision",
+			slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()), slog.Any("error", err))
+		m.writeProblem(w, http.StatusConflict, ProblemOperationStopped,
+			"The operation with this "+m.header+" was stopped and will not run again: the service's operators are to decide what became of it. Do not retry it.")
 	default:
 		m.writeFailed(w, r, err, true)
 	}

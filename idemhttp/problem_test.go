@@ -95,6 +95,7 @@ var allCodes = []string{
 	idemhttp.ProblemFingerprintFailed, idemhttp.ProblemBodyUnreadable, idemhttp.ProblemBodyTooLarge,
 	idemhttp.ProblemKeyReused, idemhttp.ProblemKeyInProgress, idemhttp.ProblemResponseNotStored,
 	idemhttp.ProblemRequestFailed, idemhttp.ProblemDatabaseUnavailable,
+	idemhttp.ProblemRequestInvalid, idemhttp.ProblemOperationIncomplete, idemhttp.ProblemOperationStopped,
 }
 
 func TestEveryProblemCodeIsDocumented(t *testing.T) {

@@ -44,11 +44,13 @@ func commands() []command {
 	return []command{
 		{"demo", "fire a retry storm of payments and show that none is lost or doubled", runDemo},
 		{"soak", "inject faults under a payment load and check that nothing is lost or doubled", runSoak},
+		{"flowsoak", "kill the processes running flows that call a provider, and check every effect happened once", runFlowSoak},
 		{"bench", "compare idem.Run with a bare transaction and other designs, side by side", runBench},
 		{"migrate", "apply, roll back or list the embedded migrations: migrate up|down|status", runMigrate},
 		{"purge", "delete expired records in batches", runPurge},
 		{"stats", "show the operations running now, records by state, the table's size and the outbox backlog", runStats},
-		{"inspect", "show one record: inspect SCOPE KEY", runInspect},
+		{"inspect", "show one record, or with -flow one flow: inspect [-flow] SCOPE KEY", runInspect},
+		{"flow-end", "end a flow that runs or needs attention: flow-end SCOPE KEY REASON", runFlowEnd},
 		{"schema", "print idem's tables as SQL, for sqlc and other tools that read a schema", runSchema},
 	}
 }

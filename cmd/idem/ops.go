@@ -200,7 +200,9 @@ by transactions still open are not visible), and past expiry (awaiting
 purge); how many scopes hold records; the oldest live record; the table's
 and its indexes' size on disk; and the outbox's pending messages (with the
 oldest one's age), parked messages awaiting a decision, and delivered
-messages awaiting purge. It only reads.
+messages awaiting purge; and the flows (idem.Flow) running, abandoned
+(no executor holds them: a retry or a resumer continues them), needing
+attention, finished and past expiry. It only reads.
 
 At READ COMMITTED a running operation has no record until it commits: its
 lock is all there is to see. The running and waiting counts are the
@@ -245,6 +247,11 @@ as hashtextextended's are, does. Locks taken with two int keys never count.`)
 	fmt.Fprintf(w, "outbox pending\t%d (oldest %s)\n", s.OutboxPending, oldestPending)
 	fmt.Fprintf(w, "outbox parked, awaiting a decision\t%d\n", s.OutboxParked)
 	fmt.Fprintf(w, "outbox delivered, awaiting purge\t%d\n", s.OutboxDelivered)
+	fmt.Fprintf(w, "flows running\t%d%s\n", s.FlowsRunning, since(s.OldestFlowRunning, " (oldest in progress began %s ago)"))
+	fmt.Fprintf(w, "flows abandoned, to resume\t%d\n", s.FlowsAbandoned)
+	fmt.Fprintf(w, "flows needing attention (idem inspect -flow)\t%d\n", s.FlowsAttention)
+	fmt.Fprintf(w, "flows finished\t%d\n", s.FlowsFinished)
+	fmt.Fprintf(w, "flows past expiry, awaiting purge\t%d\n", s.FlowsExpired)
 	return w.Flush()
 }
 
@@ -270,11 +277,14 @@ func bytesize(n int64) string {
 }
 
 func runInspect(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet(stdout, "inspect", `inspect [-show-response] SCOPE KEY
+	fs := newFlagSet(stdout, "inspect", `inspect [-flow] [-show-response] SCOPE KEY
 
 Prints one key: whether an operation is running on it now, and its record:
 state, fingerprint, creation and expiry, and the size of its stored
-response, which is shown only with -show-response.
+response, which is shown only with -show-response. With -flow, prints the
+flow of the key instead (idem.Flow): its state, the step it is at, its
+runs and last error, and each step with its attempts and, for calls, the
+provider key; its input and answer only with -show-response.
 Flags may come before or after SCOPE and KEY.
 
 Whether the key is running comes from pg_locks, as an estimate: it is an
@@ -283,6 +293,7 @@ duplicates wait for. Another key whose 48-bit hash is the same shares that
 id, and so would an application's own lock of that very id: either shows as
 running too.`)
 	show := fs.Bool("show-response", false, "print the stored response, which may hold personal data (redacted by default)")
+	flow := fs.Bool("flow", false, "show the key's flow rather than its record")
 	operands, err := parseInterspersed(fs, args)
 	if err != nil {
 		return err
@@ -296,6 +307,9 @@ running too.`)
 	}
 	defer pool.Close()
 	scope, key := operands[0], operands[1]
+	if *flow {
+		return inspectFlow(ctx, stdout, pool, scope, key, *show)
+	}
 	r, err := idem.Inspect(ctx, pool, scope, key)
 	if errors.Is(err, idem.ErrInvalidScope) || errors.Is(err, idem.ErrInvalidKey) {
 		return usageError{err}

@@ -15,6 +15,39 @@ type EntityVersion struct {
 	UpdatedAt pgtype.Timestamptz
 }
 
+type IdemFlow struct {
+	Scope       string
+	Key         string
+	Name        string
+	Fingerprint []byte
+	State       string
+	Input       []byte
+	Output      []byte
+	Epoch       int64
+	LeasedUntil pgtype.Timestamptz
+	Step        pgtype.Text
+	Runs        int32
+	LastError   pgtype.Text
+	Retention   pgtype.Interval
+	CreatedAt   pgtype.Timestamptz
+	CompletedAt pgtype.Timestamptz
+	ExpiresAt   pgtype.Timestamptz
+}
+
+type IdemFlowStep struct {
+	Scope         string
+	Key           string
+	Seq           int32
+	Name          string
+	Kind          string
+	State         string
+	Result        []byte
+	Attempts      int32
+	LastError     pgtype.Text
+	FirstCalledAt pgtype.Timestamptz
+	CompletedAt   pgtype.Timestamptz
+}
+
 type IdempotencyKey struct {
 	Scope       string
 	Key         string

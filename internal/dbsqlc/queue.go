@@ -63,3 +63,103 @@ func QueueKeyGet(b *pgx.Batch, arg KeyGetParams, row *KeyGetRow, found *bool) {
 		return err
 	})
 }
+
+// captured is a DBTX that records the statement a generated method would
+// run, instead of running it, so that the statement can be queued on a
+// batch with its arguments in the order sqlc wrote them.
+type captured struct {
+	sql  string
+	args []any
+}
+
+var errCaptured = errors.New("dbsqlc: statement captured for a batch, not run")
+
+func (c *captured) Exec(_ context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	c.sql, c.args = sql, args
+	return pgconn.CommandTag{}, errCaptured
+}
+
+func (c *captured) Query(_ context.Context, sql string, args ...any) (pgx.Rows, error) {
+	c.sql, c.args = sql, args
+	return nil, errCaptured
+}
+
+func (c *captured) QueryRow(_ context.Context, sql string, args ...any) pgx.Row {
+	c.sql, c.args = sql, args
+	return errRow{errCaptured}
+}
+
+// queueCall queues on b the statement that call runs through its Queries.
+func queueCall(b *pgx.Batch, call func(q *Queries)) *pgx.QueuedQuery {
+	var c captured
+	call(New(&c))
+	return b.Queue(c.sql, c.args...)
+}
+
+// noRow turns pgx.ErrNoRows into found == false.
+func noRow(err error, found *bool) error {
+	*found = err == nil
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil
+	}
+	return err
+}
+
+// QueueFlowStart queues FlowStart on b: epoch is filled in and started set
+// when the batch's results are read. No row is not an error.
+func QueueFlowStart(b *pgx.Batch, arg FlowStartParams, epoch *int64, started *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowStart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return noRow(r.Scan(epoch), started)
+	})
+}
+
+// QueueFlowTakeOver queues FlowTakeOver on b, as QueueFlowStart does.
+func QueueFlowTakeOver(b *pgx.Batch, arg FlowTakeOverParams, epoch *int64, tookOver *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowTakeOver(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return noRow(r.Scan(epoch), tookOver)
+	})
+}
+
+// QueueFlowAdopt queues FlowAdopt on b, as QueueFlowStart does.
+func QueueFlowAdopt(b *pgx.Batch, arg FlowAdoptParams, row *FlowAdoptRow, adopted *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowAdopt(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return noRow(r.Scan(&row.Epoch, &row.Input), adopted)
+	})
+}
+
+// QueueFlowGet queues FlowGet on b; row is filled in and found set when the
+// batch's results are read. No flow is not an error.
+func QueueFlowGet(b *pgx.Batch, arg FlowGetParams, row *FlowGetRow, found *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowGet(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return noRow(r.Scan(&row.Name, &row.Fingerprint, &row.State, &row.Output, &row.LastError, &row.Leased), found)
+	})
+}
+
+// QueueFlowSteps queues FlowSteps on b; rows are appended to steps when the
+// batch's results are read.
+func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowSteps(context.Background(), arg) }).Query(func(rows pgx.Rows) error {
+		for rows.Next() {
+			var s FlowStepsRow
+			if err := rows.Scan(&s.Seq, &s.Name, &s.Kind, &s.State, &s.Result); err != nil {
+				return err
+			}
+			*steps = append(*steps, s)
+		}
+		return rows.Err()
+	})
+}
+
+// QueueFlowLease queues FlowLease on b; leased is set when the batch's
+// results are read.
+func QueueFlowLease(b *pgx.Batch, arg FlowLeaseParams, leased *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowLease(context.Background(), arg) }).Exec(func(tag pgconn.CommandTag) error {
+		*leased = tag.RowsAffected() == 1
+		return nil
+	})
+}
+
+// QueueFlowStepRecord queues FlowStepRecord on b.
+func QueueFlowStepRecord(b *pgx.Batch, arg FlowStepRecordParams) {
+	queueCall(b, func(q *Queries) { _ = q.FlowStepRecord(context.Background(), arg) })
+}

@@ -12,7 +12,8 @@ func TestQueuedScansMatchTheGeneratedRows(t *testing.T) {
 	for _, c := range []struct {
 		row     any
 		scanned int
-	}{{KeyLockRow{}, 4}, {KeyGetRow{}, 4}, {KeyClaimWaitRow{}, 2}} {
+	}{{KeyLockRow{}, 4}, {KeyGetRow{}, 4}, {KeyClaimWaitRow{}, 2},
+		{FlowAdoptRow{}, 2}, {FlowGetRow{}, 6}, {FlowStepsRow{}, 5}} {
 		if n := reflect.TypeOf(c.row).NumField(); n != c.scanned {
 			t.Errorf("%T has %d columns; queue.go scans %d", c.row, n, c.scanned)
 		}

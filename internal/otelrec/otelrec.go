@@ -1,5 +1,6 @@
 // Package otelrec records what idem's code sends through the OpenTelemetry
-// API, for tests: the counters' sums and the ended spans, by idem.outcome.
+// API, for tests: the counters' sums, by idem.outcome (or, for a counter
+// of events, idem.event), and the ended spans.
 package otelrec
 
 import (
@@ -27,10 +28,12 @@ type Recorder struct {
 	spans  []Span                        // ended spans, in order
 }
 
-// Span is an ended span: its name, its idem.outcome attribute and its status.
+// Span is an ended span: its name, its idem.outcome attribute, its status,
+// and all its string and int attributes, as strings.
 type Span struct {
 	Name, Outcome string
 	Status        codes.Code
+	Attrs         map[string]string
 }
 
 // New returns an empty Recorder.
@@ -41,7 +44,10 @@ func (r *Recorder) Meter(string, ...metric.MeterOption) metric.Meter { return re
 func (r *Recorder) Tracer(string, ...trace.TracerOption) trace.Tracer { return recTracer{r: r} }
 
 func (r *Recorder) add(instrument string, v float64, set attribute.Set) {
-	outcome, _ := set.Value("idem.outcome")
+	outcome, ok := set.Value("idem.outcome")
+	if !ok {
+		outcome, _ = set.Value("idem.event")
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.counts[instrument] == nil {
@@ -107,8 +113,10 @@ type recTracer struct {
 	r *Recorder
 }
 
-func (t recTracer) Start(ctx context.Context, name string, _ ...trace.SpanStartOption) (context.Context, trace.Span) {
-	s := &recSpan{r: t.r, span: Span{Name: name}}
+func (t recTracer) Start(ctx context.Context, name string, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
+	s := &recSpan{r: t.r, span: Span{Name: name, Attrs: map[string]string{}}}
+	cfg := trace.NewSpanStartConfig(opts...)
+	s.SetAttributes(cfg.Attributes()...)
 	return trace.ContextWithSpan(ctx, s), s
 }
 
@@ -123,6 +131,7 @@ func (s *recSpan) SetAttributes(kv ...attribute.KeyValue) {
 		if a.Key == "idem.outcome" {
 			s.span.Outcome = a.Value.AsString()
 		}
+		s.span.Attrs[string(a.Key)] = a.Value.String()
 	}
 }
 

@@ -10,7 +10,7 @@ import (
 // WALPart is the WAL that one kind of record adds to an operation.
 type WALPart struct {
 	Part  string  // resource manager, record type and relation
-	Bytes float64 // per operation, full-page images included
+	Bytes float64 // per operation (with full-page images from WAL, without from DatabaseWAL)
 }
 
 // WAL runs ops operations of phase one at a time and returns the WAL bytes
@@ -21,6 +21,22 @@ type WALPart struct {
 // databases on the server write out of the figure. Full-page images are in
 // it, so a checkpoint during the run shows.
 func WAL(ctx context.Context, pool *pgxpool.Pool, phase Phase, ops int64) (perOp float64, parts []WALPart, err error) {
+	return measureWAL(ctx, pool, phase, ops, walQuery, func(conn *pgxpool.Conn, slotLSN string) ([]any, error) {
+		var firstID int64
+		err := conn.QueryRow(ctx, `SELECT coalesce(max(id), 0) FROM payment`).Scan(&firstID)
+		return []any{slotLSN, firstID}, err
+	})
+}
+
+// measureWAL runs ops operations of phase one at a time and returns the
+// WAL that query finds, by part (each row a part and its bytes), per
+// operation. The session that reads it holds a temporary replication slot
+// meanwhile, which keeps the server from recycling the WAL to be read while
+// others write a lot of it, and goes with the session; mark runs on that
+// session before the operations, given the slot's LSN, and returns query's
+// arguments.
+func measureWAL(ctx context.Context, pool *pgxpool.Pool, phase Phase, ops int64, query string,
+	mark func(conn *pgxpool.Conn, slotLSN string) ([]any, error)) (perOp float64, parts []WALPart, err error) {
 	conn, err := pool.Acquire(ctx)
 	if err != nil {
 		return 0, nil, err
@@ -29,16 +45,14 @@ func WAL(ctx context.Context, pool *pgxpool.Pool, phase Phase, ops int64) (perOp
 	if _, err := conn.Exec(ctx, `CREATE EXTENSION IF NOT EXISTS pg_walinspect`); err != nil {
 		return 0, nil, fmt.Errorf("pg_walinspect: %w", err)
 	}
-	// A temporary replication slot keeps the server from recycling the WAL
-	// to be read while others write a lot of it; it goes with the session.
-	var start string
+	var slotLSN string
 	if err := conn.QueryRow(ctx, `SELECT lsn::text FROM pg_create_physical_replication_slot(
-		'idem_bench_' || pg_backend_pid(), immediately_reserve => true, temporary => true)`).Scan(&start); err != nil {
+		'idem_bench_' || pg_backend_pid(), immediately_reserve => true, temporary => true)`).Scan(&slotLSN); err != nil {
 		return 0, nil, fmt.Errorf("reserve WAL: %w", err)
 	}
 	defer conn.Exec(context.WithoutCancel(ctx), `SELECT pg_drop_replication_slot('idem_bench_' || pg_backend_pid())`)
-	var firstID int64
-	if err := conn.QueryRow(ctx, `SELECT coalesce(max(id), 0) FROM payment`).Scan(&firstID); err != nil {
+	args, err := mark(conn, slotLSN)
+	if err != nil {
 		return 0, nil, err
 	}
 	for i := range ops {
@@ -46,7 +60,7 @@ func WAL(ctx context.Context, pool *pgxpool.Pool, phase Phase, ops int64) (perOp
 			return 0, nil, fmt.Errorf("%s: %w", phase.Name, err)
 		}
 	}
-	rows, err := conn.Query(ctx, walQuery, start, firstID)
+	rows, err := conn.Query(ctx, query, args...)
 	if err != nil {
 		return 0, nil, err
 	}

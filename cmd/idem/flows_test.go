@@ -1,0 +1,58 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
+)
+
+func TestInspectFlowAndFlowEnd(t *testing.T) {
+	url := env.URL(t)
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	scope := testdb.Name("flow-ops")
+	// A flow whose call failed: in progress, its lease given up.
+	flow := idem.NewFlow(testdb.Name("ops"), func(s *idem.Steps, _ struct{}) (string, error) {
+		return idem.Call(s, "charge", func(context.Context, string) (string, error) {
+			return "", errors.New("provider timeout")
+		})
+	})
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, struct{}{}); err == nil {
+		t.Fatal("the failing flow succeeded")
+	}
+
+	code, out := runCommand(t, url, "inspect", "-flow", scope, "k")
+	if code != exitOK || !strings.Contains(out, "no executor holds it") || !strings.Contains(out, "provider timeout") ||
+		!strings.Contains(out, idem.ProviderKey(scope, "k", "charge")) || !strings.Contains(out, "input") ||
+		strings.Contains(out, "{}") {
+		t.Fatalf("inspect -flow: exit %d\n%s", code, out)
+	}
+	if code, out := runCommand(t, url, "inspect", "-flow", "-show-response", scope, "k"); code != exitOK || !strings.Contains(out, "{}") {
+		t.Fatalf("inspect -flow -show-response: exit %d\n%s", code, out)
+	}
+	if code, out := runCommand(t, url, "flow-end", scope, "k"); code != exitUsage {
+		t.Fatalf("flow-end without a reason: exit %d\n%s", code, out)
+	}
+	if code, out := runCommand(t, url, "flow-end", scope, "k", "refunded by hand"); code != exitOK || !strings.Contains(out, "ended") {
+		t.Fatalf("flow-end: exit %d\n%s", code, out)
+	}
+	if code, out := runCommand(t, url, "flow-end", scope, "k", "again"); code != exitFailure {
+		t.Fatalf("flow-end of an ended flow: exit %d\n%s", code, out)
+	}
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, struct{}{}); !errors.Is(err, idem.ErrFlowStopped) {
+		t.Fatalf("a run of the ended flow: %v, want ErrFlowStopped", err)
+	}
+	if code, out := runCommand(t, url, "stats"); code != exitOK || !strings.Contains(out, "flows needing attention") {
+		t.Fatalf("stats: exit %d\n%s", code, out)
+	}
+}

@@ -1,0 +1,297 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// The flow soak's clients: each operation is sent to a worker picked at
+// random and retried with the same key, on any worker, until it is
+// answered; some are sent by two clients at once, and some clients give
+// up after a failure and come back only at the end.
+
+const (
+	// flowSoakAttemptTimeout bounds one attempt. No fault stalls an
+	// attempt (a killed worker fails it at once), so it only keeps a bug
+	// from hanging the soak.
+	flowSoakAttemptTimeout = time.Minute
+	// flowSoakRetryDelayMax caps the backoff between an operation's
+	// attempts.
+	flowSoakRetryDelayMax = 250 * time.Millisecond
+	// flowSoakProgressEvery is how often a running soak says how far it got.
+	flowSoakProgressEvery = 10 * time.Second
+	// flowSoakWorkerGone is the failure of an attempt whose worker died
+	// while it ran it.
+	flowSoakWorkerGone = "worker died during the attempt"
+)
+
+// flowSoakOp is one logical operation, and what its clients got.
+type flowSoakOp struct {
+	i      int
+	key    string
+	amount int64
+	// kill is the point at which a worker dies during the operation.
+	kill string
+	// twin sends the operation from two clients at once; abandon has its
+	// client give up after a failed attempt.
+	twin, abandon bool
+
+	mu      sync.Mutex
+	answers []flowSoakAnswer
+	// abandoned is set when the client gave up; it came back at the end,
+	// and found the operation completed (completedAway) or not.
+	abandoned, completedAway bool
+	err                      error
+}
+
+// flowSoakLoad is the clients of one soak.
+type flowSoakLoad struct {
+	cfg     flowSoakConfig
+	scope   string
+	workers *flowSoakWorkers
+	client  *http.Client
+
+	attempts, executed, replayed atomic.Int64
+
+	mu       sync.Mutex
+	failures map[string]int64
+	samples  map[string]string
+}
+
+func newFlowSoakClient() *http.Client {
+	return &http.Client{Transport: &http.Transport{MaxIdleConns: 1024, MaxIdleConnsPerHost: 256}}
+}
+
+// plan lays the operations out: one in KillEvery has a worker killed
+// during it, at each kill point in turn, and every other round of the
+// points its client gives up once the worker died, leaving the flow to
+// the resumers; of the others, some are twins, some abandoned after a
+// failure.
+func (l *flowSoakLoad) plan() []*flowSoakOp {
+	ops := make([]*flowSoakOp, l.cfg.Ops)
+	kills := 0
+	for i := range ops {
+		op := &flowSoakOp{i: i, key: fmt.Sprintf("op-%d", i), amount: int64(100 + i)}
+		if n := l.cfg.KillEvery; n > 0 && i%n == n-1 {
+			op.kill = flowKillPoints[kills%len(flowKillPoints)]
+			op.abandon = kills/len(flowKillPoints)%2 == 1
+			kills++
+		} else {
+			op.twin = rand.Float64() < l.cfg.Twin
+			op.abandon = !op.twin && rand.Float64() < l.cfg.Abandon
+		}
+		ops[i] = op
+	}
+	return ops
+}
+
+// runAll runs the operations from the clients, and returns them once each
+// was answered, abandoned or failed.
+func (l *flowSoakLoad) runAll(ctx context.Context, stdout io.Writer) []*flowSoakOp {
+	ops := l.plan()
+	var next, done atomic.Int64
+	progressCtx, stopProgress := context.WithCancel(ctx)
+	var progress sync.WaitGroup
+	defer progress.Wait()
+	defer stopProgress()
+	started := time.Now()
+	progress.Go(func() {
+		every(progressCtx, flowSoakProgressEvery, func() {
+			kills, _ := l.workers.counts()
+			var killed int64
+			for _, n := range kills {
+				killed += n
+			}
+			fmt.Fprintf(stdout, "  %s: %d operations done, %d attempts, %d workers killed\n",
+				time.Since(started).Round(time.Second), done.Load(), l.attempts.Load(), killed)
+		})
+	})
+	var clients sync.WaitGroup
+	for range l.cfg.Clients {
+		clients.Go(func() {
+			for ctx.Err() == nil {
+				i := int(next.Add(1) - 1)
+				if i >= len(ops) {
+					return
+				}
+				l.do(ctx, ops[i])
+				done.Add(1)
+			}
+		})
+	}
+	clients.Wait()
+	return ops
+}
+
+// do runs op until it is answered, abandoned, or fails.
+func (l *flowSoakLoad) do(ctx context.Context, op *flowSoakOp) {
+	ctx, cancel := context.WithTimeout(ctx, l.cfg.OpTimeout)
+	defer cancel()
+	kill := op.kill
+	if kill == killAnywhere {
+		// Whatever the workers are doing now.
+		l.workers.killAny(killAnywhere)
+		kill = ""
+	}
+	if !op.twin {
+		l.send(ctx, op, kill, op.abandon)
+		return
+	}
+	var twin sync.WaitGroup
+	twin.Go(func() { l.send(ctx, op, "", false) })
+	l.send(ctx, op, "", false)
+	twin.Wait()
+}
+
+// comeBack sends again, until answered, the operations whose clients gave
+// up, and notes which were completed meanwhile.
+func (l *flowSoakLoad) comeBack(ctx context.Context, ops []*flowSoakOp) {
+	var away []*flowSoakOp
+	for _, op := range ops {
+		if op.abandoned {
+			away = append(away, op)
+		}
+	}
+	var next atomic.Int64
+	var clients sync.WaitGroup
+	for range min(l.cfg.Clients, len(away)) {
+		clients.Go(func() {
+			for ctx.Err() == nil {
+				i := int(next.Add(1) - 1)
+				if i >= len(away) {
+					return
+				}
+				opCtx, cancel := context.WithTimeout(ctx, l.cfg.OpTimeout)
+				l.send(opCtx, away[i], "", false)
+				cancel()
+			}
+		})
+	}
+	clients.Wait()
+}
+
+// send sends op until it is answered, or, when abandon is set, until an
+// attempt fails. kill, when set, marks the attempts until one fails with
+// its worker dead.
+func (l *flowSoakLoad) send(ctx context.Context, op *flowSoakOp, kill string, abandon bool) {
+	req := flowSoakRequest{Scope: l.scope, Key: op.key, Amount: op.amount, Kill: kill}
+	var lastErr error
+	for attempt := 1; ; attempt++ {
+		addr, err := l.workers.pick(ctx)
+		if err != nil {
+			op.fail(fmt.Errorf("%s: %w (last error: %v)", op.key, err, lastErr))
+			return
+		}
+		l.attempts.Add(1)
+		reply, status, kind, err := l.post(ctx, addr, req)
+		if err == nil {
+			if reply.Replayed {
+				l.replayed.Add(1)
+			} else {
+				l.executed.Add(1)
+			}
+			op.answered(*reply.Answer, reply.Replayed)
+			return
+		}
+		lastErr = err
+		l.recordFailure(kind, err)
+		switch {
+		case req.Kill != "" && kind == flowSoakWorkerGone:
+			req.Kill = "" // the worker died as planned
+			if abandon {
+				op.away()
+				return
+			}
+		case req.Kill != "":
+		case abandon:
+			op.away()
+			return
+		case status != 0 && status != http.StatusConflict && status != http.StatusServiceUnavailable:
+			op.fail(fmt.Errorf("%s: %s: %w", op.key, kind, err))
+			return
+		}
+		if ctx.Err() != nil {
+			op.fail(fmt.Errorf("%s: no answer within %s, last error: %w", op.key, l.cfg.OpTimeout, err))
+			return
+		}
+		ceiling := min(5*time.Millisecond<<min(attempt-1, 10), flowSoakRetryDelayMax)
+		_ = sleep(ctx, rand.N(ceiling)+1)
+	}
+}
+
+// post sends one attempt to the worker at addr. It returns the reply, or
+// the HTTP status (0 when none came), the kind of failure and its error.
+func (l *flowSoakLoad) post(ctx context.Context, addr string, req flowSoakRequest) (flowSoakReply, int, string, error) {
+	var reply flowSoakReply
+	body, err := json.Marshal(req)
+	if err != nil {
+		return reply, 0, "request", err
+	}
+	ctx, cancel := context.WithTimeout(ctx, flowSoakAttemptTimeout)
+	defer cancel()
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/pay", bytes.NewReader(body))
+	if err != nil {
+		return reply, 0, "request", err
+	}
+	resp, err := l.client.Do(hreq)
+	if err != nil {
+		var opErr *net.OpError
+		switch {
+		case errors.As(err, &opErr) && opErr.Op == "dial":
+			return reply, 0, "worker not serving (connection refused)", err
+		case ctx.Err() != nil:
+			return reply, 0, "attempt or operation timed out", err
+		}
+		return reply, 0, flowSoakWorkerGone, err
+	}
+	defer resp.Body.Close()
+	if err := json.NewDecoder(resp.Body).Decode(&reply); err != nil {
+		return reply, resp.StatusCode, flowSoakWorkerGone, err
+	}
+	if resp.StatusCode == http.StatusOK && reply.Answer != nil {
+		return reply, http.StatusOK, "", nil
+	}
+	return reply, resp.StatusCode, reply.Kind, errors.New(reply.Error)
+}
+
+func (l *flowSoakLoad) recordFailure(kind string, err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.failures[kind]++
+	if _, ok := l.samples[kind]; !ok {
+		l.samples[kind] = err.Error()
+	}
+}
+
+func (op *flowSoakOp) answered(a flowSoakAnswer, replayed bool) {
+	op.mu.Lock()
+	defer op.mu.Unlock()
+	if op.abandoned && len(op.answers) == 0 {
+		op.completedAway = replayed
+	}
+	op.answers = append(op.answers, a)
+}
+
+func (op *flowSoakOp) away() {
+	op.mu.Lock()
+	defer op.mu.Unlock()
+	op.abandoned = true
+}
+
+func (op *flowSoakOp) fail(err error) {
+	op.mu.Lock()
+	defer op.mu.Unlock()
+	if op.err == nil {
+		op.err = err
+	}
+}

@@ -1,0 +1,135 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// The flow soak runs its workers as this program run again, with
+// flowSoakWorkerEnv set: in the tests, this test binary, which must then be
+// a worker and nothing else, before TestMain starts a database.
+func init() {
+	spec := os.Getenv(flowSoakWorkerEnv)
+	if spec == "" {
+		return
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := runFlowSoakWorker(ctx, spec, os.Stdin, os.Stdout, os.Stderr)
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(exitFailure)
+	}
+	os.Exit(exitOK)
+}
+
+// TestFlowSoakEffectsEqualOperationsWhileWorkersAreKilled runs a short
+// flow soak: 240 operations on two worker processes, a worker killed with
+// SIGKILL during one operation in 20 (each kill point twice, once with the
+// client retrying and once with the client gone until the end, leaving
+// the flow to a resumer), provider calls failing before applying, or
+// applied and then timed out or cut, and a fifth of the operations sent
+// twice at once. The provider must have applied each operation once, the
+// business tables hold one payment and one ledger row for each, and every
+// answer be the stored one; and every fault must have hit.
+func TestFlowSoakEffectsEqualOperationsWhileWorkersAreKilled(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
+	defer cancel()
+	cfg := defaultFlowSoakConfig()
+	// A database of its own: the soak's tables are created on the way.
+	cfg.DatabaseURL = env.EmptyDatabase(t)
+	cfg.Ops, cfg.Clients, cfg.Workers, cfg.KillEvery = 240, 8, 2, 20
+	cfg.FailBeforeApply, cfg.TimeoutAfterApply, cfg.CutAfterApply = 0.05, 0.05, 0.05
+
+	var out bytes.Buffer
+	rep, err := flowSoak(ctx, cfg, &out)
+	t.Logf("flow soak output:\n%s", out.String())
+	if err != nil {
+		t.Fatalf("flow soak: %v", err)
+	}
+	if rep.Effects != cfg.Ops || rep.MissingEffects != 0 || rep.UnknownKeys != 0 {
+		t.Errorf("%d provider effects for %d operations (%d never applied, %d under unknown keys)",
+			rep.Effects, cfg.Ops, rep.MissingEffects, rep.UnknownKeys)
+	}
+	if rep.Payments != cfg.Ops || rep.Ledger != cfg.Ops || rep.MissingRows != 0 || rep.DoubledRows != 0 {
+		t.Errorf("%d payments and %d ledger rows for %d operations", rep.Payments, rep.Ledger, cfg.Ops)
+	}
+	if rep.WrongAnswers != 0 || rep.Unanswered != 0 || len(rep.NotDone) != 0 {
+		t.Errorf("%d wrong answers, %d operations unanswered, flows not done %v; want none", rep.WrongAnswers, rep.Unanswered, rep.NotDone)
+	}
+	// A soak in which a fault never hit proves nothing about that fault.
+	for _, point := range flowKillPoints {
+		if rep.Kills[point] == 0 {
+			t.Errorf("no worker was killed at %s", point)
+		}
+	}
+	for what, n := range map[string]int64{
+		"provider calls failed before applying":            rep.FailedBefore,
+		"provider calls applied and timed out":             rep.TimedOutAfter,
+		"provider calls applied and cut":                   rep.CutAfter,
+		"operations sent twice at once":                    int64(rep.Twins),
+		"operations completed while their client was away": int64(rep.CompletedAway),
+		"keys the provider was called with again":          int64(rep.Recalled),
+	} {
+		if n == 0 {
+			t.Errorf("no %s: the soak did not exercise that", what)
+		}
+	}
+}
+
+// TestFlowSoakWritesOnlyToADatabaseOfItsOwn runs the command as a user
+// would, pointed at an empty database: it must run in a database it
+// created and dropped, leaving the given one as it was.
+func TestFlowSoakWritesOnlyToADatabaseOfItsOwn(t *testing.T) {
+	url := env.EmptyDatabase(t)
+	code, out := runCommand(t, url, "flowsoak", "-ops", "40", "-clients", "4", "-workers", "1", "-kill-every", "10")
+	if code != exitOK {
+		t.Fatalf("idem flowsoak: exit %d\n%s", code, out)
+	}
+	m := createdDatabase.FindStringSubmatch(out)
+	if m == nil || !strings.Contains(out, `removed database "`+m[1]+`"`) {
+		t.Fatalf("idem flowsoak did not say it created and removed a database of its own:\n%s", out)
+	}
+	if databaseExists(t, url, m[1]) {
+		t.Errorf("idem flowsoak left its database %s behind", m[1])
+	}
+	if tables := userTables(t, url); len(tables) != 0 {
+		t.Fatalf("idem flowsoak wrote into the database it was given: %v", tables)
+	}
+}
+
+// TestFlowSoakConfigRejectsOutOfBounds checks the bounds that keep a flow
+// soak finite and its chances meaningful.
+func TestFlowSoakConfigRejectsOutOfBounds(t *testing.T) {
+	t.Parallel()
+	for name, change := range map[string]func(*flowSoakConfig){
+		"no operations":          func(c *flowSoakConfig) { c.Ops = 0 },
+		"too many operations":    func(c *flowSoakConfig) { c.Ops = maxFlowSoakOps + 1 },
+		"no clients":             func(c *flowSoakConfig) { c.Clients = 0 },
+		"no workers":             func(c *flowSoakConfig) { c.Workers = 0 },
+		"negative kill-every":    func(c *flowSoakConfig) { c.KillEvery = -1 },
+		"chance above one":       func(c *flowSoakConfig) { c.Twin = 1.5 },
+		"negative chance":        func(c *flowSoakConfig) { c.Abandon = -0.1 },
+		"provider faults over 1": func(c *flowSoakConfig) { c.FailBeforeApply, c.TimeoutAfterApply, c.CutAfterApply = 0.5, 0.4, 0.2 },
+		"lease too short":        func(c *flowSoakConfig) { c.Lease = time.Millisecond },
+		"no provider timeout":    func(c *flowSoakConfig) { c.ProviderTimeout = 0 },
+		"no operation timeout":   func(c *flowSoakConfig) { c.OpTimeout = 0 },
+	} {
+		cfg := defaultFlowSoakConfig()
+		change(&cfg)
+		if err := cfg.validate(); err == nil {
+			t.Errorf("%s: validate accepted %+v", name, cfg)
+		}
+	}
+	if err := defaultFlowSoakConfig().validate(); err != nil {
+		t.Errorf("the default configuration is invalid: %v", err)
+	}
+}

@@ -1,0 +1,350 @@
+package idem
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/guard"
+)
+
+// Flow is an operation made exactly-once per (scope, key), as [Run] makes
+// one write, whose function takes steps: local steps ([Local]), each a
+// transaction of its own that commits the step's writes with its result,
+// and calls to other systems ([Call]), made with no transaction open and
+// no connection held, each with a provider key that stays the same on
+// every attempt. Its record lives in idem's tables, beside the caller's
+// data. Create flows once, at start-up, with [NewFlow]; a Flow is safe for
+// concurrent use.
+//
+// Running a flow again for the same key ([Flow.Run] for a client's retry,
+// [Flow.Resume] for one whose client never came back) runs its function
+// again: steps that completed return their recorded results without
+// running, and the first step that did not continues. A flow that
+// completed replays its answer, as Run does. One executor at a time runs a
+// flow, under a lease (see [WithLease]) that it renews as it goes; an
+// executor that stalled past its lease is fenced: whatever it tries to
+// commit afterwards fails with [ErrLeaseLost] and commits nothing.
+//
+// The flow's answer is its function's value, stored as JSON. A definite
+// failure (a declined card, a provider's validation error) is part of
+// that value, so that retries get it without calling the provider again.
+// An error from the function is never stored: the call returns it, the
+// flow stays resumable, and the next attempt continues where it stopped,
+// calling again with the same provider key. So the function must turn
+// only definite failures into values, and return every uncertain one (a
+// timeout, a reset connection, a provider's 5xx) as an error.
+//
+// See docs/flows.md for when to use a flow rather than Run or the outbox,
+// and what exactly it guarantees.
+type Flow[In, Out any] struct {
+	name string
+	fn   func(s *Steps, in In) (Out, error)
+	opts []Option
+}
+
+// NewFlow returns the flow named name, whose function is fn. The name
+// identifies the flow's operations in idem's tables: [Flow.Resume] resumes
+// the operations of its own flow only, and a key whose operation another
+// flow recorded gives [ErrFingerprintMismatch]. It follows the rules of
+// keys: 1 to 255 bytes of UTF-8 without NUL.
+//
+// opts apply to every run of the flow, [Flow.Resume]'s included; options
+// given to one [Flow.Run] come after them. Give NewFlow what concerns the
+// flow's stored values, [WithCodec] above all: Resume opens the stored
+// input with the flow's own options only. Of idem's options, flows use
+// [WithWait] (a duplicate's wait for the executor), [WithRetention]
+// (counted from the flow's completion), [WithTxOptions] (the local steps'
+// transactions), [WithMaxResponseSize] and [WithCodec] (the stored input,
+// step results and answer), [WithObserver], and their own: [WithLease],
+// [WithGrace] and [WithProviderWindow].
+//
+// NewFlow panics when name is invalid, fn is nil, or an option was made
+// from a value that cannot work, with the error that says so (wrapping
+// [ErrInvalidOption]): flows are made at start-up, from values written in
+// the code, as regexp.MustCompile's patterns are.
+func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...Option) *Flow[In, Out] {
+	if err := guard.CheckIdentifier(name); err != nil {
+		panic(fmt.Errorf("%w: NewFlow: name %q: %s", ErrInvalidOption, name, err))
+	}
+	if fn == nil {
+		panic(fmt.Errorf("%w: NewFlow %q: the function is nil", ErrInvalidOption, name))
+	}
+	if err := CheckOptions(opts...); err != nil {
+		panic(fmt.Errorf("idem: NewFlow %q: %w", name, err))
+	}
+	return &Flow[In, Out]{name: name, fn: fn, opts: slices.Clone(opts)}
+}
+
+// options are the flow's options, then opts.
+func (f *Flow[In, Out]) options(opts []Option) (options, error) {
+	return newOptions(append(slices.Clip(f.opts), opts...))
+}
+
+// Run runs the flow's operation for (scope, key) with input in, once, on
+// db (a pool, or an idle connection, as for [Run]).
+//
+// The first Run for a key records in and runs the flow's function. A Run
+// for a key whose flow completed returns its stored answer, with Replayed
+// set, and runs nothing. A Run for a flow that another executor runs
+// waits for it, under [WithWait], and replays its answer, or takes it over
+// if that executor's lease runs out; past the wait it returns
+// [ErrInProgress]. A Run for a flow whose earlier run failed, or whose
+// executor died, takes it over at once and continues it from its first
+// incomplete step (see [Flow]). fp is the request's fingerprint, compared
+// as [Do] compares it: a key recorded with another fingerprint, or by
+// another flow, gives [ErrFingerprintMismatch] before any step runs.
+//
+// When the function returns an error, or ctx ends, Run gives the flow's
+// lease up before it returns (within a second, as the rollbacks of
+// [WithTx] are bounded), so that a retry continues the flow at once, and
+// returns the error; nothing of it is stored. A flow stopped for a
+// person's decision gives [ErrFlowStopped]. The input must be storable as
+// JSON ([ErrResponseNotStorable], [ErrResponseTooLarge] otherwise); a
+// completer resumes the flow with it.
+func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key string, fp []byte, in In, opts ...Option) (_ Result[Out], err error) {
+	o, err := f.options(opts)
+	ctx, obs := o.observer.observeFlow(ctx, "idem.Flow.Run", f.name)
+	defer func() { obs.end(scope, key, err) }()
+	if err != nil {
+		return Result[Out]{}, err
+	}
+	k, err := newKeyRef(scope, key, fp)
+	if err != nil {
+		return Result[Out]{}, err
+	}
+	if err := guard.CheckIdle(db, "a flow commits transactions of its own: pass the pool or an idle connection"); err != nil {
+		return Result[Out]{}, err
+	}
+	input, err := encodeResponse(in, scope, &o)
+	if err != nil {
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
+	}
+	r, stored, err := f.claim(ctx, db, k, input, &o, obs)
+	if err != nil {
+		return Result[Out]{}, err
+	}
+	if r == nil {
+		return replayed[Out](stored, scope, &o)
+	}
+	return f.execute(ctx, r, in)
+}
+
+// The states of a flow, as idem_flow.state spells them.
+const (
+	flowRunning   = "running"
+	flowDone      = "done"
+	flowAttention = "attention"
+	flowEnded     = "ended"
+)
+
+// claim starts k's flow, takes it over, or finds its answer, in one round
+// trip (FlowStart, FlowTakeOver, FlowGet, FlowSteps), again and again
+// while another executor holds the flow, until the wait budget runs out.
+// It returns the run to execute, or the stored answer to replay.
+func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation) (*flowRun, []byte, error) {
+	deadline := time.Now().Add(o.wait)
+	lease := interval(o.lease)
+	for attempt := 0; ; attempt++ {
+		var (
+			epoch, takenEpoch  int64
+			started, tookOver  bool
+			rec                dbsqlc.FlowGetRow
+			found              bool
+			steps              []dbsqlc.FlowStepsRow
+			scope, key, name   = k.scope, k.key, f.name
+			fingerprint, stamp = k.fp, o.retentionInterval()
+		)
+		b := &pgx.Batch{}
+		dbsqlc.QueueFlowStart(b, dbsqlc.FlowStartParams{Scope: scope, Key: key, FlowName: name, Fingerprint: fingerprint,
+			Input: string(input), Lease: lease, Retention: stamp}, &epoch, &started)
+		dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Lease: lease, Scope: scope, Key: key, FlowName: name,
+			Fingerprint: fingerprint}, &takenEpoch, &tookOver)
+		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: scope, Key: key}, &rec, &found)
+		dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: scope, Key: key}, &steps)
+		if err := sendBatch(ctx, db, b); err != nil {
+			return nil, nil, translate("idem: flow: claim key", err)
+		}
+		switch {
+		case started:
+			obs.claimDone(outcomeClaimed)
+			return newFlowRun(db, k, f.name, epoch, nil, o, obs), nil, nil
+		case tookOver:
+			obs.claimDone(outcomeResumed)
+			return newFlowRun(db, k, f.name, takenEpoch, steps, o, obs), nil, nil
+		case !found:
+			// Ended and purged between the statements: start again.
+			continue
+		case rec.Name != f.name || !bytes.Equal(rec.Fingerprint, k.fp):
+			obs.claimDone(outcomeMismatch)
+			return nil, nil, ErrFingerprintMismatch
+		case rec.State == flowDone:
+			obs.claimDone(outcomeReplayed)
+			return nil, rec.Output, nil
+		case rec.State == flowAttention:
+			obs.claimDone(outcomeStopped)
+			return nil, nil, fmt.Errorf("%w: it needs attention: %s", ErrFlowStopped, rec.LastError.String)
+		case rec.State == flowEnded:
+			obs.claimDone(outcomeStopped)
+			return nil, nil, fmt.Errorf("%w: an operator ended it: %s", ErrFlowStopped, rec.LastError.String)
+		}
+		// Another executor holds the flow: wait for it to finish, or for
+		// its lease to run out.
+		remaining := time.Until(deadline)
+		if remaining <= 0 {
+			obs.claimDone(outcomeInProgress)
+			return nil, nil, fmt.Errorf("%w: flow %q is running elsewhere past the wait budget", ErrInProgress, f.name)
+		}
+		if err := sleep(ctx, min(pollDelay(attempt), remaining)); err != nil {
+			return nil, nil, err
+		}
+	}
+}
+
+// pollDelay is how long a duplicate waits before it looks at a flow that
+// another executor holds again: 5ms, growing to about 100ms.
+func pollDelay(attempt int) time.Duration {
+	ceiling := min(5*time.Millisecond<<min(attempt, 5), 100*time.Millisecond)
+	return ceiling/2 + rand.N(ceiling/2+1)
+}
+
+// execute runs the flow's function as the executor r, and records its
+// answer, or gives the lease up when it fails.
+func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Result[Out], err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			r.returned.Store(true)
+			r.release(ctx, fmt.Sprintf("panic: %v", p))
+			panic(p)
+		}
+	}()
+	out, err := f.fn(&Steps{ctx: ctx, run: r}, in)
+	r.returned.Store(true)
+	if err != nil {
+		if !errors.Is(err, ErrLeaseLost) && !errors.Is(err, ErrFlowStopped) {
+			r.release(ctx, err.Error())
+		}
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: %w", f.name, err)
+	}
+	output, err := encodeResponse(out, r.k.scope, r.o)
+	if err != nil {
+		r.release(ctx, err.Error())
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: answer: %w", f.name, err)
+	}
+	var n int64
+	err = onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
+		n, err = q.FlowComplete(ctx, dbsqlc.FlowCompleteParams{Output: pgtype.Text{String: string(output), Valid: true},
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
+		return err
+	})
+	if err != nil {
+		r.release(ctx, err.Error())
+		return Result[Out]{}, translate(fmt.Sprintf("idem: flow %q: record answer", f.name), err)
+	}
+	if n == 0 {
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: record answer: %w", f.name, r.lostError())
+	}
+	r.obs.flowCompleted()
+	return Result[Out]{Value: out}, nil
+}
+
+// flowRun is one executor's run of a flow: what it holds (the flow at
+// epoch, leased), what earlier runs recorded, and where its function is.
+type flowRun struct {
+	db    TxBeginner
+	k     keyRef
+	flow  string
+	epoch int64
+	o     *options
+	obs   *flowObservation
+	// recorded are the steps that earlier runs recorded, in order.
+	recorded []dbsqlc.FlowStepsRow
+	// next is the place of the function's next step; names are the steps
+	// it took.
+	next  int32
+	names map[string]bool
+	// stepping is set while a step runs, returned once the function has
+	// returned: steps run one at a time, inside the function.
+	stepping, returned atomic.Bool
+}
+
+func newFlowRun(db TxBeginner, k keyRef, flow string, epoch int64, recorded []dbsqlc.FlowStepsRow, o *options, obs *flowObservation) *flowRun {
+	return &flowRun{db: db, k: k, flow: flow, epoch: epoch, o: o, obs: obs, recorded: recorded, names: make(map[string]bool)}
+}
+
+// lostError is ErrLeaseLost, saying what may have happened.
+func (r *flowRun) lostError() error {
+	return fmt.Errorf("%w: its lease ran out, another executor took the flow over, or an operator ended it", ErrLeaseLost)
+}
+
+// release gives the lease up, recording why, so that a retry takes the
+// flow over at once. It runs even when ctx has ended, for at most
+// cleanupTimeout.
+func (r *flowRun) release(ctx context.Context, why string) {
+	ctx, cancel := cleanupContext(ctx)
+	defer cancel()
+	_ = onDB(ctx, r.db, func(q *dbsqlc.Queries) error {
+		return q.FlowRelease(ctx, dbsqlc.FlowReleaseParams{LastError: storableText(why),
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
+	})
+}
+
+// storableText is s as a text column can hold it, cut to a size that
+// suits an operator's screen: valid UTF-8, without NUL.
+func storableText(s string) string {
+	s = strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "")
+	const limit = 2000
+	if len(s) > limit {
+		cut := limit
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		s = s[:cut] + "…"
+	}
+	return s
+}
+
+// interval is d as a PostgreSQL interval.
+func interval(d time.Duration) pgtype.Interval {
+	return pgtype.Interval{Microseconds: d.Microseconds(), Valid: true}
+}
+
+// batchSender sends batches: a pool or a connection.
+type batchSender interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// sendBatch sends b on db, in one implicit transaction of its own: on a
+// pool or connection directly, on any other TxBeginner in a transaction
+// begun for it.
+func sendBatch(ctx context.Context, db TxBeginner, b *pgx.Batch) error {
+	if s, ok := db.(batchSender); ok {
+		return s.SendBatch(ctx, b).Close()
+	}
+	return WithTx(ctx, db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
+		return tx.SendBatch(ctx, b).Close()
+	})
+}
+
+// onDB runs fn's statement on db, in a transaction of its own: on a pool or
+// connection directly, on any other TxBeginner in a transaction begun for
+// it.
+func onDB(ctx context.Context, db TxBeginner, fn func(q *dbsqlc.Queries) error) error {
+	if d, ok := db.(dbsqlc.DBTX); ok {
+		return fn(dbsqlc.New(d))
+	}
+	return WithTx(ctx, db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
+		return fn(dbsqlc.New(tx))
+	})
+}

@@ -1,0 +1,133 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem/internal/dbsqlc"
+)
+
+// FlowInfo is what idem holds for one flow operation: see [InspectFlow].
+type FlowInfo struct {
+	// Found reports whether (scope, key) has a flow. When it has none, the
+	// other fields are zero.
+	Found bool
+	// Name is the flow's name (see [NewFlow]).
+	Name string
+	// State is "running" (in progress, held by an executor or waiting for
+	// one), "done" (its answer is recorded), "attention" (stopped for a
+	// person's decision: see [ErrFlowStopped]) or "ended" (by [EndFlow]).
+	State string
+	// Step is the step a running flow's executor is at, or was at when it
+	// stopped.
+	Step string
+	// Runs counts the runs that took the flow on: its first, and every
+	// takeover after an executor failed or vanished.
+	Runs int
+	// LastError is the error of the last run that failed, the reason a
+	// flow needs attention, or the reason an operator gave for ending it.
+	LastError string
+	// LeasedUntil is when the executor's lease runs out; Leased reports
+	// whether it holds now.
+	LeasedUntil time.Time
+	Leased      bool
+	// Fingerprint is the fingerprint of the request that started the flow.
+	Fingerprint []byte
+	// Input and Output are the stored input and answer, as stored: JSON,
+	// sealed when the flow has a [Codec]. They may hold personal data.
+	Input, Output []byte
+	// CreatedAt, CompletedAt and ExpiresAt are when the flow started, when
+	// it finished, and when its retention ends.
+	CreatedAt, CompletedAt, ExpiresAt time.Time
+	// Expired reports whether the retention has passed: the key counts as
+	// absent, and its next run starts the flow again.
+	Expired bool
+	// Steps are the steps the flow recorded, in order.
+	Steps []FlowStep
+}
+
+// FlowStep is a step of a flow, as [InspectFlow] shows it.
+type FlowStep struct {
+	// Name is the step's name, Kind "local" or "call".
+	Name, Kind string
+	// State is "done" once its result is recorded; a call whose intent is
+	// recorded without a result is "calling": a run of the flow calls it
+	// again with ProviderKey.
+	State string
+	// Attempts counts a call's attempts (1 for a local step).
+	Attempts int
+	// Result is the step's result as stored, JSON or sealed.
+	Result []byte
+	// ProviderKey is a call's provider key (see [ProviderKey]).
+	ProviderKey string
+	// FirstCalledAt is when a call's first attempt was made; CompletedAt
+	// is when the step's result was recorded.
+	FirstCalledAt, CompletedAt time.Time
+}
+
+// InspectFlow reads what idem holds for the flow operation (scope, key),
+// whatever its state, in a read-only transaction on db, a pool or an idle
+// connection. A key without a flow is not an error: FlowInfo.Found is
+// false. Scopes and keys are checked as [Do] checks them.
+func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInfo, error) {
+	k, err := newKeyRef(scope, key, nil)
+	if err != nil {
+		return FlowInfo{}, err
+	}
+	var info FlowInfo
+	err = WithTx(ctx, db, readOnly, func(ctx context.Context, tx pgx.Tx) error {
+		q := dbsqlc.New(tx)
+		f, err := q.FlowInspect(ctx, dbsqlc.FlowInspectParams{Scope: k.scope, Key: k.key})
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("idem: inspect flow: %w", err)
+		}
+		info = FlowInfo{Found: true, Name: f.Name, State: f.State, Step: f.Step.String, Runs: int(f.Runs),
+			LastError: f.LastError.String, LeasedUntil: timeOf(f.LeasedUntil), Leased: f.Leased,
+			Fingerprint: f.Fingerprint, Input: f.Input, Output: f.Output, CreatedAt: timeOf(f.CreatedAt),
+			CompletedAt: timeOf(f.CompletedAt), ExpiresAt: timeOf(f.ExpiresAt), Expired: f.Expired}
+		steps, err := q.FlowInspectSteps(ctx, dbsqlc.FlowInspectStepsParams{Scope: k.scope, Key: k.key})
+		if err != nil {
+			return fmt.Errorf("idem: inspect flow: steps: %w", err)
+		}
+		for _, s := range steps {
+			step := FlowStep{Name: s.Name, Kind: s.Kind, State: s.State, Attempts: int(s.Attempts), Result: s.Result,
+				FirstCalledAt: timeOf(s.FirstCalledAt), CompletedAt: timeOf(s.CompletedAt)}
+			if s.Kind == stepCall {
+				step.ProviderKey = ProviderKey(k.scope, k.key, s.Name)
+			}
+			info.Steps = append(info.Steps, step)
+		}
+		return nil
+	})
+	return info, err
+}
+
+// EndFlow ends the flow operation (scope, key), running or stopped for
+// attention, for an operator who has settled it by hand (say, refunded or
+// confirmed a charge with the provider): nothing runs it again, its
+// executor, if one still runs, commits nothing more ([ErrLeaseLost]), and
+// until its retention (counted from now) has passed, every run for the key
+// gets [ErrFlowStopped] with reason. It reports false when the key has no
+// flow that is running or stopped.
+func EndFlow(ctx context.Context, db TxBeginner, scope, key, reason string) (ended bool, err error) {
+	k, err := newKeyRef(scope, key, nil)
+	if err != nil {
+		return false, err
+	}
+	var n int64
+	err = onDB(ctx, db, func(q *dbsqlc.Queries) (err error) {
+		n, err = q.FlowEnd(ctx, dbsqlc.FlowEndParams{Reason: storableText(reason), Scope: k.scope, Key: k.key})
+		return err
+	})
+	if err != nil {
+		return false, translate("idem: end flow", err)
+	}
+	return n == 1, nil
+}

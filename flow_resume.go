@@ -1,0 +1,186 @@
+package idem
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/guard"
+)
+
+// resumeBatch is the most flows one pass of Resume takes.
+const resumeBatch = 100
+
+// Resume is one pass of the flow's completer: it takes over up to 100 of
+// the flow's operations whose lease ran out at least [WithGrace] ago,
+// longest abandoned first, and runs each to its end with the input its
+// first run recorded, one after another, as [Flow.Run] would for a
+// client's retry. It returns how many it completed, and the errors of the
+// others, joined (each names the operation's scope and a hash of its key,
+// as an [Observer]'s logs do). An operation whose run failed again waits
+// longer before the next pass takes it (1s, 2s, 4s and so on, by its runs,
+// up to an hour), so that one that keeps failing does not take every pass.
+//
+// A flow that completed is replayed to its client's retry, which then
+// gets the answer the completer recorded. Run it periodically, from every
+// replica if you like (each operation goes to one of them), or start
+// [Flow.StartResumer], which does.
+func (f *Flow[In, Out]) Resume(ctx context.Context, db TxBeginner) (resumed int, err error) {
+	o, err := f.options(nil)
+	if err != nil {
+		return 0, err
+	}
+	if err := guard.CheckIdle(db, "a flow commits transactions of its own: pass the pool or an idle connection"); err != nil {
+		return 0, err
+	}
+	var abandoned []dbsqlc.FlowAbandonedRow
+	err = onDB(ctx, db, func(q *dbsqlc.Queries) (err error) {
+		abandoned, err = q.FlowAbandoned(ctx, dbsqlc.FlowAbandonedParams{FlowName: f.name, Grace: interval(o.grace), MaxRows: resumeBatch})
+		return err
+	})
+	if err != nil {
+		return 0, translate(fmt.Sprintf("idem: flow %q: resume", f.name), err)
+	}
+	var errs []error
+	for _, a := range abandoned {
+		if ctx.Err() != nil {
+			errs = append(errs, ctx.Err())
+			break
+		}
+		completed, err := f.resumeOne(ctx, db, a.Scope, a.Key, &o)
+		if completed {
+			resumed++
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("scope %q, key %s: %w", a.Scope, o.observer.loggedKey(a.Key), err))
+		}
+	}
+	return resumed, errors.Join(errs...)
+}
+
+// resumeOne takes the operation (scope, key) over (FlowAdopt, FlowSteps in
+// one round trip) and runs it to its end. It reports false with no error
+// when another executor took it first.
+func (f *Flow[In, Out]) resumeOne(ctx context.Context, db TxBeginner, scope, key string, o *options) (completed bool, err error) {
+	ctx, obs := o.observer.observeFlow(ctx, "idem.Flow.Resume", f.name)
+	defer func() { obs.end(scope, key, err) }()
+	var adopted dbsqlc.FlowAdoptRow
+	var ok bool
+	var steps []dbsqlc.FlowStepsRow
+	b := &pgx.Batch{}
+	dbsqlc.QueueFlowAdopt(b, dbsqlc.FlowAdoptParams{Lease: interval(o.lease), Scope: scope, Key: key, FlowName: f.name,
+		Grace: interval(o.grace)}, &adopted, &ok)
+	dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: scope, Key: key}, &steps)
+	if err := sendBatch(ctx, db, b); err != nil {
+		return false, translate("idem: flow: take over", err)
+	}
+	if !ok {
+		return false, nil
+	}
+	obs.claimDone(outcomeResumed)
+	// The keys in the table were checked when they were written; the
+	// fingerprint is the record's own.
+	k := keyRef{scope: scope, key: key}
+	r := newFlowRun(db, k, f.name, adopted.Epoch, steps, o, obs)
+	in, err := replayed[In](adopted.Input, scope, o)
+	if err != nil {
+		r.release(ctx, err.Error())
+		return false, fmt.Errorf("idem: flow %q: recorded input: %w", f.name, err)
+	}
+	if _, err := f.execute(ctx, r, in.Value); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+// ResumerConfig configures [Flow.StartResumer]. The zero value is usable.
+type ResumerConfig struct {
+	// Interval is how long the resumer sleeps after a pass that found
+	// fewer operations than a pass takes; after a full pass it starts the
+	// next at once. It must not be negative. Defaults to 10s.
+	Interval time.Duration
+
+	// Logger receives a line per operation that a pass completed and per
+	// one that failed. Defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// Resumer runs a flow's completer in the background until stopped. Create
+// it with [Flow.StartResumer].
+type Resumer struct {
+	cancel  context.CancelFunc
+	done    chan struct{}
+	resumed atomic.Int64
+	once    sync.Once
+}
+
+// StartResumer starts running [Flow.Resume] in the background, pass after
+// pass, on db (a pool), until ctx is cancelled or Stop is called. Several
+// resumers of one flow can run at once, one per replica: each operation
+// goes to one of them. It refuses an invalid cfg, naming the field, with
+// an error that wraps [ErrInvalidOption].
+func (f *Flow[In, Out]) StartResumer(ctx context.Context, db TxBeginner, cfg ResumerConfig) (*Resumer, error) {
+	switch {
+	case cfg.Interval < 0:
+		return nil, fmt.Errorf("%w: ResumerConfig.Interval must not be negative (0 means the default, 10s), got %s", ErrInvalidOption, cfg.Interval)
+	case db == nil:
+		return nil, fmt.Errorf("%w: StartResumer needs a database, got nil", ErrInvalidOption)
+	}
+	if err := guard.CheckIdle(db, "a resumer commits transactions of its own: pass the pool"); err != nil {
+		return nil, err
+	}
+	interval := cmp.Or(cfg.Interval, 10*time.Second)
+	logger := cmp.Or(cfg.Logger, slog.Default())
+	ctx, cancel := context.WithCancel(ctx)
+	r := &Resumer{cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(r.done)
+		for {
+			resumed, err := f.Resume(ctx, db)
+			r.resumed.Add(int64(resumed))
+			if resumed > 0 {
+				logger.LogAttrs(ctx, slog.LevelInfo, "idem: resumed abandoned flows",
+					slog.String("flow", f.name), slog.Int("completed", resumed))
+			}
+			if err != nil && ctx.Err() == nil {
+				logger.LogAttrs(ctx, slog.LevelWarn, "idem: resuming abandoned flows failed",
+					slog.String("flow", f.name), slog.Any("error", err))
+			}
+			if resumed+countErrors(err) >= resumeBatch {
+				continue
+			}
+			if sleep(ctx, interval) != nil {
+				return
+			}
+		}
+	}()
+	return r, nil
+}
+
+// countErrors counts the errors that errors.Join joined into err.
+func countErrors(err error) int {
+	if joined, ok := err.(interface{ Unwrap() []error }); ok {
+		return len(joined.Unwrap())
+	}
+	if err != nil {
+		return 1
+	}
+	return 0
+}
+
+// Stop stops the resumer and waits for its current pass to end.
+func (r *Resumer) Stop() {
+	r.once.Do(r.cancel)
+	<-r.done
+}
+
+// Resumed returns how many operations the resumer has completed so far.
+func (r *Resumer) Resumed() int64 { return r.resumed.Load() }

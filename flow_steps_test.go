@@ -1,0 +1,348 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"regexp"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
+)
+
+func TestFlowLocalStepIsNotRepeatedWhenALaterStepFailed(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps, idem.WithLease(time.Hour), idem.WithWait(0))
+	p.before = func(_ string, attempt int) error {
+		if attempt == 1 {
+			return errors.New("provider unavailable")
+		}
+		return nil
+	}
+	if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); err == nil {
+		t.Fatal("the first run succeeded")
+	}
+	if steps.Load() != 1 || countPayments(t, pool, scope) != 1 {
+		t.Fatalf("after the failed call: %d local steps ran, %d payments; want 1, 1", steps.Load(), countPayments(t, pool, scope))
+	}
+	res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// reserve ran once, record once: 2 in all.
+	if steps.Load() != 2 || countPayments(t, pool, scope) != 1 || res.Value.PaymentID == 0 {
+		t.Fatalf("after the retry: %d local steps ran, %d payments, answer %+v; want 2, 1, the first payment",
+			steps.Load(), countPayments(t, pool, scope), res.Value)
+	}
+}
+
+func TestFlowResumedWithOtherStepsIsRefusedBeforeAnyCall(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	name := testdb.Name("changed")
+	failing := errors.New("provider unavailable")
+	reserve := func(s *idem.Steps) (int, error) {
+		return idem.Local(s, "reserve", func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+	}
+	charge := func(s *idem.Steps) (string, error) {
+		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {
+			id, _, err := p.charge(ctx, key, 2500)
+			return id, err
+		})
+	}
+	p.before = func(string, int) error { return failing }
+	v1 := idem.NewFlow(name, func(s *idem.Steps, _ struct{}) (string, error) {
+		if _, err := reserve(s); err != nil {
+			return "", err
+		}
+		return charge(s)
+	}, idem.WithWait(0))
+	if _, err := v1.Run(ctx, pool, scope, "k", nil, struct{}{}); !errors.Is(err, failing) {
+		t.Fatalf("first run: %v, want the call's failure", err)
+	}
+	calls := p.calls.Load()
+	p.before = nil
+
+	for _, c := range []struct {
+		name string
+		fn   func(s *idem.Steps, _ struct{}) (string, error)
+	}{
+		{"the call first", func(s *idem.Steps, _ struct{}) (string, error) { return charge(s) }},
+		{"a local step where the call was", func(s *idem.Steps, _ struct{}) (string, error) {
+			if _, err := reserve(s); err != nil {
+				return "", err
+			}
+			return idem.Local(s, "charge", func(context.Context, pgx.Tx) (string, error) { return "local", nil })
+		}},
+		{"a renamed first step", func(s *idem.Steps, _ struct{}) (string, error) {
+			if _, err := idem.Local(s, "reserve-v2", func(context.Context, pgx.Tx) (int, error) { return 1, nil }); err != nil {
+				return "", err
+			}
+			return charge(s)
+		}},
+	} {
+		v2 := idem.NewFlow(name, c.fn, idem.WithWait(0))
+		if _, err := v2.Run(ctx, pool, scope, "k", nil, struct{}{}); !errors.Is(err, idem.ErrFlowChanged) {
+			t.Errorf("%s: %v, want ErrFlowChanged", c.name, err)
+		}
+	}
+	if p.calls.Load() != calls {
+		t.Fatalf("the provider was called %d times after the change, want 0", p.calls.Load()-calls)
+	}
+	// The flow waits, unchanged, for the version that took its steps.
+	v1again := idem.NewFlow(name, func(s *idem.Steps, _ struct{}) (string, error) {
+		if _, err := reserve(s); err != nil {
+			return "", err
+		}
+		return charge(s)
+	}, idem.WithWait(0))
+	if res, err := v1again.Run(ctx, pool, scope, "k", nil, struct{}{}); err != nil || res.Value != "ch_1" {
+		t.Fatalf("the original version: %+v, %v; want ch_1", res, err)
+	}
+}
+
+func TestFlowStepsNeedNamesOfTheirOwn(t *testing.T) {
+	ctx, pool, scope, _ := setupFlow(t)
+	step := func(s *idem.Steps, name string) error {
+		_, err := idem.Local(s, name, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+		return err
+	}
+	twice := idem.NewFlow(testdb.Name("twice"), func(s *idem.Steps, _ struct{}) (int, error) {
+		if err := step(s, "a"); err != nil {
+			return 0, err
+		}
+		return 0, step(s, "a")
+	})
+	if _, err := twice.Run(ctx, pool, scope, "twice", nil, struct{}{}); err == nil || !regexp.MustCompile(`name of its own`).MatchString(err.Error()) {
+		t.Fatalf("a step name taken twice: %v", err)
+	}
+	invalid := idem.NewFlow(testdb.Name("invalid"), func(s *idem.Steps, _ struct{}) (int, error) { return 0, step(s, "") })
+	if _, err := invalid.Run(ctx, pool, scope, "invalid", nil, struct{}{}); !errors.Is(err, idem.ErrInvalidOption) {
+		t.Fatalf("an empty step name: %v, want ErrInvalidOption", err)
+	}
+	var kept *idem.Steps
+	late := idem.NewFlow(testdb.Name("late"), func(s *idem.Steps, _ struct{}) (int, error) { kept = s; return 1, nil })
+	if _, err := late.Run(ctx, pool, scope, "late", nil, struct{}{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := step(kept, "after"); err == nil {
+		t.Fatal("a step taken after the function returned ran")
+	}
+}
+
+func TestFlowHoldsNoTransactionOrConnectionDuringACall(t *testing.T) {
+	ctx, _, scope, p := setupFlow(t)
+	// A pool of the test's own, named, on the server itself.
+	cfg := env.DirectPool(t).Config()
+	app := testdb.Name("flow-call")
+	cfg.ConnConfig.RuntimeParams["application_name"] = app
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	observer := env.DirectPool(t)
+
+	var acquired int32
+	var inTx int
+	p.before = func(string, int) error {
+		acquired = pool.Stat().AcquiredConns()
+		return observer.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE application_name = $1 AND xact_start IS NOT NULL`, app).Scan(&inTx)
+	}
+	var steps atomic.Int64
+	if _, err := chargeFlow(p, &steps).Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); err != nil {
+		t.Fatal(err)
+	}
+	if acquired != 0 || inTx != 0 {
+		t.Fatalf("during the call: %d connections acquired, %d sessions in a transaction; want 0, 0", acquired, inTx)
+	}
+}
+
+// leaseRanOut waits until the lease of the flow (scope, key) has run out,
+// as the database's clock tells.
+func leaseRanOut(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key string) {
+	t.Helper()
+	for {
+		var out bool
+		err := pool.QueryRow(ctx, `SELECT leased_until <= now() FROM idem_flow WHERE scope = $1 AND key = $2`, scope, key).Scan(&out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if out {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestFlowStalledExecutorIsFencedAtItsNextStep(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	name := testdb.Name("stall")
+	var steps atomic.Int64
+	stalled, resume := make(chan struct{}), make(chan struct{})
+	var stalls atomic.Int64
+	flow := idem.NewFlow(name, func(s *idem.Steps, in chargeIn) (string, error) {
+		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			steps.Add(1)
+			_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`, s.Scope(), s.Key(), in.Amount)
+			return 1, err
+		}); err != nil {
+			return "", err
+		}
+		if stalls.Add(1) == 1 {
+			close(stalled) // the first executor stalls here, holding no lease renewal
+			<-resume
+		}
+		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {
+			id, _, err := p.charge(ctx, key, in.Amount)
+			return id, err
+		})
+	}, idem.WithLease(100*time.Millisecond))
+
+	first := make(chan error, 1)
+	go func() {
+		_, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+		first <- err
+	}()
+	<-stalled
+	leaseRanOut(t, ctx, pool, scope, "k")
+	second, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+	if err != nil || second.Value != "ch_1" {
+		t.Fatalf("the retry that took the flow over: %+v, %v", second, err)
+	}
+	close(resume)
+	if err := <-first; !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("the stalled executor: %v, want ErrLeaseLost", err)
+	}
+	if p.calls.Load() != 1 || steps.Load() != 1 || countPayments(t, pool, scope) != 1 {
+		t.Fatalf("%d calls, %d local steps, %d payments; want 1, 1, 1", p.calls.Load(), steps.Load(), countPayments(t, pool, scope))
+	}
+	if again, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); err != nil || !again.Replayed || again.Value != "ch_1" {
+		t.Fatalf("a later retry: %+v, %v; want the answer replayed", again, err)
+	}
+}
+
+func TestFlowStalledCallIsFencedAndRecordsNothing(t *testing.T) {
+	ctx, frozenPool, scope, f := setupFrozen(t)
+	pool, p := env.Pool(t), newProvider()
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps, idem.WithLease(300*time.Millisecond))
+	calling, answer := make(chan struct{}), make(chan struct{})
+	p.after = func(_ string, attempt int) error {
+		if attempt == 1 {
+			close(calling)
+			<-answer // the first executor's call hangs after the provider applied it
+		}
+		return nil
+	}
+	first := make(chan error, 1)
+	go func() {
+		_, err := flow.Run(ctx, frozenPool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+		first <- err
+	}()
+	<-calling
+	f.freeze() // and its host is cut off: its lease cannot be renewed
+	leaseRanOut(t, ctx, pool, scope, "k")
+	second, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+	if err != nil || second.Value.ChargeID != "ch_1" {
+		t.Fatalf("the retry that took the flow over: %+v, %v", second, err)
+	}
+	close(answer)
+	if err := <-first; !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("the stalled executor: %v, want ErrLeaseLost", err)
+	}
+	charges, keys := p.effects()
+	if charges != 1 || len(keys) != 1 || countPayments(t, pool, scope) != 1 || steps.Load() != 2 {
+		t.Fatalf("charges %d, keys %v, payments %d, local steps %d; want 1, one key, 1, 2", charges, keys, countPayments(t, pool, scope), steps.Load())
+	}
+}
+
+func TestFlowPastTheProviderWindowNothingCallsAgain(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps, idem.WithWait(0))
+	// The provider applied the charge; the answer was lost.
+	p.after = func(_ string, attempt int) error {
+		if attempt == 1 {
+			return errors.New("timeout")
+		}
+		return nil
+	}
+	if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); err == nil {
+		t.Fatal("the first run succeeded")
+	}
+	// A day later, past the provider's 24 hours.
+	if _, err := pool.Exec(ctx, `UPDATE idem_flow_step SET first_called_at = first_called_at - interval '25 hours'
+		WHERE scope = $1 AND key = 'k'`, scope); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrFlowStopped) {
+			t.Fatalf("a retry past the window: %v, want ErrFlowStopped", err)
+		}
+	}
+	if p.calls.Load() != 1 {
+		t.Fatalf("the provider was called %d times, want once", p.calls.Load())
+	}
+	// A window of zero never calls twice.
+	zero := chargeFlow(p, &steps, idem.WithWait(0), idem.WithProviderWindow(0))
+	p.after = func(string, int) error { return errors.New("timeout") }
+	if _, err := zero.Run(ctx, pool, scope, "k0", fpCharge, chargeIn{Amount: 2500}); err == nil {
+		t.Fatal("the first run succeeded")
+	}
+	calls := p.calls.Load()
+	if _, err := zero.Run(ctx, pool, scope, "k0", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrFlowStopped) {
+		t.Fatalf("a retry with a window of zero: %v, want ErrFlowStopped", err)
+	}
+	if p.calls.Load() != calls {
+		t.Fatal("a window of zero called again")
+	}
+}
+
+func TestFlowRunGivesItsLeaseUpWhenItsContextEnds(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps, idem.WithLease(time.Hour), idem.WithWait(0))
+	runCtx, cancel := context.WithCancel(ctx)
+	p.before = func(_ string, attempt int) error {
+		if attempt == 1 {
+			cancel() // the client goes away during the call
+			<-runCtx.Done()
+			return runCtx.Err()
+		}
+		return nil
+	}
+	if _, err := flow.Run(runCtx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("the cancelled run: %v, want context.Canceled", err)
+	}
+	// With an hour's lease and no wait, only a lease given up lets the retry in.
+	if res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); err != nil || res.Value.ChargeID != "ch_1" {
+		t.Fatalf("the retry: %+v, %v", res, err)
+	}
+}
+
+func TestProviderKeyIsAStableUUID(t *testing.T) {
+	t.Parallel()
+	a := idem.ProviderKey("acme", "order-1", "charge")
+	if !regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-8[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`).MatchString(a) {
+		t.Fatalf("ProviderKey = %q, not a version 8 UUID", a)
+	}
+	if a != idem.ProviderKey("acme", "order-1", "charge") {
+		t.Fatal("ProviderKey is not stable")
+	}
+	for _, other := range []string{
+		idem.ProviderKey("acme", "order-1", "refund"),
+		idem.ProviderKey("acme", "order-2", "charge"),
+		idem.ProviderKey("acm", "eorder-1", "charge"),
+	} {
+		if other == a {
+			t.Fatalf("ProviderKey collides: %q", a)
+		}
+	}
+}

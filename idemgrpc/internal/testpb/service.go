@@ -1,0 +1,89 @@
+package testpb
+
+import (
+	"context"
+
+	"google.golang.org/grpc"
+)
+
+// Written by hand, as protoc-gen-go-grpc would write it, shorter: the
+// tests need the service, not a code generator.
+
+// Full method names of the Payments service.
+const (
+	PaymentsPay   = "/idemgrpc.test.v1.Payments/Pay"
+	PaymentsWatch = "/idemgrpc.test.v1.Payments/Watch"
+)
+
+// PaymentsServer is the server side of the Payments service. Its functions
+// may be nil: a nil Watch is not called.
+type PaymentsServer struct {
+	Pay   func(ctx context.Context, req *PayRequest) (*Payment, error)
+	Watch func(req *PayRequest, stream grpc.ServerStreamingServer[Payment]) error
+}
+
+// Register registers srv on s.
+func (srv *PaymentsServer) Register(s grpc.ServiceRegistrar) {
+	s.RegisterService(&grpc.ServiceDesc{
+		ServiceName: "idemgrpc.test.v1.Payments",
+		HandlerType: (*any)(nil),
+		Methods: []grpc.MethodDesc{{
+			MethodName: "Pay",
+			Handler: func(_ any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
+				in := new(PayRequest)
+				if err := dec(in); err != nil {
+					return nil, err
+				}
+				handler := func(ctx context.Context, req any) (any, error) { return srv.Pay(ctx, req.(*PayRequest)) }
+				if interceptor == nil {
+					return handler(ctx, in)
+				}
+				return interceptor(ctx, in, &grpc.UnaryServerInfo{Server: srv, FullMethod: PaymentsPay}, handler)
+			},
+		}},
+		Streams: []grpc.StreamDesc{{
+			StreamName:    "Watch",
+			ServerStreams: true,
+			Handler: func(_ any, stream grpc.ServerStream) error {
+				in := new(PayRequest)
+				if err := stream.RecvMsg(in); err != nil {
+					return err
+				}
+				return srv.Watch(in, &grpc.GenericServerStream[PayRequest, Payment]{ServerStream: stream})
+			},
+		}},
+		Metadata: "payments.proto",
+	}, srv)
+}
+
+// PaymentsClient is the client side of the Payments service.
+type PaymentsClient struct{ cc grpc.ClientConnInterface }
+
+// NewPaymentsClient returns a client on cc.
+func NewPaymentsClient(cc grpc.ClientConnInterface) PaymentsClient { return PaymentsClient{cc: cc} }
+
+// Pay calls Payments.Pay.
+func (c PaymentsClient) Pay(ctx context.Context, in *PayRequest, opts ...grpc.CallOption) (*Payment, error) {
+	out := new(Payment)
+	if err := c.cc.Invoke(ctx, PaymentsPay, in, out, opts...); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// Watch calls Payments.Watch.
+func (c PaymentsClient) Watch(ctx context.Context, in *PayRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[Payment], error) {
+	desc := &grpc.StreamDesc{StreamName: "Watch", ServerStreams: true}
+	stream, err := c.cc.NewStream(ctx, desc, PaymentsWatch, opts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[PayRequest, Payment]{ClientStream: stream}
+	if err := x.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}

@@ -1,0 +1,94 @@
+package interop_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+
+	"github.com/pgidem/idem/idemgrpc"
+	"github.com/pgidem/idem/idemgrpc/internal/testpb"
+)
+
+// TestRetryStormThroughAConnectionCutter sends logical payments from
+// several clients through a proxy that cuts the connection carrying every
+// third answer after the server sent it; each client retries with
+// go-grpc-middleware's retry interceptor, beneath idemgrpc's client
+// interceptor. Every logical call must end with the answer of the one run
+// that committed: effects == logical calls.
+func TestRetryStormThroughAConnectionCutter(t *testing.T) {
+	ctx, pool, tenant := setup(t)
+	var p payments
+	cut := newCutter(t, serveGRPC(t, pool, &p), 3)
+
+	const clients, workers, perWorker = 4, 4, 25
+	const logical = clients * workers * perWorker
+	var sent atomic.Int64 // attempts that went to the wire
+	countAttempt := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		sent.Add(1)
+		return invoker(ctx, method, req, reply, cc, opts...)
+	}
+	var replayed, failed atomic.Int64
+	answers := make([]*testpb.Payment, logical)
+	var wg sync.WaitGroup
+	for c := range clients {
+		conn := dial(t, cut.addr(),
+			grpc.WithChainUnaryInterceptor(idemgrpc.NewClientInterceptor(),
+				retry.UnaryClientInterceptor(retry.WithMax(50), retry.WithCodes(codes.Unavailable, codes.Aborted),
+					retry.WithBackoff(retry.BackoffLinear(5*time.Millisecond))),
+				countAttempt),
+			// Reconnect at once after a cut, and wait for the connection
+			// rather than fail the attempt while it is down.
+			grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{
+				BaseDelay: 5 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 50 * time.Millisecond}}),
+			grpc.WithDefaultCallOptions(grpc.WaitForReady(true)))
+		client := testpb.NewPaymentsClient(conn)
+		for w := range workers {
+			wg.Go(func() {
+				for i := range perWorker {
+					n := (c*workers+w)*perWorker + i
+					var header metadata.MD
+					res, err := client.Pay(metadata.AppendToOutgoingContext(ctx, tenantKey, tenant),
+						&testpb.PayRequest{AmountCents: int64(n + 1)}, grpc.Header(&header))
+					if err != nil {
+						failed.Add(1)
+						t.Errorf("logical call %d: %v", n, err)
+						continue
+					}
+					answers[n] = res
+					if len(header.Get(idemgrpc.ReplayedMetadata)) == 1 {
+						replayed.Add(1)
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+
+	effects := count(t, pool, `SELECT count(*) FROM payment WHERE scope = $1`, tenant)
+	records := count(t, pool, `SELECT count(*) FROM idempotency_key WHERE scope = $1`, tenant)
+	t.Logf("storm: %d logical calls, %d attempts sent, %d connections cut after the server answered (of %d answers), "+
+		"%d handler runs, %d answers replayed, %d calls failed; %d effects, %d records",
+		logical, sent.Load(), cut.cuts.Load(), cut.answers.Load(), p.runs.Load(), replayed.Load(), failed.Load(), effects, records)
+	if effects != logical || records != logical || failed.Load() != 0 {
+		t.Fatalf("%d effects and %d records for %d logical calls (%d failed)", effects, records, logical, failed.Load())
+	}
+	if cut.cuts.Load() == 0 || replayed.Load() == 0 {
+		t.Fatalf("%d cuts and %d replays: the storm did not storm", cut.cuts.Load(), replayed.Load())
+	}
+	// Each answer is the one committed run's: its id is the payment row of
+	// its amount.
+	for n, res := range answers {
+		var id int64
+		if err := pool.QueryRow(ctx, `SELECT id FROM payment WHERE amount_cents = $1`, int64(n+1)).Scan(&id); err != nil || res.GetId() != id {
+			t.Fatalf("logical call %d got payment %d, the committed row is %d (%v)", n, res.GetId(), id, err)
+		}
+	}
+}
