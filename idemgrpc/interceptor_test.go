@@ -206,6 +206,27 @@ func TestDatabaseUnavailableIsUnavailable(t *testing.T) {
 	wantReason(t, b.err, codes.Unavailable, idemgrpc.ReasonDatabaseUnavailable)
 }
 
+// TestAStandbyIsUnavailable serves calls on a pool whose sessions are
+// read-only, as a standby's are (idem refuses both with ErrReadOnly, from
+// transaction_read_only): UNAVAILABLE, which clients retry, as for a
+// database that cannot be reached, not INTERNAL.
+func TestAStandbyIsUnavailable(t *testing.T) {
+	ctx, pool, tenant := setup(t)
+	cfg := pool.Config().Copy()
+	cfg.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	readOnly, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(readOnly.Close)
+	var p payments
+	conn := serve(t, readOnly, idemgrpc.Config{Logger: discard}, p.server())
+	wantReason(t, pay(ctx, conn, tenant, "k", &testpb.PayRequest{}).err, codes.Unavailable, idemgrpc.ReasonDatabaseUnavailable)
+	if p.runs.Load() != 0 {
+		t.Fatal("the handler ran on a read-only server")
+	}
+}
+
 func TestResponseTooLargeCommitsAndItsRetryIsAlreadyExists(t *testing.T) {
 	ctx, pool, tenant := setup(t)
 	var p payments

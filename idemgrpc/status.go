@@ -16,6 +16,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/pgidem/idem"
 )
 
 // ErrorDomain is the domain of the google.rpc.ErrorInfo that every error
@@ -71,8 +73,9 @@ const (
 	ReasonRequestFailed = "REQUEST_FAILED"
 
 	// ReasonDatabaseUnavailable (UNAVAILABLE): the database could not be
-	// reached, or the connection to it broke, so the call did not
-	// complete, or completed without its answer reaching the client.
+	// reached, the connection to it broke, or the connection reached a
+	// standby (a read-only server, as during a failover), so the call did
+	// not complete, or completed without its answer reaching the client.
 	// Retrying it later with the same key is safe: it runs again or
 	// replays.
 	ReasonDatabaseUnavailable = "DATABASE_UNAVAILABLE"
@@ -132,15 +135,17 @@ const (
 )
 
 // databaseUnavailable reports whether err says that the database could not
-// be reached or that the connection to it broke, rather than that a
-// statement failed.
+// be reached, that the connection to it broke, or that it reached a
+// standby (idem.ErrReadOnly: the interceptor never asks for a read-only
+// transaction), rather than that a statement failed.
 func databaseUnavailable(err error) bool {
 	var connectErr *pgconn.ConnectError
 	var opErr *net.OpError
 	var pgErr *pgconn.PgError
 	switch {
 	case errors.As(err, &connectErr), errors.Is(err, pgconn.ErrConnClosed),
-		errors.As(err, &opErr), errors.Is(err, io.ErrUnexpectedEOF):
+		errors.As(err, &opErr), errors.Is(err, io.ErrUnexpectedEOF),
+		errors.Is(err, idem.ErrReadOnly):
 		return true
 	case errors.As(err, &pgErr):
 		switch pgErr.Code {

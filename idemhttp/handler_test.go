@@ -459,6 +459,9 @@ func TestBrokenDatabaseConnectionIs503AndRetryRunsAgain(t *testing.T) {
 	if !strings.Contains(p["detail"].(string), "Retrying it with the same "+idemhttp.DefaultHeader+" is safe") {
 		t.Errorf("detail %q does not say that retrying is safe", p["detail"])
 	}
+	if got := failed.header.Get("Retry-After"); got != "1" {
+		t.Errorf("Retry-After %q, want 1", got)
+	}
 	if !strings.Contains(logs.String(), "status=503") {
 		t.Errorf("the failure was not logged; logs: %s", logs.String())
 	}

@@ -75,9 +75,12 @@ const (
 	ProblemRequestFailed = "request-failed"
 
 	// ProblemDatabaseUnavailable (503): the database could not be reached,
-	// or the connection to it broke, so the request did not complete, or
-	// completed without its answer reaching the client. Retrying it later
-	// with the same key is safe: it runs again or replays.
+	// the connection to it broke, or the connection reached a standby (a
+	// read-only server, as during a failover), so the request did not
+	// complete, or completed without its answer reaching the client.
+	// Retrying it later with the same key is safe: it runs again or
+	// replays. The answer carries a Retry-After of one second: the least
+	// wait, not a promise.
 	ProblemDatabaseUnavailable = "database-unavailable"
 
 	// ProblemRequestInvalid (400): the request is not what a flow endpoint
@@ -162,7 +165,8 @@ func checkProblemTypeBase(base string) string {
 //   - a flow's [idem.ErrFlowStopped]: 409 operation-stopped.
 //   - an error that says the database could not be reached or the
 //     connection to it broke (pgx's connect errors, a closed connection,
-//     a server shutting down): 503 database-unavailable.
+//     a server shutting down), or [idem.ErrReadOnly] (a standby): 503
+//     database-unavailable, with a Retry-After of 1.
 //   - any other error: 500 request-failed.
 //
 // The last two are logged to [Config.Logger], unless the request's context
@@ -203,6 +207,7 @@ func (m *Middleware) writeFailed(w http.ResponseWriter, r *http.Request, err err
 	status, code, detail := http.StatusInternalServerError, ProblemRequestFailed, "The request could not be completed."
 	if databaseUnavailable(err) {
 		status, code, detail = http.StatusServiceUnavailable, ProblemDatabaseUnavailable, "The request could not be completed: the database is unavailable."
+		w.Header().Set("Retry-After", unavailableRetryAfter)
 	}
 	// When the client went away, it cancelled its own request: nothing
 	// went wrong that an operator must hear about.
@@ -229,16 +234,24 @@ const (
 	sqlstateCannotConnectNow = "57P03"
 )
 
+// unavailableRetryAfter is the Retry-After of a 503, in seconds: when the
+// database will be back is unknown (a restart takes seconds, a failover
+// seconds to a minute), so it is the least wait, from which clients back
+// off.
+const unavailableRetryAfter = "1"
+
 // databaseUnavailable reports whether err says that the database could not
-// be reached or that the connection to it broke, rather than that a
-// statement failed.
+// be reached, that the connection to it broke, or that it reached a
+// standby (idem.ErrReadOnly: the middleware never asks for a read-only
+// transaction), rather than that a statement failed.
 func databaseUnavailable(err error) bool {
 	var connectErr *pgconn.ConnectError
 	var opErr *net.OpError
 	var pgErr *pgconn.PgError
 	switch {
 	case errors.As(err, &connectErr), errors.Is(err, pgconn.ErrConnClosed),
-		errors.As(err, &opErr), errors.Is(err, io.ErrUnexpectedEOF):
+		errors.As(err, &opErr), errors.Is(err, io.ErrUnexpectedEOF),
+		errors.Is(err, idem.ErrReadOnly):
 		return true
 	case errors.As(err, &pgErr):
 		switch pgErr.Code {

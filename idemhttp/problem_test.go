@@ -248,6 +248,9 @@ func TestWriteErrorAnswersAsTheMiddlewareDoes(t *testing.T) {
 		behind, direct := servers(t, down)
 		want := post(t, behind, "/payments", tenant, "k", `{}`)
 		wantProblem(t, want, http.StatusServiceUnavailable, cfg.ProblemTypeBase, idemhttp.ProblemDatabaseUnavailable)
+		if want.header.Get("Retry-After") != "1" {
+			t.Fatalf("Retry-After %q, want 1", want.header.Get("Retry-After"))
+		}
 		sameProblem(t, post(t, direct, "/payments", tenant, "k", `{}`), want)
 	})
 }

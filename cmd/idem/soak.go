@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -11,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
@@ -114,9 +116,24 @@ type soakConfig struct {
 	// Verbose adds an example error of every kind of failed attempt.
 	Verbose bool
 
+	// Failover, when set, runs the failover soak instead, on a primary and
+	// a standby of its own, replicating in this mode: replicationSync or
+	// replicationAsync. Payments is then the least number of payments.
+	Failover string
+	// Failovers is how many failovers the failover soak makes.
+	Failovers int
+
 	// startupDelay makes every connection through the proxy that much
 	// slower to start, as on a busy machine. Tests set it.
 	startupDelay time.Duration
+	// noFsync runs the failover soak's servers with fsync = off, to save
+	// a loaded machine's disk. It changes nothing the soak checks: the
+	// soak kills processes, not machines, and what a killed server wrote
+	// survives it in the operating system's page cache, whether it was
+	// fsynced or not (synchronous_commit still waits for the write, on
+	// the primary and, with synchronous replication, on the standby).
+	// Tests set it.
+	noFsync bool
 }
 
 // defaultSoakConfig returns the configuration of "idem soak" without flags:
@@ -155,6 +172,13 @@ func (c soakConfig) validate() error {
 		return errors.New("-payment-timeout must be positive")
 	case c.RestartCommand != "" && c.RestartEvery <= 0:
 		return errors.New("-restart-every must be positive when -restart is set")
+	case c.Failover != "" && c.Failover != replicationSync && c.Failover != replicationAsync:
+		return fmt.Errorf("-failover must be %s or %s, got %q", replicationSync, replicationAsync, c.Failover)
+	case c.Failover != "" && (c.Failovers < 1 || c.Failovers > maxFailovers):
+		return fmt.Errorf("-failovers must be between 1 and %d, got %d", maxFailovers, c.Failovers)
+	case c.Failover != "" && (c.TerminateEvery > 0 || c.CutEvery > 0 || c.TerminateEveryWrites > 0 || c.CutEveryWrites > 0 ||
+		c.CutBeforeCommit > 0 || c.CutAfterCommit > 0 || c.RestartCommand != "" || c.Duration > 0):
+		return errors.New("-failover's faults are the failovers (and -timeout-rate): the other faults, -restart and -duration do not apply to it")
 	}
 	return errors.Join(chance("-cut-before-commit", c.CutBeforeCommit),
 		chance("-cut-after-commit", c.CutAfterCommit), chance("-timeout-rate", c.TimeoutRate))
@@ -172,8 +196,21 @@ own, removed at the end.
 machine meets more of them per payment (each waits for an attempt to be
 answered before the next). -terminate-every-writes and -cut-every-writes
 pace theirs by the payments' writes, whatever the machine's speed: set the
-clock-paced ones to 0 and use these where that speed is unknown, as in CI.`)
-	fs.IntVar(&cfg.Payments, "payments", cfg.Payments, fmt.Sprintf("logical payments to make (at most %d)", maxSoakPayments))
+clock-paced ones to 0 and use these where that speed is unknown, as in CI.
+
+-failover sync|async runs the failover soak instead: it starts a primary
+and a streaming standby of its own from a local PostgreSQL installation
+(DATABASE_URL and PG* are not used), replicating synchronously or not,
+and makes at least -payments payments through a connection string naming
+both (target_session_attrs=read-write) while it kills the primary,
+promotes the standby and rebuilds the old primary as the new standby,
+-failovers times, each after a number of answers. Each payment enqueues a
+receipt, which a relay delivers to a consumer using idem.Once. It checks,
+per payment, its effect, its record, its receipt, and whether the answer
+the client got is the one finally stored; with async it counts the
+answered payments that a failover lost. Its only other fault is
+-timeout-rate, off by default; the other faults' flags do not apply.`)
+	fs.IntVar(&cfg.Payments, "payments", cfg.Payments, fmt.Sprintf("logical payments to make (at most %d; with -failover, at least, and %d by default)", maxSoakPayments, defaultFailoverPayments))
 	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "concurrent clients, one connection each")
 	fs.DurationVar(&cfg.Duration, "duration", cfg.Duration, "stop starting payments after this long (0: make all of -payments)")
 	fs.DurationVar(&cfg.PaymentTimeout, "payment-timeout", cfg.PaymentTimeout, "longest a payment may take, retries included, before it counts as a failure")
@@ -187,11 +224,23 @@ clock-paced ones to 0 and use these where that speed is unknown, as in CI.`)
 	fs.StringVar(&cfg.RestartCommand, "restart", cfg.RestartCommand, "shell command that restarts PostgreSQL, run every -restart-every (empty: never restart)")
 	fs.DurationVar(&cfg.RestartEvery, "restart-every", cfg.RestartEvery, "how often to run the -restart command")
 	fs.BoolVar(&cfg.Verbose, "v", cfg.Verbose, "print an example error of every kind of failed attempt")
+	fs.StringVar(&cfg.Failover, "failover", cfg.Failover, "run the failover soak, with `sync` or async replication, on servers of its own")
+	fs.IntVar(&cfg.Failovers, "failovers", defaultFailovers, fmt.Sprintf("failovers the failover soak makes (at most %d)", maxFailovers))
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
+	if cfg.Failover != "" {
+		// The failover soak's own defaults, for the flags not given.
+		set := make(map[string]bool)
+		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+		failoverDefaults(&cfg, set)
+	}
 	if err := cfg.validate(); err != nil {
 		return usageError{err}
+	}
+	if cfg.Failover != "" {
+		_, err := failoverSoak(ctx, cfg, stdout)
+		return err
 	}
 	sc, err := openScratch(ctx, stdout, "soak")
 	if err != nil {
@@ -232,6 +281,19 @@ type soakRun struct {
 	// those injected.
 	terminatesDue, cutsDue        atomic.Int64
 	terminatedInWrite, cutInWrite atomic.Int64
+	// longestLate is how long after its deadline the latest attempt
+	// returned, in nanoseconds.
+	longestLate atomic.Int64
+
+	// Hooks of the failover soak, nil otherwise. afterWrite runs in a
+	// payment's transaction after its write; onAnswer is called when
+	// payment i is answered; keepPaying, while it returns true, has the
+	// clients start payments past cfg.Payments; beforeStart may hold a
+	// client back before it starts a payment.
+	afterWrite  func(ctx context.Context, tx pgx.Tx, p soakPayment) error
+	onAnswer    func(i int)
+	keepPaying  func() bool
+	beforeStart func(ctx context.Context) bool
 
 	mu       sync.Mutex
 	failures map[string]int64
@@ -346,6 +408,7 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 		},
 		Connections: proxy.accepted.Load(),
 		Elapsed:     elapsed,
+		LongestLate: time.Duration(run.longestLate.Load()),
 	}
 	if err := waitForServer(ctx, admin); err != nil {
 		return rep, databaseError{fmt.Errorf("the server did not come back for the final check: %w", err)}
@@ -444,6 +507,25 @@ func describeFaults(cfg soakConfig) string {
 		return "none"
 	}
 	return strings.Join(parts, ", ")
+}
+
+// failoverDefaults sets the fields of the flags not given (set) to the
+// failover soak's defaults: its payments, and none of the other soak's
+// faults.
+func failoverDefaults(cfg *soakConfig, set map[string]bool) {
+	if !set["payments"] {
+		cfg.Payments = defaultFailoverPayments
+	}
+	for name, field := range map[string]*time.Duration{"terminate-every": &cfg.TerminateEvery, "cut-every": &cfg.CutEvery} {
+		if !set[name] {
+			*field = 0
+		}
+	}
+	for name, field := range map[string]*float64{"cut-before-commit": &cfg.CutBeforeCommit, "cut-after-commit": &cfg.CutAfterCommit, "timeout-rate": &cfg.TimeoutRate} {
+		if !set[name] {
+			*field = 0
+		}
+	}
 }
 
 // randomSuffix makes the run's scope unique, so that runs never count each

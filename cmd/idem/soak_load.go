@@ -23,10 +23,33 @@ import (
 // payAll runs the clients until every payment is started, or Duration has
 // passed, and every started payment has ended. It returns each payment's
 // answer or error, and how many were started.
+//
+// When r.keepPaying is set, payments go on being started past Payments
+// while it returns true, up to maxSoakPayments. When r.beforeStart is set,
+// a client calls it before it starts a payment, and stops if it returns
+// false.
 func (r *soakRun) payAll(ctx context.Context, stdout io.Writer) ([]soakPayment, []error, int) {
-	answers := make([]soakPayment, r.cfg.Payments)
-	errs := make([]error, r.cfg.Payments)
-	var next, done atomic.Int64
+	size := r.cfg.Payments
+	if r.keepPaying != nil {
+		size = maxSoakPayments
+	}
+	answers := make([]soakPayment, size)
+	errs := make([]error, size)
+	var done atomic.Int64
+	var mu sync.Mutex
+	next := 0
+	// start returns the index of the next payment to make, if one is
+	// still to be started: one decision at a time, so that the payments
+	// started are 0 to next-1 whenever keepPaying turns false.
+	start := func() (int, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		if next >= size || (next >= r.cfg.Payments && (r.keepPaying == nil || !r.keepPaying())) {
+			return 0, false
+		}
+		next++
+		return next - 1, true
+	}
 	var stopStarting time.Time
 	if r.cfg.Duration > 0 {
 		stopStarting = time.Now().Add(r.cfg.Duration)
@@ -48,29 +71,36 @@ func (r *soakRun) payAll(ctx context.Context, stdout io.Writer) ([]soakPayment, 
 	for range r.cfg.Clients {
 		clients.Go(func() {
 			for ctx.Err() == nil && (stopStarting.IsZero() || time.Now().Before(stopStarting)) {
-				i := int(next.Add(1) - 1)
-				if i >= r.cfg.Payments {
+				if r.beforeStart != nil && !r.beforeStart(ctx) {
 					return
 				}
-				answers[i], errs[i] = r.pay(ctx, i)
+				i, ok := start()
+				if !ok {
+					return
+				}
+				var res idem.Result[soakPayment]
+				res, errs[i] = r.pay(ctx, i)
+				answers[i] = res.Value
+				if errs[i] == nil && r.onAnswer != nil {
+					r.onAnswer(i)
+				}
 				done.Add(1)
 			}
 		})
 	}
 	clients.Wait()
-	operations := int(min(next.Load(), int64(r.cfg.Payments)))
-	return answers[:operations], errs[:operations], operations
+	return answers[:next], errs[:next], next
 }
 
 // pay makes logical payment i: it retries with the same key and request
 // until an attempt answers, an error says retrying cannot help, or the
 // payment's bounds run out.
-func (r *soakRun) pay(ctx context.Context, i int) (soakPayment, error) {
-	key := fmt.Sprintf("payment-%d", i)
-	amount := int64(100 + i)
+func (r *soakRun) pay(ctx context.Context, i int) (idem.Result[soakPayment], error) {
+	key := soakKey(i)
+	amount := soakAmount(i)
 	fp, err := idem.FingerprintJSON(soakRequest{AmountCents: amount})
 	if err != nil {
-		return soakPayment{}, err
+		return idem.Result[soakPayment]{}, err
 	}
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.PaymentTimeout)
 	defer cancel()
@@ -88,11 +118,11 @@ func (r *soakRun) pay(ctx context.Context, i int) (soakPayment, error) {
 			} else {
 				r.executed.Add(1)
 			}
-			return res.Value, nil
+			return res, nil
 		}
 		lastErr = err
 		if isDefinitive(err) {
-			return soakPayment{}, fmt.Errorf("%s: %w", key, err)
+			return idem.Result[soakPayment]{}, fmt.Errorf("%s: %w", key, err)
 		}
 		// Back off as a real client would, so that a server that is down
 		// is not hammered.
@@ -101,9 +131,13 @@ func (r *soakRun) pay(ctx context.Context, i int) (soakPayment, error) {
 			break
 		}
 	}
-	return soakPayment{}, fmt.Errorf("%s: no answer within %s and %d attempts, last error: %w",
+	return idem.Result[soakPayment]{}, fmt.Errorf("%s: no answer within %s and %d attempts, last error: %w",
 		key, r.cfg.PaymentTimeout, soakMaxAttempts, lastErr)
 }
+
+// soakKey and soakAmount are logical payment i's key and amount.
+func soakKey(i int) string   { return fmt.Sprintf("payment-%d", i) }
+func soakAmount(i int) int64 { return int64(100 + i) }
 
 // attempt is one call of idem.Run, possibly under a deadline short enough
 // that the client walks away from it mid-flight, or with a fault tied to
@@ -145,10 +179,18 @@ func (r *soakRun) attempt(ctx context.Context, key string, amount int64, fp []by
 		if fault != noFault && !before {
 			injected = r.inject(ctx, tx, fault)
 		}
+		if r.afterWrite != nil {
+			if err := r.afterWrite(ctx, tx, p); err != nil {
+				return p, err
+			}
+		}
 		// The work a real payment does before it commits keeps the
 		// transaction open, so that the chaos hits some mid-way.
 		return p, sleep(ctx, rand.N(2*time.Millisecond))
 	}, opts...)
+	if deadline, _ := attemptCtx.Deadline(); time.Now().After(deadline) {
+		r.noteLate(time.Since(deadline))
+	}
 	if err != nil {
 		timedOut := abandon && errors.Is(attemptCtx.Err(), context.DeadlineExceeded) && ctx.Err() == nil
 		if timedOut {
@@ -157,6 +199,16 @@ func (r *soakRun) attempt(ctx context.Context, key string, amount int64, fp []by
 		r.recordFailure(failureKind(err, timedOut), err)
 	}
 	return res, injected, err
+}
+
+// noteLate records that an attempt returned late past its deadline.
+func (r *soakRun) noteLate(late time.Duration) {
+	for {
+		longest := r.longestLate.Load()
+		if int64(late) <= longest || r.longestLate.CompareAndSwap(longest, int64(late)) {
+			return
+		}
+	}
 }
 
 func (r *soakRun) recordFailure(kind string, err error) {
@@ -176,8 +228,10 @@ func failureKind(err error, timedOut bool) string {
 		return "abandoned by the client's deadline"
 	case errors.Is(err, idem.ErrInProgress):
 		return "key held by an earlier attempt still in flight"
+	case errors.Is(err, idem.ErrReadOnly):
+		return "read-only: the connection reached a standby"
 	case errors.As(err, &pgErr) && pgErr.Code == "57P01":
-		return "backend terminated"
+		return "backend terminated, or server shut down (SQLSTATE 57P01)"
 	case errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "57"):
 		return "server shutting down or starting (SQLSTATE " + pgErr.Code + ")"
 	case errors.As(err, &pgErr):

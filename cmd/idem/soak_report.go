@@ -76,75 +76,108 @@ type soakReport struct {
 	Stranded int
 	// Elapsed is the time from the first payment to the last answer.
 	Elapsed time.Duration
+	// LongestLate is how long after its deadline the latest attempt
+	// returned.
+	LongestLate time.Duration
 }
 
 // check compares the table and the stored responses with the answers the
 // clients got, and fills in the report's verdict.
 func (r *soakRun) check(ctx context.Context, admin *pgxpool.Pool, answers []soakPayment, errs []error, rep *soakReport) error {
-	rows, err := admin.Query(ctx, `SELECT key, id, amount_cents FROM idem_soak_payment WHERE scope = $1`, r.scope)
+	paymentsByKey, rows, err := readPayments(ctx, admin, r.scope)
 	if err != nil {
-		return fmt.Errorf("read payments: %w", err)
+		return err
 	}
-	paymentsByKey := make(map[string][]soakPayment)
-	for rows.Next() {
-		var p soakPayment
-		if err := rows.Scan(&p.Key, &p.ID, &p.AmountCents); err != nil {
-			return fmt.Errorf("read payments: %w", err)
-		}
-		paymentsByKey[p.Key] = append(paymentsByKey[p.Key], p)
-		rep.Rows++
-	}
-	if err := rows.Err(); err != nil {
-		return fmt.Errorf("read payments: %w", err)
-	}
-
-	rows, err = admin.Query(ctx, `SELECT key, state, response FROM idempotency_key WHERE scope = $1`, r.scope)
+	rep.Rows = rows
+	storedByKey, stranded, err := readStored(ctx, admin, r.scope)
 	if err != nil {
-		return fmt.Errorf("read stored responses: %w", err)
+		return err
 	}
-	storedByKey := make(map[string]soakPayment)
-	for rows.Next() {
-		var key, state string
-		var response []byte
-		if err := rows.Scan(&key, &state, &response); err != nil {
-			return fmt.Errorf("read stored responses: %w", err)
-		}
-		if state != "done" {
-			rep.Stranded++
-			continue
-		}
-		var stored soakPayment
-		if err := json.Unmarshal(response, &stored); err != nil {
-			return fmt.Errorf("decode stored response of %s: %w", key, err)
-		}
-		storedByKey[key] = stored
-	}
-	if err := rows.Err(); err != nil {
-		return fmt.Errorf("read stored responses: %w", err)
-	}
-
-	for _, payments := range paymentsByKey {
-		if len(payments) > 1 {
-			rep.Doubled++
-		}
-	}
+	rep.Stranded = stranded
+	rep.Doubled = countDoubled(paymentsByKey)
 	for i, answer := range answers {
 		if errs[i] != nil {
 			continue
 		}
 		rep.Answered++
-		key := fmt.Sprintf("payment-%d", i)
+		key := soakKey(i)
 		payments := paymentsByKey[key]
 		if len(payments) == 0 {
 			rep.Lost++
 			continue
 		}
-		want := soakPayment{ID: payments[0].ID, Key: key, AmountCents: int64(100 + i)}
+		want := soakPayment{ID: payments[0].ID, Key: key, AmountCents: soakAmount(i)}
 		if answer != want || payments[0] != want || storedByKey[key] != want {
 			rep.WrongAnswers++
 		}
 	}
 	return nil
+}
+
+// readPayments reads a run's payment rows by key, and counts them.
+func readPayments(ctx context.Context, admin *pgxpool.Pool, scope string) (map[string][]soakPayment, int64, error) {
+	rows, err := admin.Query(ctx, `SELECT key, id, amount_cents FROM idem_soak_payment WHERE scope = $1`, scope)
+	if err != nil {
+		return nil, 0, fmt.Errorf("read payments: %w", err)
+	}
+	defer rows.Close()
+	byKey := make(map[string][]soakPayment)
+	var n int64
+	for rows.Next() {
+		var p soakPayment
+		if err := rows.Scan(&p.Key, &p.ID, &p.AmountCents); err != nil {
+			return nil, 0, fmt.Errorf("read payments: %w", err)
+		}
+		byKey[p.Key] = append(byKey[p.Key], p)
+		n++
+	}
+	if err := rows.Err(); err != nil {
+		return nil, 0, fmt.Errorf("read payments: %w", err)
+	}
+	return byKey, n, nil
+}
+
+// readStored reads the responses stored for a run's keys, and counts the
+// claims left in progress.
+func readStored(ctx context.Context, admin *pgxpool.Pool, scope string) (map[string]soakPayment, int, error) {
+	rows, err := admin.Query(ctx, `SELECT key, state, response FROM idempotency_key WHERE scope = $1`, scope)
+	if err != nil {
+		return nil, 0, fmt.Errorf("read stored responses: %w", err)
+	}
+	defer rows.Close()
+	byKey := make(map[string]soakPayment)
+	stranded := 0
+	for rows.Next() {
+		var key, state string
+		var response []byte
+		if err := rows.Scan(&key, &state, &response); err != nil {
+			return nil, 0, fmt.Errorf("read stored responses: %w", err)
+		}
+		if state != "done" {
+			stranded++
+			continue
+		}
+		var stored soakPayment
+		if err := json.Unmarshal(response, &stored); err != nil {
+			return nil, 0, fmt.Errorf("decode stored response of %s: %w", key, err)
+		}
+		byKey[key] = stored
+	}
+	if err := rows.Err(); err != nil {
+		return nil, 0, fmt.Errorf("read stored responses: %w", err)
+	}
+	return byKey, stranded, nil
+}
+
+// countDoubled counts the keys with more than one payment row.
+func countDoubled(paymentsByKey map[string][]soakPayment) int {
+	n := 0
+	for _, payments := range paymentsByKey {
+		if len(payments) > 1 {
+			n++
+		}
+	}
+	return n
 }
 
 func (r *soakRun) print(w io.Writer, rep *soakReport) {
@@ -154,24 +187,8 @@ func (r *soakRun) print(w io.Writer, rep *soakReport) {
 	fmt.Fprintf(w, "attempts:             %d (%.2f per operation)\n", rep.Attempts, perOp(rep.Attempts))
 	fmt.Fprintf(w, "  answered, executed: %d\n", rep.Executed)
 	fmt.Fprintf(w, "  answered, replayed: %d (an earlier attempt had committed)\n", rep.Replayed)
-	var failed int64
-	for _, n := range rep.Failures {
-		failed += n
-	}
-	fmt.Fprintf(w, "  failed, retried:    %d\n", failed)
-	kinds := make([]string, 0, len(rep.Failures))
-	for kind := range rep.Failures {
-		kinds = append(kinds, kind)
-	}
-	slices.SortFunc(kinds, func(a, b string) int {
-		return cmp.Or(cmp.Compare(rep.Failures[b], rep.Failures[a]), strings.Compare(a, b))
-	})
-	for _, kind := range kinds {
-		fmt.Fprintf(w, "    %-50s %d\n", kind+":", rep.Failures[kind])
-		if r.cfg.Verbose {
-			fmt.Fprintf(w, "      e.g. %s\n", r.samples[kind])
-		}
-	}
+	printFailures(w, rep.Failures, r.samples, r.cfg.Verbose)
+	fmt.Fprintf(w, "  longest past its deadline: %s\n", rep.LongestLate.Round(time.Millisecond))
 	fmt.Fprintf(w, "business writes run:  %d (%d rolled back by faults)\n", rep.Writes, rep.Writes-rep.Rows)
 	fmt.Fprintf(w, "connections opened:   %d (through the proxy, cancel requests included)\n", rep.Connections)
 	f := rep.Faults
@@ -188,6 +205,29 @@ func (r *soakRun) print(w io.Writer, rep *soakReport) {
 		rep.Rows, rep.Operations, rep.Lost, rep.Doubled)
 	fmt.Fprintf(w, "answers != stored:     %d (checked against the payment row and the stored response)\n", rep.WrongAnswers)
 	fmt.Fprintf(w, "claims in progress:    %d\n", rep.Stranded)
+}
+
+// printFailures prints the failed attempts, by kind, most frequent first,
+// with an example of each when verbose.
+func printFailures(w io.Writer, failures map[string]int64, samples map[string]string, verbose bool) {
+	var failed int64
+	for _, n := range failures {
+		failed += n
+	}
+	fmt.Fprintf(w, "  failed, retried:    %d\n", failed)
+	kinds := make([]string, 0, len(failures))
+	for kind := range failures {
+		kinds = append(kinds, kind)
+	}
+	slices.SortFunc(kinds, func(a, b string) int {
+		return cmp.Or(cmp.Compare(failures[b], failures[a]), strings.Compare(a, b))
+	})
+	for _, kind := range kinds {
+		fmt.Fprintf(w, "    %-50s %d\n", kind+":", failures[kind])
+		if verbose {
+			fmt.Fprintf(w, "      e.g. %s\n", samples[kind])
+		}
+	}
 }
 
 // countErrors returns how many errs are set, and the first.

@@ -211,6 +211,14 @@ func TestSoakConfigRejectsOutOfBounds(t *testing.T) {
 		"negative chance":        func(c *soakConfig) { c.TimeoutRate = -0.1 },
 		"restart without period": func(c *soakConfig) { c.RestartCommand = "true"; c.RestartEvery = 0 },
 		"negative write count":   func(c *soakConfig) { c.CutEveryWrites = -1 },
+		"unknown failover mode":  func(c *soakConfig) { failoverDefaults(c, nil); c.Failover = "semi"; c.Failovers = 1 },
+		"no failovers":           func(c *soakConfig) { failoverDefaults(c, nil); c.Failover = replicationSync; c.Failovers = 0 },
+		"too many failovers": func(c *soakConfig) {
+			failoverDefaults(c, nil)
+			c.Failover = replicationSync
+			c.Failovers = maxFailovers + 1
+		},
+		"failover with cuts": func(c *soakConfig) { c.Failover = replicationAsync; c.Failovers = 1 },
 	} {
 		cfg := defaultSoakConfig()
 		change(&cfg)
@@ -220,5 +228,11 @@ func TestSoakConfigRejectsOutOfBounds(t *testing.T) {
 	}
 	if err := defaultSoakConfig().validate(); err != nil {
 		t.Errorf("the default configuration is invalid: %v", err)
+	}
+	cfg := defaultSoakConfig()
+	failoverDefaults(&cfg, nil)
+	cfg.Failover, cfg.Failovers = replicationSync, defaultFailovers
+	if err := cfg.validate(); err != nil {
+		t.Errorf("the failover soak's default configuration is invalid: %v", err)
 	}
 }

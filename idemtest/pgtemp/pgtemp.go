@@ -11,6 +11,10 @@
 // PostgreSQL refuses to run as root. Started by root, the server runs as an
 // unprivileged OS user (nobody, or else postgres), which owns the directory.
 //
+// A server can also be started as a streaming standby of another
+// ([Config.StandbyOf]), promoted, and stopped the hard way ([Server.Kill]),
+// for tests of what a client sees when its primary fails over.
+//
 // It is the last of the servers [github.com/pgidem/idem/idemtest] tries,
 // and the one the idem command's demo, bench and soak start when no
 // database is configured. It needs nothing but the standard library, pgx
@@ -58,6 +62,8 @@ type Server struct {
 	// User is the OS user the server runs as.
 	User string
 
+	// password is the postgres role's: a standby's is its primary's.
+	password string
 	cmd      *exec.Cmd
 	exited   chan struct{}
 	stopOnce sync.Once
@@ -131,8 +137,23 @@ type Config struct {
 	// lock table too, with max_locks_per_transaction: a test of what fills
 	// the table sets PostgreSQL's own default, 100. Defaults to 300, which
 	// lets the packages of a module test in parallel, each with pools of
-	// its own.
+	// its own. A standby's must be at least its primary's.
 	MaxConnections int
+
+	// Port is the server's TCP port on 127.0.0.1, for a server that takes
+	// the place of one that was stopped: a connection string that names
+	// it, as a list of a primary and its standbys does, reaches the new
+	// server. Defaults to a port that was free when the server started.
+	Port int
+
+	// StandbyOf, when set, makes the server a streaming standby of that
+	// running server instead of a new one: its data is a base backup of
+	// it (pg_basebackup), it replays what that server writes, and it is
+	// read-only until promoted (SELECT pg_promote()). Its URL has the
+	// same password. Replication is asynchronous unless the primary sets
+	// synchronous_standby_names. Defaults to nil: a new server, from
+	// initdb.
+	StandbyOf *Server
 }
 
 // defaultMaxConnections is Config.MaxConnections's default.
@@ -145,6 +166,12 @@ const defaultMaxConnections = 300
 func Start(ctx context.Context, cfg Config) (*Server, error) {
 	if cfg.MaxConnections < 0 {
 		return nil, fmt.Errorf("%w: pgtemp: Config.MaxConnections: must not be negative, got %d", idem.ErrInvalidOption, cfg.MaxConnections)
+	}
+	if cfg.Port < 0 || cfg.Port > 65535 {
+		return nil, fmt.Errorf("%w: pgtemp: Config.Port: must be between 0 and 65535, got %d", idem.ErrInvalidOption, cfg.Port)
+	}
+	if cfg.StandbyOf != nil && !cfg.StandbyOf.running() {
+		return nil, fmt.Errorf("%w: pgtemp: Config.StandbyOf: the server is not running", idem.ErrInvalidOption)
 	}
 	if cfg.MaxConnections == 0 {
 		cfg.MaxConnections = defaultMaxConnections
@@ -181,29 +208,23 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 		}
 	}
 	data := filepath.Join(s.Dir, "data")
-	pwfile := filepath.Join(s.Dir, "pw")
-	password := randomHex(16)
-	if err := os.WriteFile(pwfile, []byte(password+"\n"), 0o600); err != nil {
-		return nil, err
-	}
-	if cred != nil {
-		if err := os.Chown(pwfile, int(cred.Uid), int(cred.Gid)); err != nil {
+	if cfg.StandbyOf != nil {
+		s.password = cfg.StandbyOf.password
+		if err := s.baseBackup(ctx, data, cred, cfg.StandbyOf); err != nil {
 			return nil, err
 		}
+	} else if err := s.initdb(ctx, data, cred); err != nil {
+		return nil, err
 	}
-
-	initdb := exec.CommandContext(ctx, filepath.Join(binDir, "initdb"),
-		"-D", data, "-U", "postgres", "--pwfile", pwfile,
-		"--auth-local=trust", "--auth-host=scram-sha-256",
-		"-E", "UTF8", "--locale=C", "--no-sync")
-	initdb.Env = childEnv()
-	initdb.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
-	if out, err := initdb.CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("initdb (%s, as %s): %w\n%s", binDir, owner, err, tail(out))
-	}
-	_ = os.Remove(pwfile)
 	s.Version = readVersion(data)
 
+	if cfg.Port != 0 {
+		if err := s.run(ctx, data, cfg.Port, cred, cfg); err != nil {
+			return nil, err
+		}
+		ok = true
+		return s, nil
+	}
 	// A port that was free a moment ago; another process may take it
 	// first, so try a few.
 	var lastErr error
@@ -212,7 +233,7 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 		if err != nil {
 			return nil, err
 		}
-		lastErr = s.run(ctx, data, port, cred, password, cfg)
+		lastErr = s.run(ctx, data, port, cred, cfg)
 		if lastErr == nil {
 			ok = true
 			return s, nil
@@ -226,7 +247,33 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	return nil, lastErr
 }
 
-func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.Credential, password string, cfg Config) error {
+// initdb makes a new data directory, whose postgres role has a new
+// password.
+func (s *Server) initdb(ctx context.Context, data string, cred *syscall.Credential) error {
+	pwfile := filepath.Join(s.Dir, "pw")
+	s.password = randomHex(16)
+	if err := os.WriteFile(pwfile, []byte(s.password+"\n"), 0o600); err != nil {
+		return err
+	}
+	defer os.Remove(pwfile)
+	if cred != nil {
+		if err := os.Chown(pwfile, int(cred.Uid), int(cred.Gid)); err != nil {
+			return err
+		}
+	}
+	initdb := exec.CommandContext(ctx, filepath.Join(s.BinDir, "initdb"),
+		"-D", data, "-U", "postgres", "--pwfile", pwfile,
+		"--auth-local=trust", "--auth-host=scram-sha-256",
+		"-E", "UTF8", "--locale=C", "--no-sync")
+	initdb.Env = childEnv()
+	initdb.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+	if out, err := initdb.CombinedOutput(); err != nil {
+		return fmt.Errorf("initdb (%s, as %s): %w\n%s", s.BinDir, s.User, err, tail(out))
+	}
+	return nil
+}
+
+func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.Credential, cfg Config) error {
 	logPath := filepath.Join(s.Dir, "postgres.log")
 	logFile, err := os.Create(logPath)
 	if err != nil {
@@ -262,7 +309,7 @@ func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.C
 	go func() { _ = cmd.Wait(); close(s.exited) }()
 
 	s.Port = port
-	s.URL = fmt.Sprintf("postgres://postgres:%s@127.0.0.1:%d/postgres?sslmode=disable", password, port)
+	s.URL = fmt.Sprintf("postgres://postgres:%s@127.0.0.1:%d/postgres?sslmode=disable", s.password, port)
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		connCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
@@ -341,7 +388,8 @@ func (s *Server) kill() {
 }
 
 // Stop stops the server (a fast shutdown, an immediate one after ten
-// seconds) and removes its directory. It may be called more than once.
+// seconds), if Kill did not, and removes its directory. It may be called
+// more than once.
 func (s *Server) Stop() error {
 	s.stopOnce.Do(func() {
 		if s.cmd != nil && s.cmd.Process != nil {
@@ -359,7 +407,7 @@ func (s *Server) Stop() error {
 			}
 		}
 		if s.Dir != "" {
-			s.stopErr = os.RemoveAll(s.Dir)
+			s.stopErr = removeAll(s.Dir)
 		}
 	})
 	return s.stopErr

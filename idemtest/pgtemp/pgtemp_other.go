@@ -5,6 +5,7 @@ package pgtemp
 import (
 	"context"
 	"errors"
+	"os"
 )
 
 // Server is a running throwaway server; see the Unix implementation.
@@ -17,6 +18,8 @@ type Server struct {
 type Config struct {
 	Fast           bool
 	MaxConnections int
+	Port           int
+	StandbyOf      *Server
 }
 
 // Start fails: throwaway servers need a Unix system.
@@ -26,3 +29,6 @@ func Start(context.Context, Config) (*Server, error) {
 
 // Stop does nothing.
 func (s *Server) Stop() error { return nil }
+
+// Kill does nothing.
+func (s *Server) Kill(os.Signal) error { return nil }
