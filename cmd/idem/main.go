@@ -6,8 +6,9 @@
 //
 // The server comes from DATABASE_URL, or else from the standard PG*
 // variables (PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, ...). The
-// operator commands (migrate, purge, stats, inspect) act on that database
-// and print it before acting; demo, bench and soak never write into a
+// operator commands (migrate, purge, stats, inspect, flow-end) act on that
+// database and print it before acting; demo, bench, soak and flowsoak never
+// write into a
 // database they did not create: they make one of their own on that server
 // and drop it at the end, or, with nothing configured, start a throwaway
 // server. schema prints idem's tables as SQL and connects to nothing. Run
@@ -48,7 +49,7 @@ func commands() []command {
 		{"bench", "compare idem.Run with a bare transaction and other designs, side by side", runBench},
 		{"migrate", "apply, roll back or list the embedded migrations: migrate up|down|status", runMigrate},
 		{"purge", "delete expired records in batches", runPurge},
-		{"stats", "show the operations running now, records by state, the table's size and the outbox backlog", runStats},
+		{"stats", "show the operations running now, records by state, the table's size, the outbox backlog and the flows", runStats},
 		{"inspect", "show one record, or with -flow one flow: inspect [-flow] SCOPE KEY", runInspect},
 		{"flow-end", "end a flow that runs or needs attention: flow-end SCOPE KEY REASON", runFlowEnd},
 		{"schema", "print idem's tables as SQL, for sqlc and other tools that read a schema", runSchema},
@@ -102,13 +103,13 @@ func usage(w io.Writer, cmds []command) {
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "Commands:")
 	for _, c := range cmds {
-		fmt.Fprintf(w, "  %-10s %s\n", c.name, c.summary)
+		fmt.Fprintf(w, "  %-9s %s\n", c.name, c.summary)
 	}
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "The server comes from DATABASE_URL, or else the standard PG* variables.")
-	fmt.Fprintln(w, "migrate, purge, stats and inspect act on that database, and print it first;")
-	fmt.Fprintln(w, "demo, bench and soak create a database of their own there and drop it at the")
-	fmt.Fprintln(w, "end (with nothing set, they start a throwaway server).")
+	fmt.Fprintln(w, "migrate, purge, stats, inspect and flow-end act on that database, and print")
+	fmt.Fprintln(w, "it first; demo, bench, soak and flowsoak create a database of their own there")
+	fmt.Fprintln(w, "and drop it at the end (with nothing set, they start a throwaway server).")
 }
 
 // usageError is a bad command line: exit code 2.
