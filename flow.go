@@ -151,12 +151,18 @@ const (
 )
 
 // claim starts k's flow, takes it over, or finds its answer, in one round
-// trip (FlowStart, FlowTakeOver, FlowGet, FlowSteps), again and again
-// while another executor holds the flow, until the wait budget runs out.
+// trip (FlowStart, FlowTakeOver, FlowGet, FlowSteps), and looks again, in
+// one round trip of the last three, while another executor holds the
+// flow, until the wait budget runs out.
 // It returns the run to execute, or the stored answer to replay.
 func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation) (*flowRun, []byte, error) {
 	deadline := time.Now().Add(o.wait)
 	lease := interval(o.lease)
+	// start is false while another executor is known to hold the flow:
+	// FlowStart would only lock its row (ON CONFLICT DO UPDATE locks the
+	// row it conflicts with, whether it updates it or not) and get in the
+	// executor's way at every look.
+	start := true
 	for attempt := 0; ; attempt++ {
 		var (
 			epoch, takenEpoch  int64
@@ -168,8 +174,10 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			fingerprint, stamp = k.fp, o.retentionInterval()
 		)
 		b := &pgx.Batch{}
-		dbsqlc.QueueFlowStart(b, dbsqlc.FlowStartParams{Scope: scope, Key: key, FlowName: name, Fingerprint: fingerprint,
-			Input: string(input), Lease: lease, Retention: stamp}, &epoch, &started)
+		if start {
+			dbsqlc.QueueFlowStart(b, dbsqlc.FlowStartParams{Scope: scope, Key: key, FlowName: name, Fingerprint: fingerprint,
+				Input: string(input), Lease: lease, Retention: stamp}, &epoch, &started)
+		}
 		dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Lease: lease, Scope: scope, Key: key, FlowName: name,
 			Fingerprint: fingerprint}, &takenEpoch, &tookOver)
 		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: scope, Key: key}, &rec, &found)
@@ -185,7 +193,9 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			obs.claimDone(outcomeResumed)
 			return newFlowRun(db, k, f.name, takenEpoch, steps, o, obs), nil, nil
 		case !found:
-			// Ended and purged between the statements: start again.
+			// Gone between the statements, or since the last look (ended,
+			// expired and purged): start it.
+			start = true
 			continue
 		case rec.Name != f.name || !bytes.Equal(rec.Fingerprint, k.fp):
 			obs.claimDone(outcomeMismatch)
@@ -202,6 +212,7 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 		}
 		// Another executor holds the flow: wait for it to finish, or for
 		// its lease to run out.
+		start = false
 		remaining := time.Until(deadline)
 		if remaining <= 0 {
 			obs.claimDone(outcomeInProgress)
