@@ -100,6 +100,16 @@ func translate(op string, err error) error { return dberr.Translate(op, err) }
 // and a retry with the same key waits for it and replays its answer.
 var ErrLeaseLost = errors.New("idem: flow's lease was lost")
 
+// ErrFlowIncomplete is in the chain of the error [Flow.Run] and
+// [Flow.Resume] return when the flow's function returned an error (a call
+// that failed, or whose outcome is not known, wrapped by [Call]; a local
+// step's error): nothing of the error was stored, the flow stays in
+// progress with its lease given up, and the next run continues it from
+// its first incomplete step. The function's own error is in the chain
+// too. At HTTP it is 503 operation-incomplete: retrying with the same key
+// continues the operation.
+var ErrFlowIncomplete = errors.New("idem: flow did not complete")
+
 // ErrFlowChanged is returned by a step of a [Flow] resumed with steps other
 // than those its earlier runs recorded: a step of another name or kind at
 // the place of a recorded one, as after a deployment that changed the

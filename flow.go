@@ -82,7 +82,11 @@ func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), op
 	if fn == nil {
 		panic(fmt.Errorf("%w: NewFlow %q: the function is nil", ErrInvalidOption, name))
 	}
-	if err := CheckOptions(opts...); err != nil {
+	o, err := newOptions(opts)
+	if err == nil {
+		err = checkFlowOptions(&o)
+	}
+	if err != nil {
 		panic(fmt.Errorf("idem: NewFlow %q: %w", name, err))
 	}
 	return &Flow[In, Out]{name: name, fn: fn, opts: slices.Clone(opts)}
@@ -90,30 +94,49 @@ func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), op
 
 // options are the flow's options, then opts.
 func (f *Flow[In, Out]) options(opts []Option) (options, error) {
-	return newOptions(append(slices.Clip(f.opts), opts...))
+	o, err := newOptions(append(slices.Clip(f.opts), opts...))
+	if err == nil {
+		err = checkFlowOptions(&o)
+	}
+	return o, err
+}
+
+// checkFlowOptions refuses what options allow but a flow cannot use: a
+// read-only transaction for its local steps, which could record nothing.
+func checkFlowOptions(o *options) error {
+	if o.txOptions.AccessMode == pgx.ReadOnly {
+		return fmt.Errorf("%w: a flow's local steps record their results: WithTxOptions must not be read-only", ErrInvalidOption)
+	}
+	return nil
 }
 
 // Run runs the flow's operation for (scope, key) with input in, once, on
 // db (a pool, or an idle connection, as for [Run]).
 //
-// The first Run for a key records in and runs the flow's function. A Run
-// for a key whose flow completed returns its stored answer, with Replayed
-// set, and runs nothing. A Run for a flow that another executor runs
-// waits for it, under [WithWait], and replays its answer, or takes it over
-// if that executor's lease runs out; past the wait it returns
-// [ErrInProgress]. A Run for a flow whose earlier run failed, or whose
-// executor died, takes it over at once and continues it from its first
-// incomplete step (see [Flow]). fp is the request's fingerprint, compared
-// as [Do] compares it: a key recorded with another fingerprint, or by
-// another flow, gives [ErrFingerprintMismatch] before any step runs.
+// The first Run for a key records in and runs the flow's function, with
+// in as a completer would get it back: decoded from the JSON that was
+// stored. A Run for a key whose flow completed returns its stored answer,
+// with Replayed set, and runs nothing. A Run for a flow that another
+// executor holds waits for it, under [WithWait], polling (it waits for no
+// lock), and replays its answer, or takes the flow over once that
+// executor's lease has run out; past the wait it returns [ErrInProgress].
+// A Run for a flow whose earlier run failed (which gave its lease up)
+// takes it over at once, and one whose executor died once its lease has
+// run out, and continues it from its first incomplete step (see [Flow]).
+//
+// fp is the request's fingerprint, compared as [Do] compares it: a key
+// recorded with another fingerprint, or by another flow, gives
+// [ErrFingerprintMismatch] before any step runs. A nil fp is the input's
+// own, [FingerprintJSON](in).
 //
 // When the function returns an error, or ctx ends, Run gives the flow's
-// lease up before it returns (within a second, as the rollbacks of
-// [WithTx] are bounded), so that a retry continues the flow at once, and
-// returns the error; nothing of it is stored. A flow stopped for a
-// person's decision gives [ErrFlowStopped]. The input must be storable as
-// JSON ([ErrResponseNotStorable], [ErrResponseTooLarge] otherwise); a
-// completer resumes the flow with it.
+// lease up before it returns (within about two seconds after ctx ends:
+// one to roll back a local step, one to give the lease up), so that a
+// retry continues the flow at once, and returns the error, with
+// [ErrFlowIncomplete] in its chain; nothing of it is stored. A flow
+// stopped for a person's decision gives [ErrFlowStopped]. The input must
+// be storable as JSON ([ErrResponseNotStorable], [ErrResponseTooLarge]
+// otherwise); a completer resumes the flow with it.
 func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key string, fp []byte, in In, opts ...Option) (_ Result[Out], err error) {
 	o, err := f.options(opts)
 	ctx, obs := o.observer.observeFlow(ctx, "idem.Flow.Run", f.name)
@@ -128,6 +151,11 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 	if err := dberr.CheckIdle(db, "a flow commits transactions of its own: pass the pool or an idle connection"); err != nil {
 		return Result[Out]{}, err
 	}
+	if fp == nil {
+		if k.fp, err = FingerprintJSON(in); err != nil {
+			return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
+		}
+	}
 	input, err := encodeResponse(in, scope, &o)
 	if err != nil {
 		return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
@@ -139,7 +167,14 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 	if r == nil {
 		return replayed[Out](stored, scope, &o)
 	}
-	return f.execute(ctx, r, in)
+	// The function gets the input as a completer would, decoded from what
+	// was stored, so that a run and a resumed run see the same value.
+	decoded, err := replayed[In](input, scope, &o)
+	if err != nil {
+		r.release(ctx, err.Error())
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
+	}
+	return f.execute(ctx, r, decoded.Value)
 }
 
 // The states of a flow, as idem_flow.state spells them.
@@ -150,48 +185,53 @@ const (
 	flowEnded     = "ended"
 )
 
-// claim starts k's flow, takes it over, or finds its answer, in one round
-// trip (FlowStart, FlowTakeOver, FlowGet, FlowSteps), and looks again, in
-// one round trip of the last three, while another executor holds the
-// flow, until the wait budget runs out.
+// claim starts k's flow (FlowStart, or FlowRestart when it expired), takes
+// it over (FlowTakeOver), or finds its answer (FlowGet), in one round trip
+// that also reads the steps of a flow taken over (FlowSteps), and looks
+// again, in one round trip of the last three, while another executor holds
+// the flow, until the wait budget runs out. None of the statements waits
+// for a row another transaction holds: a duplicate waits under its budget
+// only, polling.
 // It returns the run to execute, or the stored answer to replay.
 func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation) (*flowRun, []byte, error) {
 	deadline := time.Now().Add(o.wait)
 	lease := interval(o.lease)
-	// start is false while another executor is known to hold the flow:
-	// FlowStart would only lock its row (ON CONFLICT DO UPDATE locks the
-	// row it conflicts with, whether it updates it or not) and get in the
-	// executor's way at every look.
+	// start is false while another executor is known to hold the flow,
+	// which neither FlowStart nor FlowRestart would change.
 	start := true
 	for attempt := 0; ; attempt++ {
 		var (
-			epoch, takenEpoch  int64
-			started, tookOver  bool
-			rec                dbsqlc.FlowGetRow
-			found              bool
-			steps              []dbsqlc.FlowStepsRow
-			scope, key, name   = k.scope, k.key, f.name
-			fingerprint, stamp = k.fp, o.retentionInterval()
+			started, restarted, tookOver, found bool
+			startRow                            dbsqlc.FlowStartRow
+			restartRow                          dbsqlc.FlowRestartRow
+			takenRow                            dbsqlc.FlowTakeOverRow
+			rec                                 dbsqlc.FlowGetRow
+			steps                               []dbsqlc.FlowStepsRow
 		)
 		b := &pgx.Batch{}
 		if start {
-			dbsqlc.QueueFlowStart(b, dbsqlc.FlowStartParams{Scope: scope, Key: key, FlowName: name, Fingerprint: fingerprint,
-				Input: string(input), Lease: lease, Retention: stamp}, &epoch, &started)
+			dbsqlc.QueueFlowStart(b, dbsqlc.FlowStartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
+				Input: string(input), Lease: lease, Retention: o.retentionInterval()}, &startRow, &started)
+			dbsqlc.QueueFlowRestart(b, dbsqlc.FlowRestartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
+				Input: string(input), Lease: lease, Retention: o.retentionInterval()}, &restartRow, &restarted)
 		}
-		dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Lease: lease, Scope: scope, Key: key, FlowName: name,
-			Fingerprint: fingerprint}, &takenEpoch, &tookOver)
-		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: scope, Key: key}, &rec, &found)
-		dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: scope, Key: key}, &steps)
+		dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Lease: lease, Scope: k.scope, Key: k.key, FlowName: f.name,
+			Fingerprint: k.fp}, &takenRow, &tookOver)
+		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
+		dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &steps)
 		if err := sendBatch(ctx, db, b); err != nil {
 			return nil, nil, translate("idem: flow: claim key", err)
 		}
 		switch {
 		case started:
 			obs.claimDone(outcomeClaimed)
-			return newFlowRun(db, k, f.name, epoch, nil, o, obs), nil, nil
+			return newFlowRun(db, k, f.name, startRow.Operation, startRow.Epoch, nil, o, obs), nil, nil
+		case restarted:
+			obs.claimDone(outcomeClaimed)
+			return newFlowRun(db, k, f.name, restartRow.Operation, restartRow.Epoch, nil, o, obs), nil, nil
 		case tookOver:
 			obs.claimDone(outcomeResumed)
-			return newFlowRun(db, k, f.name, takenEpoch, steps, o, obs), nil, nil
+			return newFlowRun(db, k, f.name, takenRow.Operation, takenRow.Epoch, steps, o, obs), nil, nil
 		case !found:
 			// Gone between the statements, or since the last look (ended,
 			// expired and purged): start it.
@@ -242,11 +282,16 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 	}()
 	out, err := f.fn(&Steps{ctx: ctx, run: r}, in)
 	r.returned.Store(true)
-	if err != nil {
-		if !errors.Is(err, ErrLeaseLost) && !errors.Is(err, ErrFlowStopped) {
-			r.release(ctx, err.Error())
-		}
+	switch {
+	case errors.Is(err, ErrLeaseLost), errors.Is(err, ErrFlowStopped):
+		// Not this executor's flow any more, or stopped: nothing to give up.
 		return Result[Out]{}, fmt.Errorf("idem: flow %q: %w", f.name, err)
+	case errors.Is(err, ErrFlowChanged):
+		r.release(ctx, err.Error())
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: %w", f.name, err)
+	case err != nil:
+		r.release(ctx, err.Error())
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: %w", f.name, incomplete{err})
 	}
 	output, err := encodeResponse(out, r.k.scope, r.o)
 	if err != nil {
@@ -273,14 +318,17 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 // flowRun is one executor's run of a flow: what it holds (the flow at
 // epoch, leased), what earlier runs recorded, and where its function is.
 type flowRun struct {
-	db    TxBeginner
-	k     keyRef
-	flow  string
-	epoch int64
-	o     *options
-	obs   *flowObservation
-	// recorded are the steps that earlier runs recorded, in order.
-	recorded []dbsqlc.FlowStepsRow
+	db   TxBeginner
+	k    keyRef
+	flow string
+	// operation is the number of the flow's operation, which its calls'
+	// provider keys are derived from; epoch the executor's own.
+	operation, epoch int64
+	o                *options
+	obs              *flowObservation
+	// recorded are the steps that earlier runs recorded, by place (a
+	// step whose function failed leaves its place empty).
+	recorded map[int32]dbsqlc.FlowStepsRow
 	// next is the place of the function's next step; names are the steps
 	// it took.
 	next  int32
@@ -290,9 +338,21 @@ type flowRun struct {
 	stepping, returned atomic.Bool
 }
 
-func newFlowRun(db TxBeginner, k keyRef, flow string, epoch int64, recorded []dbsqlc.FlowStepsRow, o *options, obs *flowObservation) *flowRun {
-	return &flowRun{db: db, k: k, flow: flow, epoch: epoch, o: o, obs: obs, recorded: recorded, names: make(map[string]bool)}
+func newFlowRun(db TxBeginner, k keyRef, flow string, operation, epoch int64, recorded []dbsqlc.FlowStepsRow, o *options, obs *flowObservation) *flowRun {
+	r := &flowRun{db: db, k: k, flow: flow, operation: operation, epoch: epoch, o: o, obs: obs,
+		recorded: make(map[int32]dbsqlc.FlowStepsRow, len(recorded)), names: make(map[string]bool)}
+	for _, step := range recorded {
+		r.recorded[step.Seq] = step
+	}
+	return r
 }
+
+// incomplete is the error of a flow's function: the flow did not
+// complete, and stays resumable ([ErrFlowIncomplete]).
+type incomplete struct{ err error }
+
+func (e incomplete) Error() string   { return e.err.Error() }
+func (e incomplete) Unwrap() []error { return []error{ErrFlowIncomplete, e.err} }
 
 // lostError is ErrLeaseLost, saying what may have happened.
 func (r *flowRun) lostError() error {

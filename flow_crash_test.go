@@ -198,7 +198,7 @@ func TestFlowCrashBeforeTheCallDoesNotRepeatTheLocalStep(t *testing.T) {
 func checkOneCharge(t *testing.T, pool *pgxpool.Pool, scope, key string, p *provider, calls int) {
 	t.Helper()
 	charges, keys := p.effects()
-	want := idem.ProviderKey(scope, key, "charge")
+	want := providerKeyOf(t, context.Background(), pool, scope, key, "charge")
 	if charges != 1 || len(keys) != 1 || keys[want] != calls || countPayments(t, pool, scope) != 1 {
 		t.Fatalf("charges %d, keys %v, payments %d; want 1, {%s: %d}, 1", charges, keys, countPayments(t, pool, scope), want, calls)
 	}

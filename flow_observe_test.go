@@ -35,9 +35,10 @@ func TestObserverRecordsFlowsStepsAndCalls(t *testing.T) {
 		t.Errorf("step attempts by outcome %v, want 3 done, 1 failed", attempts)
 	}
 	names := map[string]int{}
+	providerKey := providerKeyOf(t, ctx, pool, scope, "k", "charge")
 	for _, s := range rec.Ended() {
 		names[s.Name]++
-		if s.Name == "idem.Call" && s.Attrs["idem.provider_key"] != idem.ProviderKey(scope, "k", "charge") {
+		if s.Name == "idem.Call" && s.Attrs["idem.provider_key"] != providerKey {
 			t.Errorf("a call's span has provider key %q", s.Attrs["idem.provider_key"])
 		}
 		if s.Attrs["idem.flow"] == "" {

@@ -18,6 +18,10 @@ type FlowInfo struct {
 	Found bool
 	// Name is the flow's name (see [NewFlow]).
 	Name string
+	// Operation is the number of the operation the flow runs, new each time
+	// the key's flow starts; its calls' provider keys are derived from it
+	// (see [ProviderKey]).
+	Operation int64
 	// State is "running" (in progress, held by an executor or waiting for
 	// one), "done" (its answer is recorded), "attention" (stopped for a
 	// person's decision: see [ErrFlowStopped]) or "ended" (by [EndFlow]).
@@ -88,7 +92,7 @@ func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInf
 		if err != nil {
 			return fmt.Errorf("idem: inspect flow: %w", err)
 		}
-		info = FlowInfo{Found: true, Name: f.Name, State: f.State, Step: f.Step.String, Runs: int(f.Runs),
+		info = FlowInfo{Found: true, Name: f.Name, Operation: f.Operation, State: f.State, Step: f.Step.String, Runs: int(f.Runs),
 			LastError: f.LastError.String, LeasedUntil: timeOf(f.LeasedUntil), Leased: f.Leased,
 			Fingerprint: f.Fingerprint, Input: f.Input, Output: f.Output, CreatedAt: timeOf(f.CreatedAt),
 			CompletedAt: timeOf(f.CompletedAt), ExpiresAt: timeOf(f.ExpiresAt), Expired: f.Expired}
@@ -100,7 +104,7 @@ func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInf
 			step := FlowStep{Name: s.Name, Kind: s.Kind, State: s.State, Attempts: int(s.Attempts), Result: s.Result,
 				FirstCalledAt: timeOf(s.FirstCalledAt), CompletedAt: timeOf(s.CompletedAt)}
 			if s.Kind == stepCall {
-				step.ProviderKey = ProviderKey(k.scope, k.key, s.Name)
+				step.ProviderKey = ProviderKey(k.scope, k.key, s.Name, f.Operation)
 			}
 			info.Steps = append(info.Steps, step)
 		}

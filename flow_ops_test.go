@@ -27,7 +27,7 @@ func TestInspectFlowShowsItsStepsAndTheCallsProviderKey(t *testing.T) {
 	}
 	if len(info.Steps) != 2 || info.Steps[0].Name != "reserve" || info.Steps[0].State != "done" ||
 		info.Steps[1].Kind != "call" || info.Steps[1].State != "calling" || info.Steps[1].Attempts != 1 ||
-		info.Steps[1].ProviderKey != idem.ProviderKey(scope, "k", "charge") || info.Steps[1].FirstCalledAt.IsZero() {
+		info.Steps[1].ProviderKey != idem.ProviderKey(scope, "k", "charge", info.Operation) || info.Operation == 0 || info.Steps[1].FirstCalledAt.IsZero() {
 		t.Fatalf("its steps: %+v", info.Steps)
 	}
 	if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); err != nil {

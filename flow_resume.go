@@ -27,8 +27,11 @@ const resumeBatch = 100
 // client's retry. It returns how many it completed, and the errors of the
 // others, joined (each names the operation's scope and a hash of its key,
 // as an [Observer]'s logs do). An operation whose run failed again waits
-// longer before the next pass takes it (1s, 2s, 4s and so on, by its runs,
-// up to an hour), so that one that keeps failing does not take every pass.
+// longer before the next pass takes it, 2^(runs-1) - 1 seconds past its
+// lease and grace (0, 1, 3, 7, 15 and so on, up to an hour; a client's
+// takeover counts as a run too), so that one that keeps failing does not
+// take every pass. It skips, rather than waits for, an operation whose
+// executor's local step is still open.
 //
 // A flow that completed is replayed to its client's retry, which then
 // gets the answer the completer recorded. Run it periodically, from every
@@ -90,7 +93,7 @@ func (f *Flow[In, Out]) resumeOne(ctx context.Context, db TxBeginner, scope, key
 	// The keys in the table were checked when they were written; the
 	// fingerprint is the record's own.
 	k := keyRef{scope: scope, key: key}
-	r := newFlowRun(db, k, f.name, adopted.Epoch, steps, o, obs)
+	r := newFlowRun(db, k, f.name, adopted.Operation, adopted.Epoch, steps, o, obs)
 	in, err := replayed[In](adopted.Input, scope, o)
 	if err != nil {
 		r.release(ctx, err.Error())

@@ -38,7 +38,7 @@ func TestFlowResumeCompletesItsAbandonedFlowsOnly(t *testing.T) {
 	// One held by an executor whose call is still running.
 	calling, answer := make(chan struct{}), make(chan struct{})
 	p.before = func(key string, _ int) error {
-		if key == idem.ProviderKey(scope, "held", "charge") {
+		if key == providerKeyOf(t, ctx, pool, scope, "held", "charge") {
 			close(calling)
 			<-answer
 		}
@@ -113,8 +113,9 @@ func TestFlowResumeReportsFailuresAndCompletesTheRest(t *testing.T) {
 	flow := chargeFlow(p, &steps)
 	abandon(t, ctx, pool, flow, p, scope, "ok")
 	abandon(t, ctx, pool, flow, p, scope, "failing")
+	failing := providerKeyOf(t, ctx, pool, scope, "failing", "charge")
 	p.before = func(key string, _ int) error {
-		if key == idem.ProviderKey(scope, "failing", "charge") {
+		if key == failing {
 			return errors.New("provider still down")
 		}
 		return nil

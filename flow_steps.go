@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -85,8 +86,10 @@ func Local[T any](s *Steps, name string, fn func(ctx context.Context, tx pgx.Tx)
 }
 
 // runLocal is one attempt of a local step: BEGIN with the lease's renewal
-// (FlowLease) in one round trip, fn, then the step's record
-// (FlowStepRecord) with COMMIT in one round trip.
+// (FlowLease) in one round trip, fn, then the lease renewed again, for the
+// steps after this one, and the step's record (FlowStepRecord), with
+// COMMIT, in one round trip. A BeginQuery or CommitQuery of the caller's
+// (WithTxOptions) is run as given, through pgx, as Run runs it.
 func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	var zero T
 	conn, release, err := ownConn(ctx, r.db)
@@ -94,29 +97,38 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		return zero, fmt.Errorf("acquire connection: %w", err)
 	}
 	defer release()
+	opts := r.o.txOptions
+	pipelined := conn != nil && opts.BeginQuery == "" && opts.CommitQuery == ""
 	lease := dbsqlc.FlowLeaseParams{Lease: interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	var tx pgx.Tx
 	var leased bool
-	if conn != nil {
+	switch {
+	case pipelined:
 		b := &pgx.Batch{}
-		b.BeginTx(r.o.txOptions)
+		b.BeginTx(opts)
 		dbsqlc.QueueFlowLease(b, lease, &leased)
 		results := conn.SendBatch(ctx, b)
 		tx = results.Tx()
 		err = results.Close()
-	} else if tx, err = r.db.BeginTx(ctx, r.o.txOptions); err == nil {
-		var n int64
-		n, err = dbsqlc.New(tx).FlowLease(ctx, lease)
-		leased = n == 1
+	default:
+		var beginner TxBeginner = r.db
+		if conn != nil {
+			beginner = conn
+		}
+		if tx, err = beginner.BeginTx(ctx, opts); err == nil {
+			var n int64
+			n, err = dbsqlc.New(tx).FlowLease(ctx, lease)
+			leased = n == 1
+		}
 	}
 	ended := false
 	defer func() {
-		if !ended && tx != nil && (conn == nil || conn.PgConn().TxStatus() != 'I') {
+		if !ended && tx != nil && (!pipelined || conn.PgConn().TxStatus() != 'I') {
 			rollback(ctx, tx)
 		}
 	}()
 	if err != nil {
-		return zero, translate("begin", err)
+		return zero, translate("begin, renewing the lease", err)
 	}
 	if !leased {
 		return zero, r.lostError()
@@ -130,22 +142,29 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	if err != nil {
 		return zero, fmt.Errorf("result: %w", err)
 	}
+	lease.Held = true
 	record := dbsqlc.FlowStepRecordParams{Scope: r.k.scope, Key: r.k.key, Seq: seq, Step: name,
 		Result: pgtype.Text{String: string(encoded), Valid: true}}
-	if conn == nil {
-		if err := dbsqlc.New(tx).FlowStepRecord(ctx, record); err != nil {
+	if !pipelined {
+		q := dbsqlc.New(tx)
+		if _, err := q.FlowLease(ctx, lease); err != nil {
+			return zero, translate("renew the lease", err)
+		}
+		if err := q.FlowStepRecord(ctx, record); err != nil {
 			return zero, translate("record step", err)
 		}
 		ended = true
 		if err := tx.Commit(ctx); err != nil {
 			return zero, translate("commit", err)
 		}
-		return value, nil
+		return decodedResult[T](r, encoded)
 	}
 	b := &pgx.Batch{}
+	dbsqlc.QueueFlowLease(b, lease, &leased)
 	dbsqlc.QueueFlowStepRecord(b, record)
 	_ = dbsqlc.Queue(b).TxCommit(ctx)
 	results := tx.SendBatch(ctx, b)
+	_, _ = results.Exec() // FlowLease: the row is held, it renews
 	_, recordErr := results.Exec()
 	tag, commitErr := results.Exec()
 	closeErr := results.Close()
@@ -160,13 +179,24 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	case tag.String() == "ROLLBACK":
 		return zero, translate("commit", pgx.ErrTxCommitRollback)
 	}
-	return value, nil
+	return decodedResult[T](r, encoded)
+}
+
+// decodedResult is a step's value as its record holds it: decoded from the
+// JSON (opened by the codec) that was stored, so that a run gets the value
+// a resumed run gets from the record.
+func decodedResult[T any](r *flowRun, encoded []byte) (T, error) {
+	res, err := replayed[T](encoded, r.k.scope, r.o)
+	if err != nil {
+		return res.Value, fmt.Errorf("result: %w", err)
+	}
+	return res.Value, nil
 }
 
 // Call runs the flow's step named name: a call to another system, fn,
 // made with no transaction open and no connection held. fn gets the
-// call's provider key ([ProviderKey] of the operation's scope and key and
-// the step's name), the same on every attempt, in every process: pass it
+// call's provider key ([ProviderKey] of the operation and the step's
+// name), the same on every attempt, in every process: pass it
 // to the provider's own idempotency mechanism (Stripe's Idempotency-Key
 // header, an AIP-155 request_id), so that a call made again after a crash
 // or a timeout is recognised by the provider and applied once.
@@ -235,16 +265,10 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string, fn 
 			"past which calling again with the same key could apply it twice: find out from the provider whether it was applied", name, r.o.providerWindow))
 	}
 
-	providerKey := ProviderKey(r.k.scope, r.k.key, name)
-	callCtx, stop := r.keepLease(ctx, name, sent)
-	callCtx, end := r.obs.step(callCtx, stepCall, name, providerKey, int(start.Attempts))
-	value, callErr := fn(callCtx, providerKey)
-	if lost := stop(); lost != nil {
-		callErr = errors.Join(lost, callErr)
-	}
-	end(callErr)
-	if callErr != nil {
-		return zero, callErr
+	providerKey := ProviderKey(r.k.scope, r.k.key, name, r.operation)
+	value, err := callKeepingLease(ctx, r, name, providerKey, int(start.Attempts), sent, fn)
+	if err != nil {
+		return zero, err
 	}
 	encoded, err := encodeResponse(value, r.k.scope, r.o)
 	if err != nil {
@@ -262,7 +286,25 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string, fn 
 	if n == 0 {
 		return zero, r.lostError()
 	}
-	return value, nil
+	return decodedResult[T](r, encoded)
+}
+
+// callKeepingLease calls fn with providerKey while the lease is kept (see
+// keepLease), as attempt attempt of the call named name, whose intent was
+// recorded at sent; a panic of fn stops the renewals and ends the span
+// before it goes on.
+func callKeepingLease[T any](ctx context.Context, r *flowRun, name, providerKey string, attempt int, sent time.Time,
+	fn func(ctx context.Context, providerKey string) (T, error),
+) (value T, err error) {
+	callCtx, stop := r.keepLease(ctx, name, sent)
+	callCtx, end := r.obs.step(callCtx, stepCall, name, providerKey, attempt)
+	defer func() {
+		if lost := stop(); lost != nil {
+			err = errors.Join(lost, err)
+		}
+		end(err)
+	}()
+	return fn(callCtx, providerKey)
 }
 
 // keepLease returns the context of a call that starts now, whose lease was
@@ -379,22 +421,19 @@ func (r *flowRun) begin(name, kind string) (int32, *dbsqlc.FlowStepsRow, error) 
 		return 0, nil, fmt.Errorf("idem: step %q: the flow took a step of this name already: each step needs a name of its own", name)
 	}
 	seq := r.next
-	if int(seq) < len(r.recorded) {
-		rec := &r.recorded[seq]
-		if rec.Name != name || rec.Kind != kind {
-			r.stepping.Store(false)
-			return 0, nil, fmt.Errorf("%w: step %d is %s %q, the earlier run recorded %s %q", ErrFlowChanged,
-				seq, kindName(kind), name, kindName(rec.Kind), rec.Name)
-		}
-		r.names[name] = true
-		r.next++
-		if rec.State == stepDone {
-			return seq, rec, nil
-		}
-		return seq, nil, nil
-	}
-	r.names[name] = true
 	r.next++
+	r.names[name] = true
+	rec, ok := r.recorded[seq]
+	switch {
+	case !ok:
+		return seq, nil, nil
+	case rec.Name != name || rec.Kind != kind:
+		r.stepping.Store(false)
+		return 0, nil, fmt.Errorf("%w: step %d is %s %q, the earlier run recorded %s %q", ErrFlowChanged,
+			seq, kindName(kind), name, kindName(rec.Kind), rec.Name)
+	case rec.State == stepDone:
+		return seq, &rec, nil
+	}
 	return seq, nil, nil
 }
 
@@ -417,16 +456,21 @@ func recordedResult[T any](r *flowRun, name string, result []byte) (T, error) {
 }
 
 // ProviderKey returns the provider key of the call that the step named step
-// makes for the flow operation (scope, key) (see [Call]): a UUID (RFC 9562,
-// version 8) made of the first 16 bytes of the SHA-256 of the three, each
-// prefixed with its length, after the string "idem.Call" ([Fingerprint]),
-// with the version and variant bits set.
-// It is the same on every attempt, in every process, in every version of
-// idem, and fits what providers accept as an idempotency key: Stripe's up
-// to 255 characters, AIP-155's UUID request_id. A provider's records can
-// be matched back to the operation by computing it again.
-func ProviderKey(scope, key, step string) string {
-	sum := Fingerprint([]byte("idem.Call"), []byte(scope), []byte(key), []byte(step))
+// makes for the flow operation (scope, key) whose number is operation
+// ([FlowInfo].Operation; see [Call]): a UUID (RFC 9562, version 8) made of
+// the first 16 bytes of the SHA-256 of the four (the number in decimal),
+// each prefixed with its length, after the string "idem.Call"
+// ([Fingerprint]), with the version and variant bits set. It is the same
+// on every attempt, in every process, in every version of idem, and fits
+// what providers accept as an idempotency key: Stripe's up to 255
+// characters, AIP-155's UUID request_id. The operation's number is new
+// each time the key's flow starts: a key used again after its flow expired
+// is another operation, whose calls the provider must not take for the old
+// one's. [InspectFlow] shows each call's key; a provider's records are
+// matched back to the operation by computing it again.
+func ProviderKey(scope, key, step string, operation int64) string {
+	sum := Fingerprint([]byte("idem.Call"), []byte(scope), []byte(key), []byte(step),
+		strconv.AppendInt(nil, operation, 10))
 	var u [16]byte
 	copy(u[:], sum)
 	u[6] = u[6]&0x0f | 0x80 // version 8

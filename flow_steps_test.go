@@ -329,17 +329,18 @@ func TestFlowRunGivesItsLeaseUpWhenItsContextEnds(t *testing.T) {
 
 func TestProviderKeyIsAStableUUID(t *testing.T) {
 	t.Parallel()
-	a := idem.ProviderKey("acme", "order-1", "charge")
+	a := idem.ProviderKey("acme", "order-1", "charge", 7)
 	if !regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-8[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`).MatchString(a) {
 		t.Fatalf("ProviderKey = %q, not a version 8 UUID", a)
 	}
-	if a != idem.ProviderKey("acme", "order-1", "charge") {
+	if a != idem.ProviderKey("acme", "order-1", "charge", 7) {
 		t.Fatal("ProviderKey is not stable")
 	}
 	for _, other := range []string{
-		idem.ProviderKey("acme", "order-1", "refund"),
-		idem.ProviderKey("acme", "order-2", "charge"),
-		idem.ProviderKey("acm", "eorder-1", "charge"),
+		idem.ProviderKey("acme", "order-1", "refund", 7),
+		idem.ProviderKey("acme", "order-2", "charge", 7),
+		idem.ProviderKey("acm", "eorder-1", "charge", 7),
+		idem.ProviderKey("acme", "order-1", "charge", 8),
 	} {
 		if other == a {
 			t.Fatalf("ProviderKey collides: %q", a)

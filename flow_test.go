@@ -124,6 +124,17 @@ func chargeFlow(p *provider, steps *atomic.Int64, opts ...idem.Option) *idem.Flo
 	}, opts...)
 }
 
+// providerKeyOf returns the provider key of the call named step of the flow
+// operation (scope, key), from its number, as InspectFlow reads it.
+func providerKeyOf(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key, step string) string {
+	t.Helper()
+	info, err := idem.InspectFlow(ctx, pool, scope, key)
+	if err != nil || !info.Found {
+		t.Fatalf("no flow for %s: %v", key, err)
+	}
+	return idem.ProviderKey(scope, key, step, info.Operation)
+}
+
 // setupFlow is setup for the flow tests: the context, the pool, a scope of
 // the test's own, and a provider.
 func setupFlow(t *testing.T) (context.Context, *pgxpool.Pool, string, *provider) {
@@ -157,7 +168,7 @@ func TestFlowRunsItsStepsOnceAndReplaysItsAnswer(t *testing.T) {
 		t.Fatalf("charges %d, keys %v, local steps run %d, payments %d; want 1, one key, 2, 1",
 			charges, keys, steps.Load(), countPayments(t, pool, scope))
 	}
-	if _, ok := keys[idem.ProviderKey(scope, "order-1", "charge")]; !ok {
+	if _, ok := keys[providerKeyOf(t, ctx, pool, scope, "order-1", "charge")]; !ok {
 		t.Fatalf("the provider saw %v, not the call's provider key", keys)
 	}
 }

@@ -139,11 +139,20 @@ $$;
 -- One executor at a time runs a running flow: the one whose epoch is the
 -- row's, while leased_until is in the future. Every write an executor
 -- makes checks both and renews the lease, so an executor that stalled past
--- its lease, or whose flow another took over (epoch + 1), commits nothing.
+-- its lease, or whose flow another took over (a new epoch), commits
+-- nothing. Epochs come from idem_flow_seq, so that none is ever given
+-- twice, not even to the next operation of a key whose flow was purged.
+-- So does operation, the number of the operation that the key's flow
+-- runs, new each time the flow starts (and the same across takeovers):
+-- its calls' provider keys are derived from it, so that a key used again
+-- once its flow expired never sends a provider a key of the operation
+-- before.
 --
 -- input is the flow's input as JSON, for a completer to resume the flow
 -- with; retention is kept so that whoever completes the flow dates its
 -- expiry as the caller that started it asked.
+CREATE SEQUENCE idem_flow_seq;
+
 CREATE TABLE idem_flow (
     scope        text        NOT NULL,
     key          text        NOT NULL,
@@ -152,6 +161,7 @@ CREATE TABLE idem_flow (
     state        text        NOT NULL,
     input        jsonb       NOT NULL,
     output       jsonb,
+    operation    bigint      NOT NULL,
     epoch        bigint      NOT NULL,
     leased_until timestamptz,
     step         text,

@@ -12,8 +12,9 @@ import (
 // FlowHandler returns a handler that serves each request it is given with a
 // run of flow ([idem.Flow.Run]), for endpoints whose write calls another
 // system (charging a card, reserving stock): the middleware holds no
-// transaction, and no connection, while the flow runs, and the flow's own
-// record makes the request exactly-once. Keys, scopes, fingerprints, body
+// transaction of its own (the flow's local steps hold one each, briefly,
+// and its calls none), and the flow's own record makes the request
+// exactly-once. Keys, scopes, fingerprints, body
 // limits and problems are m's, as for the requests [Middleware.Wrap]
 // serves, with these differences:
 //
@@ -31,8 +32,10 @@ import (
 //     out (a definite failure, such as a declined card, is part of out,
 //     and answered, say, 402, the same each time);
 //   - an error of the flow (a call that failed or whose outcome is
-//     unknown) is not stored: 503 operation-incomplete, with Retry-After,
-//     and the client's retry continues the flow where it stopped;
+//     unknown: [idem.ErrFlowIncomplete]) is not stored: 503
+//     operation-incomplete, with Retry-After, and the client's retry
+//     continues the flow where it stopped; a flow whose steps changed
+//     ([idem.ErrFlowChanged]) is 500 request-failed;
 //   - a duplicate waits for the flow's executor up to [Config.Wait], as
 //     the middleware's do, then gets 409 key-in-progress; a flow stopped
 //     for a person's decision gets 409 operation-stopped.
@@ -97,15 +100,20 @@ func (m *Middleware) writeFlowError(w http.ResponseWriter, r *http.Request, err 
 			slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()),
 			slog.Any("panic", panicked.value), slog.String("stack", string(panicked.stack)))
 		m.writeProblem(w, http.StatusInternalServerError, ProblemRequestFailed, m.failedDetail("The request could not be completed.", true))
-	case errors.Is(err, idem.ErrFingerprintMismatch), errors.Is(err, idem.ErrInProgress),
-		errors.Is(err, idem.ErrLeaseLost), errors.Is(err, idem.ErrFlowStopped),
-		errors.Is(err, idem.ErrInvalidKey), databaseUnavailable(err),
-		errors.Is(err, idem.ErrResponseNotStorable), errors.Is(err, idem.ErrResponseTooLarge),
-		errors.Is(err, idem.ErrInvalidOption), errors.Is(err, idem.ErrInvalidScope):
+	case errors.Is(err, idem.ErrFlowChanged):
+		// A deployment changed the flow's steps under operations in
+		// progress: no retry gets further until the code or an operator
+		// does something.
+		m.logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: flow's steps differ from those its operation recorded",
+			slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()), slog.Any("error", err))
+		m.writeProblem(w, http.StatusInternalServerError, ProblemRequestFailed, m.failedDetail("The request could not be completed.", true))
+	case !errors.Is(err, idem.ErrFlowIncomplete):
 		m.WriteError(w, r, err)
 	default:
-		// The flow's own error: a call failed, or its outcome is unknown.
-		// It stays resumable, and nothing of the error is kept.
+		// The flow's own error (idem.ErrFlowIncomplete): a call failed, or
+		// its outcome is unknown, whatever the error it returned says (a
+		// provider's connection refused is no database outage). It stays
+		// resumable, and nothing of the error is kept.
 		if r.Context().Err() == nil {
 			m.logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: flow did not complete; a retry continues it",
 				slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()), slog.Any("error", err))

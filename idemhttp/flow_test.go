@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -126,22 +127,27 @@ func TestFlowHandlerRunsOnceAndReplaysTheAnswer(t *testing.T) {
 func TestFlowHandlerAnswers503WhenACallFailsAndTheRetryContinues(t *testing.T) {
 	_, pool, tenant, p, srv := setupFlow(t, idemhttp.Config{})
 	p.fail = func(attempt int64) error {
-		if attempt == 1 {
+		switch attempt {
+		case 1:
 			return errors.New("provider timeout, after it charged")
+		case 2: // the provider's connection: no database outage
+			return &net.OpError{Op: "read", Net: "tcp", Err: errors.New("connection reset by peer")}
 		}
 		return nil
 	}
-	failed := post(t, srv, "/payments", tenant, "k", `{"amount_cents": 2500}`)
-	wantProblem(t, failed, 503, idemhttp.DefaultProblemTypeBase, idemhttp.ProblemOperationIncomplete)
-	if failed.header.Get("Retry-After") == "" {
-		t.Fatal("503 operation-incomplete without Retry-After")
+	for range 2 {
+		failed := post(t, srv, "/payments", tenant, "k", `{"amount_cents": 2500}`)
+		wantProblem(t, failed, 503, idemhttp.DefaultProblemTypeBase, idemhttp.ProblemOperationIncomplete)
+		if failed.header.Get("Retry-After") == "" {
+			t.Fatal("503 operation-incomplete without Retry-After")
+		}
 	}
 	retry := post(t, srv, "/payments", tenant, "k", `{"amount_cents": 2500}`)
 	if retry.status != http.StatusCreated || retry.replayed() {
-		t.Fatalf("the retry: %d %s", retry.status, retry.body)
+		t.Fatalf("the third attempt: %d %s", retry.status, retry.body)
 	}
-	if p.charges.Load() != 1 || p.calls.Load() != 2 || countPayments(t, pool, tenant) != 1 {
-		t.Fatalf("%d charges, %d calls, %d payments; want 1, 2, 1", p.charges.Load(), p.calls.Load(), countPayments(t, pool, tenant))
+	if p.charges.Load() != 1 || p.calls.Load() != 3 || countPayments(t, pool, tenant) != 1 {
+		t.Fatalf("%d charges, %d calls, %d payments; want 1, 3, 1", p.charges.Load(), p.calls.Load(), countPayments(t, pool, tenant))
 	}
 }
 

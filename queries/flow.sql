@@ -1,63 +1,102 @@
 -- name: FlowStart :one
--- FlowStart writes a new flow's row, running, leased to the caller as epoch
--- 1, or starts again a flow whose retention has passed (its steps
--- deleted, its epoch raised so that nothing of its old executors can
--- commit). It returns no row when a live flow holds the key: the caller
--- then takes it over (FlowTakeOver) or judges it (FlowGet), in the same
--- round trip.
-WITH started AS (
-    INSERT INTO idem_flow AS f (scope, key, name, fingerprint, state, input, epoch, leased_until, runs, retention)
-    VALUES (@scope::text, @key::text, @flow_name::text, @fingerprint::bytea, 'running',
-            sqlc.arg(input)::text::jsonb, 1, now() + @lease::interval, 1, @retention::interval)
-    ON CONFLICT (scope, key) DO UPDATE
-    SET name = excluded.name,
-        fingerprint = excluded.fingerprint,
+-- FlowStart writes a new flow's row, running, leased to the caller, with an
+-- operation number and an epoch that no flow had before (idem_flow_seq).
+-- It locks nothing that exists, nor waits for it: when a flow holds the
+-- key, it returns no row, and the caller restarts the flow if it expired (FlowRestart), takes
+-- it over if its lease ran out (FlowTakeOver), or judges it (FlowGet), in
+-- the same round trip. Leases are dated by the clock, not by the start of
+-- the transaction, which may have waited. Stored values are sent as text,
+-- as KeyInsert's are.
+INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, operation, epoch, leased_until, runs, retention)
+SELECT @scope::text, @key::text, @flow_name::text, @fingerprint::bytea, 'running',
+       sqlc.arg(input)::text::jsonb, n.number, n.number, clock_timestamp() + @lease::interval, 1, @retention::interval
+FROM (SELECT nextval('idem_flow_seq') AS number) AS n
+-- Without a row to see, the INSERT is not tried: the unique index would
+-- otherwise wait for a transaction that holds the row (a local step's).
+WHERE NOT EXISTS (
+    SELECT FROM idem_flow
+    WHERE scope = @scope::text
+      AND key = @key::text
+)
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING operation, epoch;
+
+-- name: FlowRestart :one
+-- FlowRestart starts again, as a new operation, a finished flow whose
+-- retention has passed: its row taken over, its steps deleted, and a new
+-- operation number and epoch, so that nothing of its old executors can
+-- commit into the new operation, and its calls get new provider keys. A
+-- row another transaction holds is skipped, not waited for.
+WITH expired AS (
+    SELECT scope, key
+    FROM idem_flow
+    WHERE scope = @scope::text
+      AND key = @key::text
+      AND expires_at <= now()
+    FOR UPDATE SKIP LOCKED
+),
+restarted AS (
+    UPDATE idem_flow AS f
+    SET name = @flow_name::text,
+        fingerprint = @fingerprint::bytea,
         state = 'running',
-        input = excluded.input,
+        input = sqlc.arg(input)::text::jsonb,
         output = NULL,
-        epoch = f.epoch + 1,
-        leased_until = excluded.leased_until,
+        operation = n.number,
+        epoch = n.number,
+        leased_until = clock_timestamp() + @lease::interval,
         step = NULL,
         runs = 1,
         last_error = NULL,
-        retention = excluded.retention,
+        retention = @retention::interval,
         created_at = now(),
         completed_at = NULL,
         expires_at = NULL
-    WHERE f.expires_at <= now()
-    RETURNING f.epoch
+    FROM expired, (SELECT nextval('idem_flow_seq') AS number) AS n
+    WHERE f.scope = expired.scope
+      AND f.key = expired.key
+    RETURNING f.operation, f.epoch
 ),
 cleared AS (
     DELETE FROM idem_flow_step AS s
-    USING started
+    USING restarted
     WHERE s.scope = @scope::text
       AND s.key = @key::text
 )
-SELECT epoch FROM started;
+SELECT operation, epoch FROM restarted;
 
 -- name: FlowTakeOver :one
 -- FlowTakeOver takes a running flow whose lease has run out, for a caller
--- with the same request (name and fingerprint): the epoch it raises fences
--- the executor that held it. It returns no row when the flow is not
--- running, another executor's lease holds, or the request differs.
-UPDATE idem_flow
-SET epoch = epoch + 1,
-    leased_until = now() + @lease::interval,
-    runs = runs + 1
-WHERE scope = @scope::text
-  AND key = @key::text
-  AND name = @flow_name::text
-  AND fingerprint = @fingerprint::bytea
-  AND state = 'running'
-  AND leased_until <= now()
-RETURNING epoch;
+-- with the same request (name and fingerprint), under a new epoch that
+-- fences the executor that held it. A flow whose row another transaction
+-- holds (the executor's local step, still open) is skipped, not waited
+-- for: the caller keeps waiting under its own budget. It returns no row
+-- when the flow is not running, its lease holds, or the request differs.
+UPDATE idem_flow AS f
+SET epoch = nextval('idem_flow_seq'),
+    leased_until = clock_timestamp() + @lease::interval,
+    runs = f.runs + 1
+FROM (
+    SELECT scope, key
+    FROM idem_flow
+    WHERE scope = @scope::text
+      AND key = @key::text
+      AND name = @flow_name::text
+      AND fingerprint = @fingerprint::bytea
+      AND state = 'running'
+      AND leased_until <= clock_timestamp()
+    FOR UPDATE SKIP LOCKED
+) AS free
+WHERE f.scope = free.scope
+  AND f.key = free.key
+RETURNING f.operation, f.epoch;
 
 -- name: FlowGet :one
 -- FlowGet reads what a caller who neither started nor took the flow over
 -- must judge: a replay, a mismatch, a stopped flow, or one that another
--- executor runs (leased).
+-- executor runs (leased). It locks nothing.
 SELECT name, fingerprint, state, output, last_error,
-       coalesce(leased_until > now(), false)::bool AS leased
+       coalesce(leased_until > clock_timestamp(), false)::bool AS leased
 FROM idem_flow
 WHERE scope = @scope::text
   AND key = @key::text;
@@ -80,15 +119,17 @@ ORDER BY s.seq;
 -- over (epoch), the lease ran out, or an operator stopped the flow. As the
 -- first statement of a local step's transaction it also locks the flow's
 -- row until that transaction ends, so that no one takes the flow over
--- while the step's writes are open.
+-- while the step's writes are open; sent again with the step's record
+-- (@held), it renews the lease for the steps after it without looking at
+-- the time: the row stayed locked since, so the lease could not be lost.
 UPDATE idem_flow
-SET leased_until = now() + @lease::interval,
+SET leased_until = clock_timestamp() + @lease::interval,
     step = @step::text
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
   AND state = 'running'
-  AND leased_until > now();
+  AND (@held::bool OR leased_until > clock_timestamp());
 
 -- name: FlowStepRecord :exec
 -- FlowStepRecord records a local step's result in the transaction of its
@@ -109,13 +150,13 @@ VALUES (@scope::text, @key::text, @seq::int, @step::text, 'local', 'done',
 -- this one, is 0 when the window has passed.
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = now() + @lease::interval,
+    SET leased_until = clock_timestamp() + @lease::interval,
         step = @step::text
     WHERE scope = @scope::text
       AND key = @key::text
       AND epoch = @epoch::bigint
       AND state = 'running'
-      AND leased_until > now()
+      AND leased_until > clock_timestamp()
     RETURNING 1
 ),
 called AS (
@@ -137,12 +178,12 @@ SELECT EXISTS (SELECT FROM leased)::bool AS leased,
 -- records nothing.
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = now() + @lease::interval
+    SET leased_until = clock_timestamp() + @lease::interval
     WHERE scope = @scope::text
       AND key = @key::text
       AND epoch = @epoch::bigint
       AND state = 'running'
-      AND leased_until > now()
+      AND leased_until > clock_timestamp()
     RETURNING 1
 )
 UPDATE idem_flow_step AS s
@@ -171,7 +212,7 @@ WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
   AND state = 'running'
-  AND leased_until > now();
+  AND leased_until > clock_timestamp();
 
 -- name: FlowRelease :exec
 -- FlowRelease gives the lease up when the flow's function returned an
@@ -179,13 +220,13 @@ WHERE scope = @scope::text
 -- instead of waiting for the lease to run out; the error is kept for
 -- operators.
 UPDATE idem_flow
-SET leased_until = now(),
+SET leased_until = clock_timestamp(),
     last_error = @last_error::text
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
   AND state = 'running'
-  AND leased_until > now();
+  AND leased_until > clock_timestamp();
 
 -- name: FlowStop :execrows
 -- FlowStop stops a running flow that needs a person's decision (a call
@@ -199,14 +240,14 @@ WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
   AND state = 'running'
-  AND leased_until > now();
+  AND leased_until > clock_timestamp();
 
 -- name: FlowAbandoned :many
 -- FlowAbandoned lists up to @max_rows running flows named @name whose
 -- lease ran out at least @grace ago, longest abandoned first, for a
 -- completer (Flow.Resume). A flow that was run and failed again waits
--- longer each time (1s, 2s, 4s, ... up to an hour, by its runs), so that a
--- flow that keeps failing does not take every pass.
+-- longer each time, 2^(runs - 1) - 1 seconds (0, 1, 3, 7, 15, ... up to an
+-- hour), so that a flow that keeps failing does not take every pass.
 SELECT scope, key
 FROM idem_flow
 WHERE name = @flow_name::text
@@ -219,19 +260,27 @@ LIMIT @max_rows::int;
 
 -- name: FlowAdopt :one
 -- FlowAdopt takes over an abandoned flow for a completer, as FlowTakeOver
--- does for a caller, and returns the input to run it with.
-UPDATE idem_flow
-SET epoch = epoch + 1,
-    leased_until = now() + @lease::interval,
-    runs = runs + 1
-WHERE scope = @scope::text
-  AND key = @key::text
-  AND name = @flow_name::text
-  AND state = 'running'
-  AND leased_until <= now() - @grace::interval
-  AND leased_until + least(interval '1 second' * (power(2, least(runs - 1, 12)) - 1), interval '1 hour')
-      <= now() - @grace::interval
-RETURNING epoch, input;
+-- does for a caller, skipping a row another transaction holds, and returns
+-- the input to run it with.
+UPDATE idem_flow AS f
+SET epoch = nextval('idem_flow_seq'),
+    leased_until = clock_timestamp() + @lease::interval,
+    runs = f.runs + 1
+FROM (
+    SELECT scope, key
+    FROM idem_flow
+    WHERE scope = @scope::text
+      AND key = @key::text
+      AND name = @flow_name::text
+      AND state = 'running'
+      AND leased_until <= now() - @grace::interval
+      AND leased_until + least(interval '1 second' * (power(2, least(runs - 1, 12)) - 1), interval '1 hour')
+          <= now() - @grace::interval
+    FOR UPDATE SKIP LOCKED
+) AS free
+WHERE f.scope = free.scope
+  AND f.key = free.key
+RETURNING f.operation, f.epoch, f.input;
 
 -- name: FlowEnd :execrows
 -- FlowEnd ends a flow that is running or needs attention, for an
@@ -275,7 +324,7 @@ SELECT count(*) FROM purged;
 
 -- name: FlowInspect :one
 -- FlowInspect reads one flow whatever its state, for operators.
-SELECT name, fingerprint, state, input, output, epoch, leased_until, step, runs, last_error,
+SELECT name, fingerprint, state, input, output, operation, epoch, leased_until, step, runs, last_error,
        created_at, completed_at, expires_at,
        coalesce(expires_at <= now(), false)::bool AS expired,
        coalesce(leased_until > now(), false)::bool AS leased

@@ -12,6 +12,16 @@ import (
 	"github.com/pgidem/idem/internal/testdb"
 )
 
+// providerKey is the provider key of the flow (scope, key)'s call charge.
+func providerKey(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key string) string {
+	t.Helper()
+	info, err := idem.InspectFlow(ctx, pool, scope, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return idem.ProviderKey(scope, key, "charge", info.Operation)
+}
+
 func TestInspectFlowAndFlowEnd(t *testing.T) {
 	url := env.URL(t)
 	ctx := context.Background()
@@ -33,7 +43,7 @@ func TestInspectFlowAndFlowEnd(t *testing.T) {
 
 	code, out := runCommand(t, url, "inspect", "-flow", scope, "k")
 	if code != exitOK || !strings.Contains(out, "no executor holds it") || !strings.Contains(out, "provider timeout") ||
-		!strings.Contains(out, idem.ProviderKey(scope, "k", "charge")) || !strings.Contains(out, "input") ||
+		!strings.Contains(out, providerKey(t, ctx, pool, scope, "k")) || !strings.Contains(out, "input") ||
 		strings.Contains(out, "{}") {
 		t.Fatalf("inspect -flow: exit %d\n%s", code, out)
 	}

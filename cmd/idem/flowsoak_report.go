@@ -122,18 +122,19 @@ func checkFlowSoak(ctx context.Context, admin *pgxpool.Pool, scope string, ops [
 		return fmt.Errorf("read the ledger: %w", err)
 	}
 	type flowRow struct {
-		state  string
-		output []byte
+		state     string
+		output    []byte
+		operation int64
 	}
 	flows := make(map[string]flowRow)
-	rows, err := admin.Query(ctx, `SELECT key, state, output FROM idem_flow WHERE scope = $1`, scope)
+	rows, err := admin.Query(ctx, `SELECT key, state, output, operation FROM idem_flow WHERE scope = $1`, scope)
 	if err != nil {
 		return fmt.Errorf("read flows: %w", err)
 	}
 	for rows.Next() {
 		var key string
 		var f flowRow
-		if err := rows.Scan(&key, &f.state, &f.output); err != nil {
+		if err := rows.Scan(&key, &f.state, &f.output, &f.operation); err != nil {
 			return fmt.Errorf("read flows: %w", err)
 		}
 		flows[key] = f
@@ -151,7 +152,9 @@ func checkFlowSoak(ctx context.Context, admin *pgxpool.Pool, scope string, ops [
 
 	ours := make(map[string]bool, len(ops))
 	for _, op := range ops {
-		pk := idem.ProviderKey(scope, op.key, "charge")
+		// The call's provider key is the operation's (a flow never
+		// started has none, and no charge).
+		pk := idem.ProviderKey(scope, op.key, "charge", flows[op.key].operation)
 		ours[pk] = true
 		charge, charged := charges[pk]
 		if !charged {

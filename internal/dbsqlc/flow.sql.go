@@ -37,8 +37,8 @@ type FlowAbandonedRow struct {
 // FlowAbandoned lists up to @max_rows running flows named @name whose
 // lease ran out at least @grace ago, longest abandoned first, for a
 // completer (Flow.Resume). A flow that was run and failed again waits
-// longer each time (1s, 2s, 4s, ... up to an hour, by its runs), so that a
-// flow that keeps failing does not take every pass.
+// longer each time, 2^(runs - 1) - 1 seconds (0, 1, 3, 7, 15, ... up to an
+// hour), so that a flow that keeps failing does not take every pass.
 func (q *Queries) FlowAbandoned(ctx context.Context, arg FlowAbandonedParams) ([]FlowAbandonedRow, error) {
 	rows, err := q.db.Query(ctx, flowAbandoned, arg.FlowName, arg.Grace, arg.MaxRows)
 	if err != nil {
@@ -60,18 +60,25 @@ func (q *Queries) FlowAbandoned(ctx context.Context, arg FlowAbandonedParams) ([
 }
 
 const flowAdopt = `-- name: FlowAdopt :one
-UPDATE idem_flow
-SET epoch = epoch + 1,
-    leased_until = now() + $1::interval,
-    runs = runs + 1
-WHERE scope = $2::text
-  AND key = $3::text
-  AND name = $4::text
-  AND state = 'running'
-  AND leased_until <= now() - $5::interval
-  AND leased_until + least(interval '1 second' * (power(2, least(runs - 1, 12)) - 1), interval '1 hour')
-      <= now() - $5::interval
-RETURNING epoch, input
+UPDATE idem_flow AS f
+SET epoch = nextval('idem_flow_seq'),
+    leased_until = clock_timestamp() + $1::interval,
+    runs = f.runs + 1
+FROM (
+    SELECT scope, key
+    FROM idem_flow
+    WHERE scope = $2::text
+      AND key = $3::text
+      AND name = $4::text
+      AND state = 'running'
+      AND leased_until <= now() - $5::interval
+      AND leased_until + least(interval '1 second' * (power(2, least(runs - 1, 12)) - 1), interval '1 hour')
+          <= now() - $5::interval
+    FOR UPDATE SKIP LOCKED
+) AS free
+WHERE f.scope = free.scope
+  AND f.key = free.key
+RETURNING f.operation, f.epoch, f.input
 `
 
 type FlowAdoptParams struct {
@@ -83,12 +90,14 @@ type FlowAdoptParams struct {
 }
 
 type FlowAdoptRow struct {
-	Epoch int64
-	Input []byte
+	Operation int64
+	Epoch     int64
+	Input     []byte
 }
 
 // FlowAdopt takes over an abandoned flow for a completer, as FlowTakeOver
-// does for a caller, and returns the input to run it with.
+// does for a caller, skipping a row another transaction holds, and returns
+// the input to run it with.
 func (q *Queries) FlowAdopt(ctx context.Context, arg FlowAdoptParams) (FlowAdoptRow, error) {
 	row := q.db.QueryRow(ctx, flowAdopt,
 		arg.Lease,
@@ -98,19 +107,19 @@ func (q *Queries) FlowAdopt(ctx context.Context, arg FlowAdoptParams) (FlowAdopt
 		arg.Grace,
 	)
 	var i FlowAdoptRow
-	err := row.Scan(&i.Epoch, &i.Input)
+	err := row.Scan(&i.Operation, &i.Epoch, &i.Input)
 	return i, err
 }
 
 const flowCallDone = `-- name: FlowCallDone :execrows
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = now() + $5::interval
+    SET leased_until = clock_timestamp() + $5::interval
     WHERE scope = $2::text
       AND key = $3::text
       AND epoch = $6::bigint
       AND state = 'running'
-      AND leased_until > now()
+      AND leased_until > clock_timestamp()
     RETURNING 1
 )
 UPDATE idem_flow_step AS s
@@ -154,13 +163,13 @@ func (q *Queries) FlowCallDone(ctx context.Context, arg FlowCallDoneParams) (int
 const flowCallStart = `-- name: FlowCallStart :one
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = now() + $1::interval,
+    SET leased_until = clock_timestamp() + $1::interval,
         step = $2::text
     WHERE scope = $3::text
       AND key = $4::text
       AND epoch = $5::bigint
       AND state = 'running'
-      AND leased_until > now()
+      AND leased_until > clock_timestamp()
     RETURNING 1
 ),
 called AS (
@@ -228,7 +237,7 @@ WHERE scope = $2::text
   AND key = $3::text
   AND epoch = $4::bigint
   AND state = 'running'
-  AND leased_until > now()
+  AND leased_until > clock_timestamp()
 `
 
 type FlowCompleteParams struct {
@@ -286,7 +295,7 @@ func (q *Queries) FlowEnd(ctx context.Context, arg FlowEndParams) (int64, error)
 
 const flowGet = `-- name: FlowGet :one
 SELECT name, fingerprint, state, output, last_error,
-       coalesce(leased_until > now(), false)::bool AS leased
+       coalesce(leased_until > clock_timestamp(), false)::bool AS leased
 FROM idem_flow
 WHERE scope = $1::text
   AND key = $2::text
@@ -308,7 +317,7 @@ type FlowGetRow struct {
 
 // FlowGet reads what a caller who neither started nor took the flow over
 // must judge: a replay, a mismatch, a stopped flow, or one that another
-// executor runs (leased).
+// executor runs (leased). It locks nothing.
 func (q *Queries) FlowGet(ctx context.Context, arg FlowGetParams) (FlowGetRow, error) {
 	row := q.db.QueryRow(ctx, flowGet, arg.Scope, arg.Key)
 	var i FlowGetRow
@@ -324,7 +333,7 @@ func (q *Queries) FlowGet(ctx context.Context, arg FlowGetParams) (FlowGetRow, e
 }
 
 const flowInspect = `-- name: FlowInspect :one
-SELECT name, fingerprint, state, input, output, epoch, leased_until, step, runs, last_error,
+SELECT name, fingerprint, state, input, output, operation, epoch, leased_until, step, runs, last_error,
        created_at, completed_at, expires_at,
        coalesce(expires_at <= now(), false)::bool AS expired,
        coalesce(leased_until > now(), false)::bool AS leased
@@ -344,6 +353,7 @@ type FlowInspectRow struct {
 	State       string
 	Input       []byte
 	Output      []byte
+	Operation   int64
 	Epoch       int64
 	LeasedUntil pgtype.Timestamptz
 	Step        pgtype.Text
@@ -366,6 +376,7 @@ func (q *Queries) FlowInspect(ctx context.Context, arg FlowInspectParams) (FlowI
 		&i.State,
 		&i.Input,
 		&i.Output,
+		&i.Operation,
 		&i.Epoch,
 		&i.LeasedUntil,
 		&i.Step,
@@ -436,13 +447,13 @@ func (q *Queries) FlowInspectSteps(ctx context.Context, arg FlowInspectStepsPara
 
 const flowLease = `-- name: FlowLease :execrows
 UPDATE idem_flow
-SET leased_until = now() + $1::interval,
+SET leased_until = clock_timestamp() + $1::interval,
     step = $2::text
 WHERE scope = $3::text
   AND key = $4::text
   AND epoch = $5::bigint
   AND state = 'running'
-  AND leased_until > now()
+  AND ($6::bool OR leased_until > clock_timestamp())
 `
 
 type FlowLeaseParams struct {
@@ -451,6 +462,7 @@ type FlowLeaseParams struct {
 	Scope string
 	Key   string
 	Epoch int64
+	Held  bool
 }
 
 // FlowLease renews the executor's lease and notes the step it is at. It
@@ -458,7 +470,9 @@ type FlowLeaseParams struct {
 // over (epoch), the lease ran out, or an operator stopped the flow. As the
 // first statement of a local step's transaction it also locks the flow's
 // row until that transaction ends, so that no one takes the flow over
-// while the step's writes are open.
+// while the step's writes are open; sent again with the step's record
+// (@held), it renews the lease for the steps after it without looking at
+// the time: the row stayed locked since, so the lease could not be lost.
 func (q *Queries) FlowLease(ctx context.Context, arg FlowLeaseParams) (int64, error) {
 	result, err := q.db.Exec(ctx, flowLease,
 		arg.Lease,
@@ -466,6 +480,7 @@ func (q *Queries) FlowLease(ctx context.Context, arg FlowLeaseParams) (int64, er
 		arg.Scope,
 		arg.Key,
 		arg.Epoch,
+		arg.Held,
 	)
 	if err != nil {
 		return 0, err
@@ -508,13 +523,13 @@ func (q *Queries) FlowPurgeExpired(ctx context.Context, maxRows int32) (int64, e
 
 const flowRelease = `-- name: FlowRelease :exec
 UPDATE idem_flow
-SET leased_until = now(),
+SET leased_until = clock_timestamp(),
     last_error = $1::text
 WHERE scope = $2::text
   AND key = $3::text
   AND epoch = $4::bigint
   AND state = 'running'
-  AND leased_until > now()
+  AND leased_until > clock_timestamp()
 `
 
 type FlowReleaseParams struct {
@@ -538,36 +553,93 @@ func (q *Queries) FlowRelease(ctx context.Context, arg FlowReleaseParams) error 
 	return err
 }
 
-const flowStart = `-- name: FlowStart :one
-WITH started AS (
-    INSERT INTO idem_flow AS f (scope, key, name, fingerprint, state, input, epoch, leased_until, runs, retention)
-    VALUES ($1::text, $2::text, $3::text, $4::bytea, 'running',
-            $5::text::jsonb, 1, now() + $6::interval, 1, $7::interval)
-    ON CONFLICT (scope, key) DO UPDATE
-    SET name = excluded.name,
-        fingerprint = excluded.fingerprint,
+const flowRestart = `-- name: FlowRestart :one
+WITH expired AS (
+    SELECT scope, key
+    FROM idem_flow
+    WHERE scope = $1::text
+      AND key = $2::text
+      AND expires_at <= now()
+    FOR UPDATE SKIP LOCKED
+),
+restarted AS (
+    UPDATE idem_flow AS f
+    SET name = $3::text,
+        fingerprint = $4::bytea,
         state = 'running',
-        input = excluded.input,
+        input = $5::text::jsonb,
         output = NULL,
-        epoch = f.epoch + 1,
-        leased_until = excluded.leased_until,
+        operation = n.number,
+        epoch = n.number,
+        leased_until = clock_timestamp() + $6::interval,
         step = NULL,
         runs = 1,
         last_error = NULL,
-        retention = excluded.retention,
+        retention = $7::interval,
         created_at = now(),
         completed_at = NULL,
         expires_at = NULL
-    WHERE f.expires_at <= now()
-    RETURNING f.epoch
+    FROM expired, (SELECT nextval('idem_flow_seq') AS number) AS n
+    WHERE f.scope = expired.scope
+      AND f.key = expired.key
+    RETURNING f.operation, f.epoch
 ),
 cleared AS (
     DELETE FROM idem_flow_step AS s
-    USING started
+    USING restarted
     WHERE s.scope = $1::text
       AND s.key = $2::text
 )
-SELECT epoch FROM started
+SELECT operation, epoch FROM restarted
+`
+
+type FlowRestartParams struct {
+	Scope       string
+	Key         string
+	FlowName    string
+	Fingerprint []byte
+	Input       string
+	Lease       pgtype.Interval
+	Retention   pgtype.Interval
+}
+
+type FlowRestartRow struct {
+	Operation int64
+	Epoch     int64
+}
+
+// FlowRestart starts again, as a new operation, a finished flow whose
+// retention has passed: its row taken over, its steps deleted, and a new
+// operation number and epoch, so that nothing of its old executors can
+// commit into the new operation, and its calls get new provider keys. A
+// row another transaction holds is skipped, not waited for.
+func (q *Queries) FlowRestart(ctx context.Context, arg FlowRestartParams) (FlowRestartRow, error) {
+	row := q.db.QueryRow(ctx, flowRestart,
+		arg.Scope,
+		arg.Key,
+		arg.FlowName,
+		arg.Fingerprint,
+		arg.Input,
+		arg.Lease,
+		arg.Retention,
+	)
+	var i FlowRestartRow
+	err := row.Scan(&i.Operation, &i.Epoch)
+	return i, err
+}
+
+const flowStart = `-- name: FlowStart :one
+INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, operation, epoch, leased_until, runs, retention)
+SELECT $1::text, $2::text, $3::text, $4::bytea, 'running',
+       $5::text::jsonb, n.number, n.number, clock_timestamp() + $6::interval, 1, $7::interval
+FROM (SELECT nextval('idem_flow_seq') AS number) AS n
+WHERE NOT EXISTS (
+    SELECT FROM idem_flow
+    WHERE scope = $1::text
+      AND key = $2::text
+)
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING operation, epoch
 `
 
 type FlowStartParams struct {
@@ -580,13 +652,22 @@ type FlowStartParams struct {
 	Retention   pgtype.Interval
 }
 
-// FlowStart writes a new flow's row, running, leased to the caller as epoch
-// 1, or starts again a flow whose retention has passed (its steps
-// deleted, its epoch raised so that nothing of its old executors can
-// commit). It returns no row when a live flow holds the key: the caller
-// then takes it over (FlowTakeOver) or judges it (FlowGet), in the same
-// round trip.
-func (q *Queries) FlowStart(ctx context.Context, arg FlowStartParams) (int64, error) {
+type FlowStartRow struct {
+	Operation int64
+	Epoch     int64
+}
+
+// FlowStart writes a new flow's row, running, leased to the caller, with an
+// operation number and an epoch that no flow had before (idem_flow_seq).
+// It locks nothing that exists, nor waits for it: when a flow holds the
+// key, it returns no row, and the caller restarts the flow if it expired (FlowRestart), takes
+// it over if its lease ran out (FlowTakeOver), or judges it (FlowGet), in
+// the same round trip. Leases are dated by the clock, not by the start of
+// the transaction, which may have waited. Stored values are sent as text,
+// as KeyInsert's are.
+// Without a row to see, the INSERT is not tried: the unique index would
+// otherwise wait for a transaction that holds the row (a local step's).
+func (q *Queries) FlowStart(ctx context.Context, arg FlowStartParams) (FlowStartRow, error) {
 	row := q.db.QueryRow(ctx, flowStart,
 		arg.Scope,
 		arg.Key,
@@ -596,9 +677,9 @@ func (q *Queries) FlowStart(ctx context.Context, arg FlowStartParams) (int64, er
 		arg.Lease,
 		arg.Retention,
 	)
-	var epoch int64
-	err := row.Scan(&epoch)
-	return epoch, err
+	var i FlowStartRow
+	err := row.Scan(&i.Operation, &i.Epoch)
+	return i, err
 }
 
 const flowStats = `-- name: FlowStats :one
@@ -724,7 +805,7 @@ WHERE scope = $2::text
   AND key = $3::text
   AND epoch = $4::bigint
   AND state = 'running'
-  AND leased_until > now()
+  AND leased_until > clock_timestamp()
 `
 
 type FlowStopParams struct {
@@ -751,17 +832,24 @@ func (q *Queries) FlowStop(ctx context.Context, arg FlowStopParams) (int64, erro
 }
 
 const flowTakeOver = `-- name: FlowTakeOver :one
-UPDATE idem_flow
-SET epoch = epoch + 1,
-    leased_until = now() + $1::interval,
-    runs = runs + 1
-WHERE scope = $2::text
-  AND key = $3::text
-  AND name = $4::text
-  AND fingerprint = $5::bytea
-  AND state = 'running'
-  AND leased_until <= now()
-RETURNING epoch
+UPDATE idem_flow AS f
+SET epoch = nextval('idem_flow_seq'),
+    leased_until = clock_timestamp() + $1::interval,
+    runs = f.runs + 1
+FROM (
+    SELECT scope, key
+    FROM idem_flow
+    WHERE scope = $2::text
+      AND key = $3::text
+      AND name = $4::text
+      AND fingerprint = $5::bytea
+      AND state = 'running'
+      AND leased_until <= clock_timestamp()
+    FOR UPDATE SKIP LOCKED
+) AS free
+WHERE f.scope = free.scope
+  AND f.key = free.key
+RETURNING f.operation, f.epoch
 `
 
 type FlowTakeOverParams struct {
@@ -772,11 +860,18 @@ type FlowTakeOverParams struct {
 	Fingerprint []byte
 }
 
+type FlowTakeOverRow struct {
+	Operation int64
+	Epoch     int64
+}
+
 // FlowTakeOver takes a running flow whose lease has run out, for a caller
-// with the same request (name and fingerprint): the epoch it raises fences
-// the executor that held it. It returns no row when the flow is not
-// running, another executor's lease holds, or the request differs.
-func (q *Queries) FlowTakeOver(ctx context.Context, arg FlowTakeOverParams) (int64, error) {
+// with the same request (name and fingerprint), under a new epoch that
+// fences the executor that held it. A flow whose row another transaction
+// holds (the executor's local step, still open) is skipped, not waited
+// for: the caller keeps waiting under its own budget. It returns no row
+// when the flow is not running, its lease holds, or the request differs.
+func (q *Queries) FlowTakeOver(ctx context.Context, arg FlowTakeOverParams) (FlowTakeOverRow, error) {
 	row := q.db.QueryRow(ctx, flowTakeOver,
 		arg.Lease,
 		arg.Scope,
@@ -784,7 +879,7 @@ func (q *Queries) FlowTakeOver(ctx context.Context, arg FlowTakeOverParams) (int
 		arg.FlowName,
 		arg.Fingerprint,
 	)
-	var epoch int64
-	err := row.Scan(&epoch)
-	return epoch, err
+	var i FlowTakeOverRow
+	err := row.Scan(&i.Operation, &i.Epoch)
+	return i, err
 }

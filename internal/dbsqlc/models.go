@@ -23,6 +23,7 @@ type IdemFlow struct {
 	State       string
 	Input       []byte
 	Output      []byte
+	Operation   int64
 	Epoch       int64
 	LeasedUntil pgtype.Timestamptz
 	Step        pgtype.Text

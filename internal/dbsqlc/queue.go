@@ -105,25 +105,32 @@ func noRow(err error, found *bool) error {
 	return err
 }
 
-// QueueFlowStart queues FlowStart on b: epoch is filled in and started set
+// QueueFlowStart queues FlowStart on b: row is filled in and started set
 // when the batch's results are read. No row is not an error.
-func QueueFlowStart(b *pgx.Batch, arg FlowStartParams, epoch *int64, started *bool) {
+func QueueFlowStart(b *pgx.Batch, arg FlowStartParams, row *FlowStartRow, started *bool) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowStart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return noRow(r.Scan(epoch), started)
+		return noRow(r.Scan(&row.Operation, &row.Epoch), started)
+	})
+}
+
+// QueueFlowRestart queues FlowRestart on b, as QueueFlowStart does.
+func QueueFlowRestart(b *pgx.Batch, arg FlowRestartParams, row *FlowRestartRow, restarted *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowRestart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return noRow(r.Scan(&row.Operation, &row.Epoch), restarted)
 	})
 }
 
 // QueueFlowTakeOver queues FlowTakeOver on b, as QueueFlowStart does.
-func QueueFlowTakeOver(b *pgx.Batch, arg FlowTakeOverParams, epoch *int64, tookOver *bool) {
+func QueueFlowTakeOver(b *pgx.Batch, arg FlowTakeOverParams, row *FlowTakeOverRow, tookOver *bool) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowTakeOver(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return noRow(r.Scan(epoch), tookOver)
+		return noRow(r.Scan(&row.Operation, &row.Epoch), tookOver)
 	})
 }
 
 // QueueFlowAdopt queues FlowAdopt on b, as QueueFlowStart does.
 func QueueFlowAdopt(b *pgx.Batch, arg FlowAdoptParams, row *FlowAdoptRow, adopted *bool) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowAdopt(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return noRow(r.Scan(&row.Epoch, &row.Input), adopted)
+		return noRow(r.Scan(&row.Operation, &row.Epoch, &row.Input), adopted)
 	})
 }
 

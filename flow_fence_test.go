@@ -1,0 +1,281 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
+)
+
+// stallingFlow is the charge flow with a pause of the first executor's
+// between its local step and its call: stalled is closed when it stalls,
+// and it goes on when resume is closed.
+func stallingFlow(p *provider, stalled, resume chan struct{}, opts ...idem.Option) *idem.Flow[chargeIn, string] {
+	var stalls atomic.Int64
+	return idem.NewFlow(testdb.Name("stall"), func(s *idem.Steps, in chargeIn) (string, error) {
+		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`, s.Scope(), s.Key(), in.Amount)
+			return 1, err
+		}); err != nil {
+			return "", err
+		}
+		if stalls.Add(1) == 1 {
+			close(stalled)
+			<-resume
+		}
+		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {
+			id, _, err := p.charge(ctx, key, in.Amount)
+			return id, err
+		})
+	}, opts...)
+}
+
+func TestFlowStaleExecutorCannotCommitIntoTheKeysNextOperation(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	stalled, resume := make(chan struct{}), make(chan struct{})
+	flow := stallingFlow(p, stalled, resume, idem.WithLease(100*time.Millisecond), idem.WithRetention(time.Millisecond))
+	stale := make(chan error, 1)
+	go func() {
+		_, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500})
+		stale <- err
+	}()
+	<-stalled
+	leaseRanOut(t, ctx, pool, scope, "k")
+	// Another executor finishes the first operation; it expires and is
+	// purged, and the key's next operation starts, and holds its lease
+	// while its call runs.
+	first, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500})
+	if err != nil {
+		t.Fatal(err)
+	}
+	expiredFlow(t, ctx, pool, scope, "k")
+	if _, err := idem.Purge(ctx, pool, 100); err != nil {
+		t.Fatal(err)
+	}
+	calling, answer := make(chan struct{}), make(chan struct{})
+	p.before = func(string, int) error {
+		close(calling)
+		<-answer
+		return nil
+	}
+	next := make(chan idem.Result[string], 1)
+	go func() {
+		res, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 9900})
+		if err != nil {
+			t.Error(err)
+		}
+		next <- res
+	}()
+	<-calling
+	p.before = nil
+	// The stale executor of the first operation wakes while the next one
+	// holds the flow: none of its writes may land.
+	close(resume)
+	if err := <-stale; !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("the stale executor: %v, want ErrLeaseLost", err)
+	}
+	close(answer)
+	second := <-next
+	if second.Value == first.Value || second.Replayed {
+		t.Fatalf("the key's next operation answered %+v, the first %+v: want a charge of its own", second, first)
+	}
+	charges, keys := p.effects()
+	if charges != 2 || len(keys) != 2 {
+		t.Fatalf("charges %d, keys %v; want 2 charges under 2 keys", charges, keys)
+	}
+}
+
+func TestFlowKeyUsedAgainAfterItsRetentionIsANewOperation(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps, idem.WithRetention(time.Millisecond))
+	first, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+	if err != nil {
+		t.Fatal(err)
+	}
+	firstKey := providerKeyOf(t, ctx, pool, scope, "k", "charge")
+	expiredFlow(t, ctx, pool, scope, "k")
+	second, err := flow.Run(ctx, pool, scope, "k", idem.Fingerprint([]byte("charge 9900")), chargeIn{Amount: 9900})
+	if err != nil || second.Replayed {
+		t.Fatalf("the key's next operation: %+v, %v", second, err)
+	}
+	if secondKey := providerKeyOf(t, ctx, pool, scope, "k", "charge"); secondKey == firstKey {
+		t.Fatalf("both operations sent the provider the key %s", firstKey)
+	}
+	if charges, _ := p.effects(); charges != 2 || second.Value.ChargeID == first.Value.ChargeID {
+		t.Fatalf("%d charges, answers %+v and %+v: want a second charge", charges, first.Value, second.Value)
+	}
+}
+
+// expiredFlow waits until the flow (scope, key) has finished and its
+// retention passed, by the database's clock.
+func expiredFlow(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key string) {
+	t.Helper()
+	for {
+		info, err := idem.InspectFlow(ctx, pool, scope, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Expired {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestFlowDuplicatesAndResumeDoNotWaitOnALocalStepsLock(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	inStep, release := make(chan struct{}), make(chan struct{})
+	flow := idem.NewFlow(testdb.Name("slow-step"), func(s *idem.Steps, in chargeIn) (int, error) {
+		return idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			close(inStep)
+			<-release // a local step that outlasts its lease, holding the flow's row
+			return 1, nil
+		})
+	}, idem.WithLease(50*time.Millisecond))
+	done := make(chan error, 1)
+	go func() {
+		_, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 1})
+		done <- err
+	}()
+	<-inStep
+	leaseRanOut(t, ctx, pool, scope, "k")
+	// Neither waits for the row: the duplicate's budget is nothing.
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 1}, idem.WithWait(0)); !errors.Is(err, idem.ErrInProgress) {
+		t.Fatalf("a duplicate with no wait: %v, want ErrInProgress", err)
+	}
+	if resumed, err := flow.Resume(ctx, pool); err != nil || resumed != 0 {
+		t.Fatalf("Resume = %d, %v; want nothing taken", resumed, err)
+	}
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatalf("the executor whose step outlasted its lease: %v", err)
+	}
+	_ = p
+}
+
+func TestFlowStepWhoseErrorTheFunctionHandledLeavesTheFlowResumable(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var reserveRuns atomic.Int64
+	flow := idem.NewFlow(testdb.Name("handled"), func(s *idem.Steps, in chargeIn) (string, error) {
+		_, reserveErr := idem.Local(s, "reserve", func(context.Context, pgx.Tx) (int, error) {
+			if reserveRuns.Add(1) == 1 {
+				return 0, errors.New("out of stock")
+			}
+			return 1, nil
+		})
+		// The function carries on after a failed step: it notes it.
+		if _, err := idem.Local(s, "note", func(context.Context, pgx.Tx) (bool, error) { return reserveErr != nil, nil }); err != nil {
+			return "", err
+		}
+		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {
+			id, _, err := p.charge(ctx, key, in.Amount)
+			return id, err
+		})
+	})
+	p.before = func(_ string, attempt int) error {
+		if attempt == 1 {
+			return errors.New("timeout")
+		}
+		return nil
+	}
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrFlowIncomplete) {
+		t.Fatalf("the first run: %v, want ErrFlowIncomplete", err)
+	}
+	if res, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); err != nil || res.Value != "ch_1" {
+		t.Fatalf("the retry: %+v, %v; want it to continue", res, err)
+	}
+}
+
+func TestFlowConcurrentFirstRunsHaveOneExecutor(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps, idem.WithWait(time.Minute))
+	const runs = 12
+	results := make([]idem.Result[chargeOut], runs)
+	var wg sync.WaitGroup
+	for i := range runs {
+		wg.Go(func() {
+			res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+			if err != nil {
+				t.Error(err)
+			}
+			results[i] = res
+		})
+	}
+	wg.Wait()
+	executed := 0
+	for _, res := range results {
+		if !res.Replayed {
+			executed++
+		}
+		if res.Value != results[0].Value {
+			t.Fatalf("answers differ: %+v and %+v", res.Value, results[0].Value)
+		}
+	}
+	if executed != 1 || p.calls.Load() != 1 || steps.Load() != 2 || countPayments(t, pool, scope) != 1 {
+		t.Fatalf("%d executed, %d calls, %d local steps, %d payments; want 1, 1, 2, 1",
+			executed, p.calls.Load(), steps.Load(), countPayments(t, pool, scope))
+	}
+}
+
+func TestFlowLocalStepsAtEveryIsolationLevelAndOnOneConnection(t *testing.T) {
+	ctx, pool, scope, _ := setupFlow(t)
+	for _, c := range []struct {
+		name string
+		opts pgx.TxOptions
+	}{
+		{"repeatable_read", pgx.TxOptions{IsoLevel: pgx.RepeatableRead}},
+		{"serializable", pgx.TxOptions{IsoLevel: pgx.Serializable}},
+		{"begin_query", pgx.TxOptions{BeginQuery: "BEGIN; SET LOCAL application_name = 'flow-test'"}},
+	} {
+		p := newProvider()
+		var steps atomic.Int64
+		flow := chargeFlow(p, &steps, idem.WithTxOptions(c.opts))
+		if res, err := flow.Run(ctx, pool, scope, c.name, fpCharge, chargeIn{Amount: 2500}); err != nil || res.Value.ChargeID == "" {
+			t.Fatalf("%s: %+v, %v", c.name, res, err)
+		}
+	}
+	readOnly := chargeFlow(newProvider(), new(atomic.Int64))
+	if _, err := readOnly.Run(ctx, pool, scope, "ro", fpCharge, chargeIn{Amount: 2500},
+		idem.WithTxOptions(pgx.TxOptions{AccessMode: pgx.ReadOnly})); !errors.Is(err, idem.ErrInvalidOption) {
+		t.Fatalf("read-only local steps: %v, want ErrInvalidOption", err)
+	}
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	p := newProvider()
+	var steps atomic.Int64
+	if res, err := chargeFlow(p, &steps).Run(ctx, conn, scope, "conn", fpCharge, chargeIn{Amount: 2500}); err != nil || res.Value.ChargeID == "" {
+		t.Fatalf("on one connection: %+v, %v", res, err)
+	}
+}
+
+func TestFlowLocalStepLongerThanItsLeaseDoesNotFenceTheNextStep(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	flow := idem.NewFlow(testdb.Name("long-step"), func(s *idem.Steps, in chargeIn) (string, error) {
+		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			leaseRanOut(t, ctx, pool, s.Scope(), s.Key()) // the step outlasts the lease
+			return 1, nil
+		}); err != nil {
+			return "", err
+		}
+		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {
+			id, _, err := p.charge(ctx, key, in.Amount)
+			return id, err
+		})
+	}, idem.WithLease(50*time.Millisecond))
+	if res, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); err != nil || res.Value != "ch_1" {
+		t.Fatalf("%+v, %v; want the call made after the long step", res, err)
+	}
+}
