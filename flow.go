@@ -18,6 +18,7 @@ import (
 	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/ident"
+	"github.com/pgidem/idem/internal/pgtime"
 )
 
 // Flow is an operation made exactly-once per (scope, key), as [Run] makes
@@ -195,7 +196,7 @@ const (
 // It returns the run to execute, or the stored answer to replay.
 func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation) (*flowRun, []byte, error) {
 	deadline := time.Now().Add(o.wait)
-	lease := interval(o.lease)
+	lease := pgtime.Interval(o.lease)
 	// start is false while another executor is known to hold the flow,
 	// which neither FlowStart nor FlowRestart would change.
 	start := true
@@ -384,9 +385,4 @@ func storableText(s string) string {
 		s = s[:cut] + "…"
 	}
 	return s
-}
-
-// interval is d as a PostgreSQL interval.
-func interval(d time.Duration) pgtype.Interval {
-	return pgtype.Interval{Microseconds: d.Microseconds(), Valid: true}
 }

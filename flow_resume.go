@@ -15,6 +15,7 @@ import (
 	"github.com/pgidem/idem/internal/backoff"
 	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/pgtime"
 )
 
 // resumeBatch is the most flows one pass of Resume takes.
@@ -47,7 +48,7 @@ func (f *Flow[In, Out]) Resume(ctx context.Context, db TxBeginner) (resumed int,
 	}
 	var abandoned []dbsqlc.FlowAbandonedRow
 	err = onDB(ctx, db, func(q *dbsqlc.Queries) (err error) {
-		abandoned, err = q.FlowAbandoned(ctx, dbsqlc.FlowAbandonedParams{FlowName: f.name, Grace: interval(o.grace), MaxRows: resumeBatch})
+		abandoned, err = q.FlowAbandoned(ctx, dbsqlc.FlowAbandonedParams{FlowName: f.name, Grace: pgtime.Interval(o.grace), MaxRows: resumeBatch})
 		return err
 	})
 	if err != nil {
@@ -80,8 +81,8 @@ func (f *Flow[In, Out]) resumeOne(ctx context.Context, db TxBeginner, scope, key
 	var ok bool
 	var steps []dbsqlc.FlowStepsRow
 	b := &pgx.Batch{}
-	dbsqlc.QueueFlowAdopt(b, dbsqlc.FlowAdoptParams{Lease: interval(o.lease), Scope: scope, Key: key, FlowName: f.name,
-		Grace: interval(o.grace)}, &adopted, &ok)
+	dbsqlc.QueueFlowAdopt(b, dbsqlc.FlowAdoptParams{Lease: pgtime.Interval(o.lease), Scope: scope, Key: key, FlowName: f.name,
+		Grace: pgtime.Interval(o.grace)}, &adopted, &ok)
 	dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: scope, Key: key}, &steps)
 	if err := sendBatch(ctx, db, b); err != nil {
 		return false, translate("idem: flow: take over", err)

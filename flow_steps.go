@@ -15,6 +15,7 @@ import (
 
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/ident"
+	"github.com/pgidem/idem/internal/pgtime"
 )
 
 // Steps is what a flow's function takes its steps with: pass it to
@@ -99,7 +100,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	defer release()
 	opts := r.o.txOptions
 	pipelined := conn != nil && opts.BeginQuery == "" && opts.CommitQuery == ""
-	lease := dbsqlc.FlowLeaseParams{Lease: interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
+	lease := dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	var tx pgx.Tx
 	var leased bool
 	switch {
@@ -246,12 +247,12 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string, fn 
 	var zero T
 	window := pgtype.Interval{}
 	if r.o.providerWindow >= 0 {
-		window = interval(r.o.providerWindow)
+		window = pgtime.Interval(r.o.providerWindow)
 	}
 	sent := time.Now()
 	var start dbsqlc.FlowCallStartRow
 	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
-		start, err = q.FlowCallStart(ctx, dbsqlc.FlowCallStartParams{Lease: interval(r.o.lease), Step: name,
+		start, err = q.FlowCallStart(ctx, dbsqlc.FlowCallStartParams{Lease: pgtime.Interval(r.o.lease), Step: name,
 			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq, CallWindow: window})
 		return err
 	})
@@ -277,7 +278,7 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string, fn 
 	var n int64
 	err = onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
 		n, err = q.FlowCallDone(ctx, dbsqlc.FlowCallDoneParams{Result: pgtype.Text{String: string(encoded), Valid: true},
-			Scope: r.k.scope, Key: r.k.key, Seq: seq, Lease: interval(r.o.lease), Epoch: r.epoch})
+			Scope: r.k.scope, Key: r.k.key, Seq: seq, Lease: pgtime.Interval(r.o.lease), Epoch: r.epoch})
 		return err
 	})
 	if err != nil {
@@ -348,7 +349,7 @@ func (r *flowRun) keepLease(ctx context.Context, step string, renewed time.Time)
 			renewCtx, cancelRenew := context.WithDeadline(ctx, renewed.Add(r.o.lease))
 			var n int64
 			err := onDB(renewCtx, r.db, func(q *dbsqlc.Queries) (err error) {
-				n, err = q.FlowLease(renewCtx, dbsqlc.FlowLeaseParams{Lease: interval(r.o.lease), Step: step,
+				n, err = q.FlowLease(renewCtx, dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: step,
 					Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
 				return err
 			})
