@@ -238,6 +238,13 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			// expired and purged): start it.
 			start = true
 			continue
+		case rec.Expired:
+			// Another caller is starting the key's next operation: look
+			// again once it has.
+			if err := backoff.Sleep(ctx, pollDelay(attempt)); err != nil {
+				return nil, nil, err
+			}
+			continue
 		case rec.Name != f.name || !bytes.Equal(rec.Fingerprint, k.fp):
 			obs.claimDone(outcomeMismatch)
 			return nil, nil, ErrFingerprintMismatch

@@ -279,3 +279,36 @@ func TestFlowLocalStepLongerThanItsLeaseDoesNotFenceTheNextStep(t *testing.T) {
 		t.Fatalf("%+v, %v; want the call made after the long step", res, err)
 	}
 }
+
+func TestFlowExpiredFlowBeingRestartedIsNotReplayed(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps, idem.WithRetention(time.Millisecond))
+	if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); err != nil {
+		t.Fatal(err)
+	}
+	expiredFlow(t, ctx, pool, scope, "k")
+	// Another caller holds the expired row, as one restarting it does.
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback(ctx)
+	if _, err := holder.Exec(ctx, `SELECT FROM idem_flow WHERE scope = $1 AND key = 'k' FOR UPDATE`, scope); err != nil {
+		t.Fatal(err)
+	}
+	// While it is held, a run does not replay the expired answer: it waits
+	// for the row, here until its context ends.
+	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	if res, err := flow.Run(short, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a run while the expired row is held: %+v, %v; want it to wait", res, err)
+	}
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+	if err != nil || res.Replayed || p.calls.Load() != 2 {
+		t.Fatalf("%+v, %v after %d calls; want the key's next operation run", res, err, p.calls.Load())
+	}
+}

@@ -94,9 +94,12 @@ RETURNING f.operation, f.epoch;
 -- name: FlowGet :one
 -- FlowGet reads what a caller who neither started nor took the flow over
 -- must judge: a replay, a mismatch, a stopped flow, or one that another
--- executor runs (leased). It locks nothing.
+-- executor runs (leased). It locks nothing. An expired flow is the old
+-- operation's, which another caller is starting again (FlowRestart
+-- skipped its row): neither to replay nor to judge.
 SELECT name, fingerprint, state, output, last_error,
-       coalesce(leased_until > clock_timestamp(), false)::bool AS leased
+       coalesce(leased_until > clock_timestamp(), false)::bool AS leased,
+       coalesce(expires_at <= now(), false)::bool AS expired
 FROM idem_flow
 WHERE scope = @scope::text
   AND key = @key::text;

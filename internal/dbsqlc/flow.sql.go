@@ -295,7 +295,8 @@ func (q *Queries) FlowEnd(ctx context.Context, arg FlowEndParams) (int64, error)
 
 const flowGet = `-- name: FlowGet :one
 SELECT name, fingerprint, state, output, last_error,
-       coalesce(leased_until > clock_timestamp(), false)::bool AS leased
+       coalesce(leased_until > clock_timestamp(), false)::bool AS leased,
+       coalesce(expires_at <= now(), false)::bool AS expired
 FROM idem_flow
 WHERE scope = $1::text
   AND key = $2::text
@@ -313,11 +314,14 @@ type FlowGetRow struct {
 	Output      []byte
 	LastError   pgtype.Text
 	Leased      bool
+	Expired     bool
 }
 
 // FlowGet reads what a caller who neither started nor took the flow over
 // must judge: a replay, a mismatch, a stopped flow, or one that another
-// executor runs (leased). It locks nothing.
+// executor runs (leased). It locks nothing. An expired flow is the old
+// operation's, which another caller is starting again (FlowRestart
+// skipped its row): neither to replay nor to judge.
 func (q *Queries) FlowGet(ctx context.Context, arg FlowGetParams) (FlowGetRow, error) {
 	row := q.db.QueryRow(ctx, flowGet, arg.Scope, arg.Key)
 	var i FlowGetRow
@@ -328,6 +332,7 @@ func (q *Queries) FlowGet(ctx context.Context, arg FlowGetParams) (FlowGetRow, e
 		&i.Output,
 		&i.LastError,
 		&i.Leased,
+		&i.Expired,
 	)
 	return i, err
 }

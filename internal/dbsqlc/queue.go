@@ -138,7 +138,7 @@ func QueueFlowAdopt(b *pgx.Batch, arg FlowAdoptParams, row *FlowAdoptRow, adopte
 // batch's results are read. No flow is not an error.
 func QueueFlowGet(b *pgx.Batch, arg FlowGetParams, row *FlowGetRow, found *bool) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowGet(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return noRow(r.Scan(&row.Name, &row.Fingerprint, &row.State, &row.Output, &row.LastError, &row.Leased), found)
+		return noRow(r.Scan(&row.Name, &row.Fingerprint, &row.State, &row.Output, &row.LastError, &row.Leased, &row.Expired), found)
 	})
 }
 
