@@ -5,11 +5,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"slices"
-	"strings"
 	"sync/atomic"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -103,10 +102,18 @@ func (f *Flow[In, Out]) options(opts []Option) (options, error) {
 }
 
 // checkFlowOptions refuses what options allow but a flow cannot use: a
-// read-only transaction for its local steps, which could record nothing.
+// read-only transaction for its local steps, which could record nothing,
+// and a retention shorter than the provider window, after which a key
+// used again could reach the provider, under the same provider keys, while
+// it still remembers the operation before.
 func checkFlowOptions(o *options) error {
 	if o.txOptions.AccessMode == pgx.ReadOnly {
 		return fmt.Errorf("%w: a flow's local steps record their results: WithTxOptions must not be read-only", ErrInvalidOption)
+	}
+	if o.retention < o.providerWindow {
+		return fmt.Errorf("%w: a flow's retention (%s) must be at least its provider window (%s): "+
+			"a key used again after the retention would reach the provider under the keys of the operation before",
+			ErrInvalidOption, o.retention, o.providerWindow)
 	}
 	return nil
 }
@@ -153,30 +160,45 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 		return Result[Out]{}, err
 	}
 	if fp == nil {
-		if k.fp, err = FingerprintJSON(in); err != nil {
+		if fp, err = FingerprintJSON(in); err != nil {
 			return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
 		}
 	}
+	k.fp = o.storedFingerprint(scope, fp)
 	input, err := encodeResponse(in, scope, &o)
 	if err != nil {
 		return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
 	}
-	r, stored, err := f.claim(ctx, db, k, input, &o, obs)
-	if err != nil {
-		return Result[Out]{}, err
+	// An executor that finds it no longer holds the flow (another took it
+	// over, or an operator ended it) looks at it again as a duplicate
+	// would: it answers its caller what a retry would get, the other
+	// executor's answer, rather than an error about leases.
+	for reclaims := 0; ; reclaims++ {
+		r, stored, err := f.claim(ctx, db, k, input, &o, obs)
+		if err != nil {
+			return Result[Out]{}, err
+		}
+		if r == nil {
+			return replayed[Out](stored, scope, &o)
+		}
+		// The function gets the input as a completer would, decoded from
+		// what was stored: its own, or, for a flow it took over, the one
+		// its first run recorded (a fingerprint need not cover the whole
+		// input).
+		decoded, err := replayed[In](r.input, scope, &o)
+		if err != nil {
+			r.release(ctx, err.Error())
+			return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
+		}
+		res, err := f.execute(ctx, r, decoded.Value)
+		if !errors.Is(err, ErrLeaseLost) || reclaims == maxReclaims || ctx.Err() != nil {
+			return res, err
+		}
 	}
-	if r == nil {
-		return replayed[Out](stored, scope, &o)
-	}
-	// The function gets the input as a completer would, decoded from what
-	// was stored, so that a run and a resumed run see the same value.
-	decoded, err := replayed[In](input, scope, &o)
-	if err != nil {
-		r.release(ctx, err.Error())
-		return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
-	}
-	return f.execute(ctx, r, decoded.Value)
 }
+
+// maxReclaims bounds how often a Run that lost the flow looks at it again.
+const maxReclaims = 3
 
 // The states of a flow, as idem_flow.state spells them.
 const (
@@ -209,42 +231,41 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			rec                                 dbsqlc.FlowGetRow
 			steps                               []dbsqlc.FlowStepsRow
 		)
+		epoch := newEpoch()
+		tried := start
 		b := &pgx.Batch{}
 		if start {
 			dbsqlc.QueueFlowStart(b, dbsqlc.FlowStartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
-				Input: string(input), Lease: lease, Retention: o.retentionInterval()}, &startRow, &started)
+				Input: string(input), Epoch: epoch, Lease: lease, Retention: o.retentionInterval()}, &startRow, &started)
 			dbsqlc.QueueFlowRestart(b, dbsqlc.FlowRestartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
-				Input: string(input), Lease: lease, Retention: o.retentionInterval()}, &restartRow, &restarted)
+				Input: string(input), Epoch: epoch, Lease: lease, Retention: o.retentionInterval()}, &restartRow, &restarted)
 		}
-		dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Lease: lease, Scope: k.scope, Key: k.key, FlowName: f.name,
+		dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Epoch: epoch, Lease: lease, Scope: k.scope, Key: k.key, FlowName: f.name,
 			Fingerprint: k.fp}, &takenRow, &tookOver)
 		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
 		dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &steps)
+		sent := time.Now()
 		if err := sendBatch(ctx, db, b); err != nil {
 			return nil, nil, translate("idem: flow: claim key", err)
 		}
 		switch {
 		case started:
 			obs.claimDone(outcomeClaimed)
-			return newFlowRun(db, k, f.name, startRow.Operation, startRow.Epoch, nil, o, obs), nil, nil
+			keys := providerKeys{namespace: startRow.ProviderNamespace, operation: startRow.Operation}
+			return newFlowRun(db, k, f.name, keys, epoch, input, sent, nil, o, obs), nil, nil
 		case restarted:
 			obs.claimDone(outcomeClaimed)
-			return newFlowRun(db, k, f.name, restartRow.Operation, restartRow.Epoch, nil, o, obs), nil, nil
+			keys := providerKeys{namespace: restartRow.ProviderNamespace, operation: restartRow.Operation}
+			return newFlowRun(db, k, f.name, keys, epoch, input, sent, nil, o, obs), nil, nil
 		case tookOver:
 			obs.claimDone(outcomeResumed)
-			return newFlowRun(db, k, f.name, takenRow.Operation, takenRow.Epoch, steps, o, obs), nil, nil
-		case !found:
-			// Gone between the statements, or since the last look (ended,
-			// expired and purged): start it.
+			keys := providerKeys{namespace: takenRow.ProviderNamespace, operation: takenRow.Operation}
+			return newFlowRun(db, k, f.name, keys, epoch, takenRow.Input, sent, steps, o, obs), nil, nil
+		case !found || rec.Expired:
+			// Gone between the statements or since the last look (ended,
+			// expired and purged), or expired with another caller starting
+			// the key's next operation: start it, or look again.
 			start = true
-			continue
-		case rec.Expired:
-			// Another caller is starting the key's next operation: look
-			// again once it has.
-			if err := backoff.Sleep(ctx, pollDelay(attempt)); err != nil {
-				return nil, nil, err
-			}
-			continue
 		case rec.Name != f.name || !bytes.Equal(rec.Fingerprint, k.fp):
 			obs.claimDone(outcomeMismatch)
 			return nil, nil, ErrFingerprintMismatch
@@ -253,14 +274,19 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			return nil, rec.Output, nil
 		case rec.State == flowAttention:
 			obs.claimDone(outcomeStopped)
-			return nil, nil, fmt.Errorf("%w: it needs attention: %s", ErrFlowStopped, rec.LastError.String)
+			return nil, nil, fmt.Errorf("%w: it needs attention: %s", ErrFlowStopped, openText(rec.LastError.String, k.scope, o))
 		case rec.State == flowEnded:
 			obs.claimDone(outcomeStopped)
-			return nil, nil, fmt.Errorf("%w: an operator ended it: %s", ErrFlowStopped, rec.LastError.String)
+			return nil, nil, fmt.Errorf("%w: an operator ended it: %s", ErrFlowStopped, openText(rec.LastError.String, k.scope, o))
+		default:
+			// Another executor holds the flow: wait for it to finish, or
+			// for its lease to run out.
+			start = false
 		}
-		// Another executor holds the flow: wait for it to finish, or for
-		// its lease to run out.
-		start = false
+		if !found && !tried {
+			continue // gone since the last look: start it at once
+		}
+		// Look again, within the wait budget.
 		remaining := time.Until(deadline)
 		if remaining <= 0 {
 			obs.claimDone(outcomeInProgress)
@@ -271,6 +297,13 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 		}
 	}
 }
+
+// newEpoch returns a random epoch for an executor's claim. Epochs are
+// random, not drawn from a sequence, so that none is given twice even by a
+// standby promoted after an asynchronous failover, whose sequences may
+// hand out numbers the lost primary already gave, and so that no sequence
+// is needed on a distributed database.
+func newEpoch() int64 { return int64(rand.Uint64()>>1) | 1 }
 
 // pollDelay is how long a duplicate waits before it looks at a flow that
 // another executor holds again: 5ms, doubling to 100ms, jittered.
@@ -298,7 +331,12 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 		r.release(ctx, err.Error())
 		return Result[Out]{}, fmt.Errorf("idem: flow %q: %w", f.name, err)
 	case err != nil:
-		r.release(ctx, err.Error())
+		if !r.release(ctx, err.Error()) {
+			// The run failed after another executor took the flow over (a
+			// call that hung past its timeout and lease): the flow is the
+			// other's, and so is its answer.
+			return Result[Out]{}, fmt.Errorf("idem: flow %q: %w", f.name, errors.Join(r.lostError(), err))
+		}
 		return Result[Out]{}, fmt.Errorf("idem: flow %q: %w", f.name, incomplete{err})
 	}
 	output, err := encodeResponse(out, r.k.scope, r.o)
@@ -329,11 +367,16 @@ type flowRun struct {
 	db   TxBeginner
 	k    keyRef
 	flow string
-	// operation is the number of the flow's operation, which its calls'
-	// provider keys are derived from; epoch the executor's own.
-	operation, epoch int64
-	o                *options
-	obs              *flowObservation
+	// keys derives the provider keys of the operation's calls; epoch is
+	// the executor's own (see newEpoch).
+	keys  providerKeys
+	epoch int64
+	// input is the flow's input as stored, which the function gets.
+	input []byte
+	o     *options
+	obs   *flowObservation
+	// lease is what the executor knows of its lease (see flowLease).
+	lease flowLease
 	// recorded are the steps that earlier runs recorded, by place (a
 	// step whose function failed leaves its place empty).
 	recorded map[int32]dbsqlc.FlowStepsRow
@@ -346,9 +389,15 @@ type flowRun struct {
 	stepping, returned atomic.Bool
 }
 
-func newFlowRun(db TxBeginner, k keyRef, flow string, operation, epoch int64, recorded []dbsqlc.FlowStepsRow, o *options, obs *flowObservation) *flowRun {
-	r := &flowRun{db: db, k: k, flow: flow, operation: operation, epoch: epoch, o: o, obs: obs,
+// newFlowRun returns the run of the executor that claimed the flow under
+// epoch with the statement sent at sent, which leased it.
+func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch int64, input []byte, sent time.Time,
+	recorded []dbsqlc.FlowStepsRow, o *options, obs *flowObservation,
+) *flowRun {
+	r := &flowRun{db: db, k: k, flow: flow, keys: keys, epoch: epoch, input: input, o: o, obs: obs,
 		recorded: make(map[int32]dbsqlc.FlowStepsRow, len(recorded)), names: make(map[string]bool)}
+	r.lease.init(o.lease)
+	r.lease.renewed(sent)
 	for _, step := range recorded {
 		r.recorded[step.Seq] = step
 	}
@@ -361,35 +410,3 @@ type incomplete struct{ err error }
 
 func (e incomplete) Error() string   { return e.err.Error() }
 func (e incomplete) Unwrap() []error { return []error{ErrFlowIncomplete, e.err} }
-
-// lostError is ErrLeaseLost, saying what may have happened.
-func (r *flowRun) lostError() error {
-	return fmt.Errorf("%w: its lease ran out, another executor took the flow over, or an operator ended it", ErrLeaseLost)
-}
-
-// release gives the lease up, recording why, so that a retry takes the
-// flow over at once. It runs even when ctx has ended, for at most
-// cleanupTimeout.
-func (r *flowRun) release(ctx context.Context, why string) {
-	ctx, cancel := cleanupContext(ctx)
-	defer cancel()
-	_ = onDB(ctx, r.db, func(q *dbsqlc.Queries) error {
-		return q.FlowRelease(ctx, dbsqlc.FlowReleaseParams{LastError: storableText(why),
-			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
-	})
-}
-
-// storableText is s as a text column can hold it, cut to a size that
-// suits an operator's screen: valid UTF-8, without NUL.
-func storableText(s string) string {
-	s = strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "")
-	const limit = 2000
-	if len(s) > limit {
-		cut := limit
-		for cut > 0 && !utf8.RuneStart(s[cut]) {
-			cut--
-		}
-		s = s[:cut] + "…"
-	}
-	return s
-}

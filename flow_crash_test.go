@@ -11,11 +11,14 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/testdb"
@@ -24,20 +27,40 @@ import (
 // The crash tests run a flow in a child process, this test binary run
 // again with crashEnv set (see TestMain), which kills itself, as SIGKILL
 // kills a process, at the point the test names: nothing of it gets to
-// clean up or give its lease up. The provider is an HTTP server of the
-// parent's, so that what it applied outlives the child.
+// clean up or give its lease up. The freeze tests stop the child there
+// (SIGSTOP), as a paused VM or a frozen host would, let another executor
+// or an operator act meanwhile, and wake it (SIGCONT). The provider is an
+// HTTP server of the parent's, so that what it applied outlives the
+// child.
 
 const crashEnv = "IDEM_FLOW_CRASH"
 
-// Where the child kills itself.
+// Where the child kills or freezes itself.
 const (
 	crashAfterCall  = "after-call"  // the provider applied the call; its result is not recorded
 	crashBeforeCall = "before-call" // the local step committed; the call was not made
+	// freezeAfterIntent: the call's intent is recorded and the call is
+	// about to be made (the start of its span).
+	freezeAfterIntent = "freeze-after-intent"
+	// freezeInCall: the provider applied the call and answered; the
+	// answer is not yet back from the call's function.
+	freezeInCall = "freeze-in-call"
 )
 
 // crashJob is what the child runs, passed as JSON in crashEnv.
 type crashJob struct {
 	URL, Flow, Scope, Key, Provider, At string
+	// Window is the flow's provider window, when not the default.
+	Window *time.Duration
+}
+
+// childResult is what a frozen child's run returned once woken, written as
+// JSON to its standard output.
+type childResult struct {
+	Value    chargeOut
+	Replayed bool
+	Err      string
+	Stopped  bool // errors.Is(err, idem.ErrFlowStopped)
 }
 
 // crashLease is the crash flows' lease: after a crash, the retry waits for
@@ -46,14 +69,25 @@ const crashLease = 300 * time.Millisecond
 
 // crashFlow is the flow the child and the parent run: reserve a payment,
 // charge it at the provider over HTTP, record it. at names the point
-// where the process kills itself, if any.
-func crashFlow(name, providerURL, at string) *idem.Flow[chargeIn, chargeOut] {
+// where the process kills or freezes itself, if any.
+func crashFlow(name, providerURL, at string, opts ...idem.Option) *idem.Flow[chargeIn, chargeOut] {
 	kill := func(point string) {
-		if at == point {
+		switch {
+		case at != point:
+		case point == freezeInCall:
+			_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP) // goes on once woken
+		default:
 			self, _ := os.FindProcess(os.Getpid())
 			_ = self.Kill()
 			select {} // the signal is on its way
 		}
+	}
+	if at == freezeAfterIntent {
+		obs, err := idem.NewObserver(idem.ObserverConfig{TracerProvider: freezingTracer{at: "idem.Call"}})
+		if err != nil {
+			panic(err)
+		}
+		opts = append(opts, idem.WithObserver(obs))
 	}
 	return idem.NewFlow(name, func(s *idem.Steps, in chargeIn) (chargeOut, error) {
 		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
@@ -82,13 +116,36 @@ func crashFlow(name, providerURL, at string) *idem.Flow[chargeIn, chargeOut] {
 				return "", err
 			}
 			kill(crashAfterCall)
+			kill(freezeInCall)
 			return id, nil
 		})
 		if err != nil {
 			return chargeOut{}, err
 		}
 		return chargeOut{PaymentID: id, ChargeID: chargeID}, nil
-	}, idem.WithLease(crashLease))
+	}, append([]idem.Option{idem.WithLease(crashLease)}, opts...)...)
+}
+
+// freezingTracer stops its process (SIGSTOP) as a span named at starts.
+type freezingTracer struct {
+	noop.TracerProvider
+	at string
+}
+
+func (f freezingTracer) Tracer(string, ...trace.TracerOption) trace.Tracer {
+	return freezingTracerOf{at: f.at}
+}
+
+type freezingTracerOf struct {
+	noop.Tracer
+	at string
+}
+
+func (f freezingTracerOf) Start(ctx context.Context, name string, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
+	if name == f.at {
+		_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
+	}
+	return f.Tracer.Start(ctx, name, opts...)
 }
 
 // crashChild runs the job in crashEnv and returns the exit code; it exits
@@ -106,7 +163,19 @@ func crashChild() int {
 		return 2
 	}
 	defer pool.Close()
-	_, err = crashFlow(job.Flow, job.Provider, job.At).Run(ctx, pool, job.Scope, job.Key, fpCharge, chargeIn{Amount: 2500})
+	var opts []idem.Option
+	if job.Window != nil {
+		opts = append(opts, idem.WithProviderWindow(*job.Window))
+	}
+	res, err := crashFlow(job.Flow, job.Provider, job.At, opts...).Run(ctx, pool, job.Scope, job.Key, fpCharge, chargeIn{Amount: 2500})
+	if job.At == freezeAfterIntent || job.At == freezeInCall {
+		out := childResult{Value: res.Value, Replayed: res.Replayed, Stopped: errors.Is(err, idem.ErrFlowStopped)}
+		if err != nil {
+			out.Err = err.Error()
+		}
+		_ = json.NewEncoder(os.Stdout).Encode(out)
+		return 0
+	}
 	fmt.Fprintf(os.Stderr, "the flow ended without a crash: %v\n", err)
 	return 3
 }

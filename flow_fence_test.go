@@ -40,8 +40,10 @@ func stallingFlow(p *provider, stalled, resume chan struct{}, opts ...idem.Optio
 
 func TestFlowStaleExecutorCannotCommitIntoTheKeysNextOperation(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
+	p.keep = time.Millisecond // as long as the flow's provider window
 	stalled, resume := make(chan struct{}), make(chan struct{})
-	flow := stallingFlow(p, stalled, resume, idem.WithLease(100*time.Millisecond), idem.WithRetention(time.Millisecond))
+	flow := stallingFlow(p, stalled, resume, idem.WithLease(100*time.Millisecond), idem.WithRetention(time.Millisecond),
+		idem.WithProviderWindow(time.Millisecond))
 	stale := make(chan error, 1)
 	go func() {
 		_, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500})
@@ -77,26 +79,31 @@ func TestFlowStaleExecutorCannotCommitIntoTheKeysNextOperation(t *testing.T) {
 	<-calling
 	p.before = nil
 	// The stale executor of the first operation wakes while the next one
-	// holds the flow: none of its writes may land.
+	// holds the flow: none of its writes may land, and it answers what its
+	// client's retry would get, the next operation being another request.
 	close(resume)
-	if err := <-stale; !errors.Is(err, idem.ErrLeaseLost) {
-		t.Fatalf("the stale executor: %v, want ErrLeaseLost", err)
+	if err := <-stale; !errors.Is(err, idem.ErrFingerprintMismatch) {
+		t.Fatalf("the stale executor: %v, want ErrFingerprintMismatch", err)
 	}
 	close(answer)
 	second := <-next
 	if second.Value == first.Value || second.Replayed {
 		t.Fatalf("the key's next operation answered %+v, the first %+v: want a charge of its own", second, first)
 	}
+	// One provider key, which the provider forgot between the operations.
 	charges, keys := p.effects()
-	if charges != 2 || len(keys) != 2 {
-		t.Fatalf("charges %d, keys %v; want 2 charges under 2 keys", charges, keys)
+	if charges != 2 || len(keys) != 1 || p.calls.Load() != 2 {
+		t.Fatalf("charges %d, keys %v, calls %d; want 2 charges under 1 key, in 2 calls", charges, keys, p.calls.Load())
 	}
 }
 
 func TestFlowKeyUsedAgainAfterItsRetentionIsANewOperation(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
+	// The provider keeps keys for as long as the flow's window says, and
+	// the flow keeps its operation at least as long.
+	p.keep = 20 * time.Millisecond
 	var steps atomic.Int64
-	flow := chargeFlow(p, &steps, idem.WithRetention(time.Millisecond))
+	flow := chargeFlow(p, &steps, idem.WithRetention(p.keep), idem.WithProviderWindow(p.keep))
 	first, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
 	if err != nil {
 		t.Fatal(err)
@@ -107,11 +114,41 @@ func TestFlowKeyUsedAgainAfterItsRetentionIsANewOperation(t *testing.T) {
 	if err != nil || second.Replayed {
 		t.Fatalf("the key's next operation: %+v, %v", second, err)
 	}
-	if secondKey := providerKeyOf(t, ctx, pool, scope, "k", "charge"); secondKey == firstKey {
-		t.Fatalf("both operations sent the provider the key %s", firstKey)
+	// The same provider key, which the provider, past its window, no
+	// longer knows: a second charge, with an answer of its own.
+	if secondKey := providerKeyOf(t, ctx, pool, scope, "k", "charge"); secondKey != firstKey {
+		t.Fatalf("the operations sent the keys %s and %s, want one", firstKey, secondKey)
 	}
 	if charges, _ := p.effects(); charges != 2 || second.Value.ChargeID == first.Value.ChargeID {
 		t.Fatalf("%d charges, answers %+v and %+v: want a second charge", charges, first.Value, second.Value)
+	}
+}
+
+func TestFlowRefusesARetentionShorterThanItsProviderWindow(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	for _, opts := range [][]idem.Option{
+		{idem.WithRetention(time.Hour)},
+		{idem.WithRetention(time.Hour), idem.WithProviderWindow(2 * time.Hour)},
+	} {
+		func() {
+			defer func() {
+				if p := recover(); p == nil || !errors.Is(p.(error), idem.ErrInvalidOption) {
+					t.Errorf("NewFlow with %d options: panic %v, want ErrInvalidOption", len(opts), p)
+				}
+			}()
+			chargeFlow(p, &steps, opts...)
+		}()
+	}
+	flow := chargeFlow(p, &steps)
+	if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithRetention(time.Hour)); !errors.Is(err, idem.ErrInvalidOption) {
+		t.Fatalf("Run with a retention shorter than the flow's window: %v, want ErrInvalidOption", err)
+	}
+	if err := idem.CheckOptions(idem.WithProviderWindow(-time.Second)); !errors.Is(err, idem.ErrInvalidOption) {
+		t.Fatalf("a negative provider window: %v, want ErrInvalidOption", err)
+	}
+	if steps.Load() != 0 || p.calls.Load() != 0 {
+		t.Fatal("a step or a call ran")
 	}
 }
 
@@ -283,7 +320,7 @@ func TestFlowLocalStepLongerThanItsLeaseDoesNotFenceTheNextStep(t *testing.T) {
 func TestFlowExpiredFlowBeingRestartedIsNotReplayed(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	var steps atomic.Int64
-	flow := chargeFlow(p, &steps, idem.WithRetention(time.Millisecond))
+	flow := chargeFlow(p, &steps, idem.WithRetention(time.Millisecond), idem.WithProviderWindow(time.Millisecond))
 	if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); err != nil {
 		t.Fatal(err)
 	}
@@ -307,7 +344,10 @@ func TestFlowExpiredFlowBeingRestartedIsNotReplayed(t *testing.T) {
 	if err := holder.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
-	res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+	// (The run that gave up may have had a claim in flight, which the
+	// server can still carry out once the row is free: the retry then
+	// waits for that claim's lease, and takes the flow over.)
+	res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
 	if err != nil || res.Replayed || p.calls.Load() != 2 {
 		t.Fatalf("%+v, %v after %d calls; want the key's next operation run", res, err, p.calls.Load())
 	}

@@ -18,10 +18,6 @@ type FlowInfo struct {
 	Found bool
 	// Name is the flow's name (see [NewFlow]).
 	Name string
-	// Operation is the number of the operation the flow runs, new each time
-	// the key's flow starts; its calls' provider keys are derived from it
-	// (see [ProviderKey]).
-	Operation int64
 	// State is "running" (in progress, held by an executor or waiting for
 	// one), "done" (its answer is recorded), "attention" (stopped for a
 	// person's decision: see [ErrFlowStopped]) or "ended" (by [EndFlow]).
@@ -33,7 +29,9 @@ type FlowInfo struct {
 	// takeover after an executor failed or vanished.
 	Runs int
 	// LastError is the error of the last run that failed, the reason a
-	// flow needs attention, or the reason an operator gave for ending it.
+	// flow needs attention, or the reason an operator gave for ending it:
+	// sealed, as Input and Output are, when the flow has a [Codec] ("sealed:"
+	// and the base64 of the sealed bytes).
 	LastError string
 	// LeasedUntil is when the executor's lease runs out; Leased reports
 	// whether it holds now.
@@ -66,7 +64,7 @@ type FlowStep struct {
 	Attempts int
 	// Result is the step's result as stored, JSON or sealed.
 	Result []byte
-	// ProviderKey is a call's provider key (see [ProviderKey]).
+	// ProviderKey is a call's provider key (see [Call]).
 	ProviderKey string
 	// FirstCalledAt is when a call's first attempt was made; CompletedAt
 	// is when the step's result was recorded.
@@ -92,7 +90,7 @@ func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInf
 		if err != nil {
 			return fmt.Errorf("idem: inspect flow: %w", err)
 		}
-		info = FlowInfo{Found: true, Name: f.Name, Operation: f.Operation, State: f.State, Step: f.Step.String, Runs: int(f.Runs),
+		info = FlowInfo{Found: true, Name: f.Name, State: f.State, Step: f.Step.String, Runs: int(f.Runs),
 			LastError: f.LastError.String, LeasedUntil: timeOf(f.LeasedUntil), Leased: f.Leased,
 			Fingerprint: f.Fingerprint, Input: f.Input, Output: f.Output, CreatedAt: timeOf(f.CreatedAt),
 			CompletedAt: timeOf(f.CompletedAt), ExpiresAt: timeOf(f.ExpiresAt), Expired: f.Expired}
@@ -104,7 +102,7 @@ func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInf
 			step := FlowStep{Name: s.Name, Kind: s.Kind, State: s.State, Attempts: int(s.Attempts), Result: s.Result,
 				FirstCalledAt: timeOf(s.FirstCalledAt), CompletedAt: timeOf(s.CompletedAt)}
 			if s.Kind == stepCall {
-				step.ProviderKey = ProviderKey(k.scope, k.key, s.Name, f.Operation)
+				step.ProviderKey = providerKeys{namespace: f.ProviderNamespace, operation: f.Operation}.of(k.scope, k.key, s.Name)
 			}
 			info.Steps = append(info.Steps, step)
 		}

@@ -24,12 +24,13 @@ const resumeBatch = 100
 // Resume is one pass of the flow's completer: it takes over up to 100 of
 // the flow's operations whose lease ran out at least [WithGrace] ago,
 // longest abandoned first, and runs each to its end with the input its
-// first run recorded, one after another, as [Flow.Run] would for a
-// client's retry. It returns how many it completed, and the errors of the
-// others, joined (each names the operation's scope and a hash of its key,
-// as an [Observer]'s logs do). An operation whose run failed again waits
-// longer before the next pass takes it, 2^(runs-1) - 1 seconds past its
-// lease and grace (0, 1, 3, 7, 15 and so on, up to an hour; a client's
+// first run recorded, up to four at a time, as [Flow.Run] would for a
+// client's retry, so that one whose call hangs (until [WithCallTimeout])
+// holds up no other. It returns how many it completed, and the errors of
+// the others, joined (each names the operation's scope and a hash of its
+// key, as an [Observer]'s logs do). An operation whose run failed again
+// waits longer before the next pass takes it, 2^(runs-1) - 1 seconds past
+// its lease and grace (0, 1, 3, 7, 15 and so on, up to an hour; a client's
 // takeover counts as a run too), so that one that keeps failing does not
 // take every pass. It skips, rather than waits for, an operation whose
 // executor's local step is still open.
@@ -39,6 +40,15 @@ const resumeBatch = 100
 // replica if you like (each operation goes to one of them), or start
 // [Flow.StartResumer], which does.
 func (f *Flow[In, Out]) Resume(ctx context.Context, db TxBeginner) (resumed int, err error) {
+	return f.resume(ctx, db, defaultResumeConcurrency)
+}
+
+// defaultResumeConcurrency is how many operations a pass of Resume runs at
+// once unless ResumerConfig.Concurrency says otherwise.
+const defaultResumeConcurrency = 4
+
+// resume is Resume, running up to concurrency operations at once.
+func (f *Flow[In, Out]) resume(ctx context.Context, db TxBeginner, concurrency int) (resumed int, err error) {
 	o, err := f.options(nil)
 	if err != nil {
 		return 0, err
@@ -54,20 +64,37 @@ func (f *Flow[In, Out]) Resume(ctx context.Context, db TxBeginner) (resumed int,
 	if err != nil {
 		return 0, translate(fmt.Sprintf("idem: flow %q: resume", f.name), err)
 	}
-	var errs []error
+	var (
+		mu   sync.Mutex
+		errs []error
+		wg   sync.WaitGroup
+	)
+	slots := make(chan struct{}, concurrency)
 	for _, a := range abandoned {
+		select {
+		case slots <- struct{}{}:
+		case <-ctx.Done():
+		}
 		if ctx.Err() != nil {
+			mu.Lock()
 			errs = append(errs, ctx.Err())
+			mu.Unlock()
 			break
 		}
-		completed, err := f.resumeOne(ctx, db, a.Scope, a.Key, &o)
-		if completed {
-			resumed++
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("scope %q, key %s: %w", a.Scope, o.observer.loggedKey(a.Key), err))
-		}
+		wg.Go(func() {
+			defer func() { <-slots }()
+			completed, err := f.resumeOne(ctx, db, a.Scope, a.Key, &o)
+			mu.Lock()
+			defer mu.Unlock()
+			if completed {
+				resumed++
+			}
+			if err != nil {
+				errs = append(errs, fmt.Errorf("scope %q, key %s: %w", a.Scope, o.observer.loggedKey(a.Key), err))
+			}
+		})
 	}
+	wg.Wait()
 	return resumed, errors.Join(errs...)
 }
 
@@ -80,10 +107,12 @@ func (f *Flow[In, Out]) resumeOne(ctx context.Context, db TxBeginner, scope, key
 	var adopted dbsqlc.FlowAdoptRow
 	var ok bool
 	var steps []dbsqlc.FlowStepsRow
+	epoch := newEpoch()
 	b := &pgx.Batch{}
-	dbsqlc.QueueFlowAdopt(b, dbsqlc.FlowAdoptParams{Lease: pgtime.Interval(o.lease), Scope: scope, Key: key, FlowName: f.name,
+	dbsqlc.QueueFlowAdopt(b, dbsqlc.FlowAdoptParams{Epoch: epoch, Lease: pgtime.Interval(o.lease), Scope: scope, Key: key, FlowName: f.name,
 		Grace: pgtime.Interval(o.grace)}, &adopted, &ok)
 	dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: scope, Key: key}, &steps)
+	sent := time.Now()
 	if err := sendBatch(ctx, db, b); err != nil {
 		return false, translate("idem: flow: take over", err)
 	}
@@ -94,7 +123,8 @@ func (f *Flow[In, Out]) resumeOne(ctx context.Context, db TxBeginner, scope, key
 	// The keys in the table were checked when they were written; the
 	// fingerprint is the record's own.
 	k := keyRef{scope: scope, key: key}
-	r := newFlowRun(db, k, f.name, adopted.Operation, adopted.Epoch, steps, o, obs)
+	keys := providerKeys{namespace: adopted.ProviderNamespace, operation: adopted.Operation}
+	r := newFlowRun(db, k, f.name, keys, epoch, adopted.Input, sent, steps, o, obs)
 	in, err := replayed[In](adopted.Input, scope, o)
 	if err != nil {
 		r.release(ctx, err.Error())
@@ -112,6 +142,11 @@ type ResumerConfig struct {
 	// fewer operations than a pass takes; after a full pass it starts the
 	// next at once. It must not be negative. Defaults to 10s.
 	Interval time.Duration
+
+	// Concurrency is how many operations a pass runs at once: a call that
+	// hangs holds up one of them only. It must not be negative. Defaults
+	// to 4.
+	Concurrency int
 
 	// Logger receives a line per operation that a pass completed and per
 	// one that failed. Defaults to slog.Default().
@@ -136,6 +171,8 @@ func (f *Flow[In, Out]) StartResumer(ctx context.Context, db TxBeginner, cfg Res
 	switch {
 	case cfg.Interval < 0:
 		return nil, fmt.Errorf("%w: ResumerConfig.Interval must not be negative (0 means the default, 10s), got %s", ErrInvalidOption, cfg.Interval)
+	case cfg.Concurrency < 0:
+		return nil, fmt.Errorf("%w: ResumerConfig.Concurrency must not be negative (0 means the default, 4), got %d", ErrInvalidOption, cfg.Concurrency)
 	case db == nil:
 		return nil, fmt.Errorf("%w: StartResumer needs a database, got nil", ErrInvalidOption)
 	}
@@ -143,13 +180,14 @@ func (f *Flow[In, Out]) StartResumer(ctx context.Context, db TxBeginner, cfg Res
 		return nil, err
 	}
 	interval := cmp.Or(cfg.Interval, 10*time.Second)
+	concurrency := cmp.Or(cfg.Concurrency, defaultResumeConcurrency)
 	logger := cmp.Or(cfg.Logger, slog.Default())
 	ctx, cancel := context.WithCancel(ctx)
 	r := &Resumer{cancel: cancel, done: make(chan struct{})}
 	go func() {
 		defer close(r.done)
 		for {
-			resumed, err := f.Resume(ctx, db)
+			resumed, err := f.resume(ctx, db, concurrency)
 			r.resumed.Add(int64(resumed))
 			if resumed > 0 {
 				logger.LogAttrs(ctx, slog.LevelInfo, "idem: resumed abandoned flows",

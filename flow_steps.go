@@ -6,12 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/ident"
@@ -103,6 +101,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	lease := dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	var tx pgx.Tx
 	var leased bool
+	sent := time.Now()
 	switch {
 	case pipelined:
 		b := &pgx.Batch{}
@@ -134,6 +133,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	if !leased {
 		return zero, r.lostError()
 	}
+	r.lease.renewed(sent)
 
 	value, err := fn(ctx, tx)
 	if err != nil {
@@ -143,9 +143,11 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	if err != nil {
 		return zero, fmt.Errorf("result: %w", err)
 	}
-	lease.Held = true
 	record := dbsqlc.FlowStepRecordParams{Scope: r.k.scope, Key: r.k.key, Seq: seq, Step: name,
 		Result: pgtype.Text{String: string(encoded), Valid: true}}
+	// The flow's row is locked since the step began, so the renewal finds
+	// the lease as the step's first statement left it.
+	sent = time.Now()
 	if !pipelined {
 		q := dbsqlc.New(tx)
 		if _, err := q.FlowLease(ctx, lease); err != nil {
@@ -158,6 +160,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		if err := tx.Commit(ctx); err != nil {
 			return zero, translate("commit", err)
 		}
+		r.lease.renewed(sent)
 		return decodedResult[T](r, encoded)
 	}
 	b := &pgx.Batch{}
@@ -180,6 +183,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	case tag.String() == "ROLLBACK":
 		return zero, translate("commit", pgx.ErrTxCommitRollback)
 	}
+	r.lease.renewed(sent)
 	return decodedResult[T](r, encoded)
 }
 
@@ -196,11 +200,14 @@ func decodedResult[T any](r *flowRun, encoded []byte) (T, error) {
 
 // Call runs the flow's step named name: a call to another system, fn,
 // made with no transaction open and no connection held. fn gets the
-// call's provider key ([ProviderKey] of the operation and the step's
-// name), the same on every attempt, in every process: pass it
-// to the provider's own idempotency mechanism (Stripe's Idempotency-Key
+// call's provider key, the same on every attempt, in every process: pass
+// it to the provider's own idempotency mechanism (Stripe's Idempotency-Key
 // header, an AIP-155 request_id), so that a call made again after a crash
-// or a timeout is recognised by the provider and applied once.
+// or a timeout is recognised by the provider and applied once. The key is
+// a UUID derived from the database's installation id and the operation's
+// scope, key and step name (see docs/flows.md): two databases never send
+// the same key, and a flow started again after an asynchronous failover
+// lost its row sends the keys its first run sent. [InspectFlow] shows it.
 //
 // Before fn is called, the step's intent is recorded, in a short
 // transaction of its own; once fn returns a value, the value (its result,
@@ -210,16 +217,23 @@ func decodedResult[T any](r *flowRun, encoded []byte) (T, error) {
 // (the process died during the call, or the call failed) calls fn again,
 // with the same provider key, until [WithProviderWindow] has passed since
 // its first attempt; past it, the flow is stopped for a person's decision
-// and Call returns [ErrFlowStopped].
+// and Call returns [ErrFlowStopped]. So is a flow whose call returned a
+// value that cannot be stored ([ErrResponseNotStorable],
+// [ErrResponseTooLarge]): the other system applied the call, and calling it
+// again would give the same value.
 //
 // An error from fn is the call's uncertain outcome: Call returns it,
 // wrapped, records nothing but the attempt, and the flow's function should
 // return it. A definite failure (a declined card) is a value: return it in
-// T, and it is recorded like any result. fn's context ends when ctx does,
-// or when the executor loses the flow's lease, which is renewed every third
-// of [WithLease] while fn runs (not when the flow runs on a single
-// connection, which the call must not hold: its lease then covers one
-// call); Call then returns [ErrLeaseLost].
+// T, and it is recorded like any result.
+//
+// fn is called only while the executor's lease surely holds, and its
+// context ends when ctx does, when [WithCallTimeout] has passed, or when
+// the lease may have run out: it is renewed every third of [WithLease]
+// while fn runs (not when the flow runs on a single connection, which the
+// call must not hold: its lease then covers one call). fn must stop acting
+// when its context ends (an http.Client does): an executor that stalled
+// past its lease then calls nobody, and Call returns [ErrLeaseLost].
 func Call[T any](s *Steps, name string, fn func(ctx context.Context, providerKey string) (T, error)) (T, error) {
 	var zero T
 	r := s.run
@@ -265,15 +279,17 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string, fn 
 		return zero, r.stop(ctx, fmt.Sprintf("step %q: the call's first attempt is older than the provider window (%s), "+
 			"past which calling again with the same key could apply it twice: find out from the provider whether it was applied", name, r.o.providerWindow))
 	}
+	r.lease.renewed(sent)
 
-	providerKey := ProviderKey(r.k.scope, r.k.key, name, r.operation)
-	value, err := callKeepingLease(ctx, r, name, providerKey, int(start.Attempts), sent, fn)
+	providerKey := r.keys.of(r.k.scope, r.k.key, name)
+	value, err := callKeepingLease(ctx, r, name, providerKey, int(start.Attempts), fn)
 	if err != nil {
 		return zero, err
 	}
 	encoded, err := encodeResponse(value, r.k.scope, r.o)
 	if err != nil {
-		return zero, fmt.Errorf("result: %w", err)
+		return zero, errors.Join(err, r.stop(ctx, fmt.Sprintf("step %q: the call's result cannot be stored (%v); "+
+			"the other system applied the call, and calling it again would give the same result: settle it by hand", name, err)))
 	}
 	var n int64
 	err = onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
@@ -291,13 +307,17 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string, fn 
 }
 
 // callKeepingLease calls fn with providerKey while the lease is kept (see
-// keepLease), as attempt attempt of the call named name, whose intent was
-// recorded at sent; a panic of fn stops the renewals and ends the span
-// before it goes on.
-func callKeepingLease[T any](ctx context.Context, r *flowRun, name, providerKey string, attempt int, sent time.Time,
+// keepLease), as attempt attempt of the call named name; a panic of fn
+// stops the renewals and ends the span before it goes on. fn is not called
+// when the lease may have run out, or ctx has ended, by the time it would
+// be.
+func callKeepingLease[T any](ctx context.Context, r *flowRun, name, providerKey string, attempt int,
 	fn func(ctx context.Context, providerKey string) (T, error),
 ) (value T, err error) {
-	callCtx, stop := r.keepLease(ctx, name, sent)
+	if err := r.holdForCall(ctx, name); err != nil {
+		return value, err
+	}
+	callCtx, stop := r.keepLease(ctx, name)
 	callCtx, end := r.obs.step(callCtx, stepCall, name, providerKey, attempt)
 	defer func() {
 		if lost := stop(); lost != nil {
@@ -305,102 +325,15 @@ func callKeepingLease[T any](ctx context.Context, r *flowRun, name, providerKey 
 		}
 		end(err)
 	}()
+	// The last look before the call: a process frozen since the lease was
+	// renewed wakes here, and must not act.
+	if r.lease.left() <= 0 {
+		return value, r.lostError()
+	}
+	if err := callCtx.Err(); err != nil {
+		return value, context.Cause(callCtx)
+	}
 	return fn(callCtx, providerKey)
-}
-
-// keepLease returns the context of a call that starts now, whose lease was
-// renewed at renewed, and the function to call when the call has returned,
-// which reports ErrLeaseLost if the lease was lost meanwhile. On a pool
-// (or any TxBeginner but a single connection, which the call must leave
-// alone) the lease is renewed every third of it (FlowLease) while the call
-// runs; the call's context ends when a renewal finds the lease lost, or
-// when none succeeded for a whole lease. On a single connection the call's
-// context ends when the lease runs out.
-func (r *flowRun) keepLease(ctx context.Context, step string, renewed time.Time) (context.Context, func() error) {
-	ctx, cancel := context.WithCancelCause(ctx)
-	lost := r.lostError()
-	switch r.db.(type) {
-	case *pgx.Conn, *pgxpool.Conn:
-		ctx, cancelDeadline := context.WithDeadlineCause(ctx, renewed.Add(r.o.lease), lost)
-		return ctx, func() error {
-			cause := context.Cause(ctx)
-			cancelDeadline()
-			cancel(nil)
-			return leaseCause(cause)
-		}
-	}
-	done := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		ticker := time.NewTicker(r.o.lease / 3)
-		defer ticker.Stop()
-		for {
-			select {
-			case <-done:
-				return
-			case <-ctx.Done():
-				return
-			case <-ticker.C:
-			}
-			// A renewal that has not succeeded by the time the lease runs
-			// out is given up: a database out of reach must not keep
-			// the call going past its lease.
-			sent := time.Now()
-			renewCtx, cancelRenew := context.WithDeadline(ctx, renewed.Add(r.o.lease))
-			var n int64
-			err := onDB(renewCtx, r.db, func(q *dbsqlc.Queries) (err error) {
-				n, err = q.FlowLease(renewCtx, dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: step,
-					Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
-				return err
-			})
-			cancelRenew()
-			switch {
-			case err == nil && n == 1:
-				renewed = sent
-			case err == nil:
-				cancel(lost)
-				return
-			}
-			if time.Since(renewed) >= r.o.lease {
-				cancel(lost)
-				return
-			}
-		}
-	})
-	return ctx, func() error {
-		close(done)
-		wg.Wait()
-		cause := context.Cause(ctx)
-		cancel(nil)
-		return leaseCause(cause)
-	}
-}
-
-// leaseCause is cause when it says the lease was lost, else nil.
-func leaseCause(cause error) error {
-	if errors.Is(cause, ErrLeaseLost) {
-		return cause
-	}
-	return nil
-}
-
-// stop stops the flow for a person's decision (FlowStop), and returns the
-// error that says so: ErrFlowStopped, or ErrLeaseLost when the executor no
-// longer held it.
-func (r *flowRun) stop(ctx context.Context, why string) error {
-	var n int64
-	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
-		n, err = q.FlowStop(ctx, dbsqlc.FlowStopParams{LastError: storableText(why), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
-		return err
-	})
-	switch {
-	case err != nil:
-		return translate("stop the flow", err)
-	case n == 0:
-		return r.lostError()
-	}
-	r.obs.flowStopped()
-	return fmt.Errorf("%w: it needs attention: %s", ErrFlowStopped, why)
 }
 
 // begin starts the function's next step, named name, of kind: it checks
@@ -456,22 +389,32 @@ func recordedResult[T any](r *flowRun, name string, result []byte) (T, error) {
 	return res.Value, nil
 }
 
-// ProviderKey returns the provider key of the call that the step named step
-// makes for the flow operation (scope, key) whose number is operation
-// ([FlowInfo].Operation; see [Call]): a UUID (RFC 9562, version 8) made of
-// the first 16 bytes of the SHA-256 of the four (the number in decimal),
-// each prefixed with its length, after the string "idem.Call"
-// ([Fingerprint]), with the version and variant bits set. It is the same
-// on every attempt, in every process, in every version of idem, and fits
-// what providers accept as an idempotency key: Stripe's up to 255
-// characters, AIP-155's UUID request_id. The operation's number is new
-// each time the key's flow starts: a key used again after its flow expired
-// is another operation, whose calls the provider must not take for the old
-// one's. [InspectFlow] shows each call's key; a provider's records are
-// matched back to the operation by computing it again.
-func ProviderKey(scope, key, step string, operation int64) string {
-	sum := Fingerprint([]byte("idem.Call"), []byte(scope), []byte(key), []byte(step),
-		strconv.AppendInt(nil, operation, 10))
+// providerKeys derives the provider keys of an operation's calls: from
+// the installation's id as the flow's row recorded it when the flow
+// started (namespace), or, for a flow started before migration 00007,
+// from its operation number, as that version derived them.
+type providerKeys struct {
+	namespace pgtype.UUID
+	operation pgtype.Int8
+}
+
+// of returns the provider key of the call named step of the operation
+// (scope, key): a UUID (RFC 9562, version 8) made of the first 16 bytes of
+// the SHA-256 of the namespace, scope, key and step, each prefixed with
+// its length, after the string "idem.Call/2" ([Fingerprint]), with the
+// version and variant bits set. It fits what providers accept as an
+// idempotency key: Stripe's up to 255 characters, AIP-155's UUID
+// request_id.
+func (p providerKeys) of(scope, key, step string) string {
+	if !p.namespace.Valid {
+		return uuidV8(Fingerprint([]byte("idem.Call"), []byte(scope), []byte(key), []byte(step),
+			strconv.AppendInt(nil, p.operation.Int64, 10)))
+	}
+	return uuidV8(Fingerprint([]byte("idem.Call/2"), p.namespace.Bytes[:], []byte(scope), []byte(key), []byte(step)))
+}
+
+// uuidV8 spells the first 16 bytes of sum as a UUID of version 8.
+func uuidV8(sum []byte) string {
 	var u [16]byte
 	copy(u[:], sum)
 	u[6] = u[6]&0x0f | 0x80 // version 8

@@ -35,15 +35,24 @@ type chargeOut struct {
 // once. It counts the charges it applied and the keys it saw.
 type provider struct {
 	mu      sync.Mutex
-	charges map[string]string // provider key → charge id
-	keys    []string
+	charges map[string]string    // provider key → charge id
+	at      map[string]time.Time // provider key → when it was first charged
+	applied int                  // charges applied
+	// keep is how long the provider keeps a key (0: for ever); past it, a
+	// charge with the key is a new one, as at Stripe after 24 hours.
+	keep time.Duration
+	keys []string
+	// amounts are the amounts of the calls, by provider key.
+	amounts map[string][]int64
 	// before runs as each call arrives, after runs once it is applied and
 	// before it is answered; either may fail the call.
 	before, after func(key string, attempt int) error
 	calls         atomic.Int64
 }
 
-func newProvider() *provider { return &provider{charges: make(map[string]string)} }
+func newProvider() *provider {
+	return &provider{charges: make(map[string]string), at: make(map[string]time.Time), amounts: make(map[string][]int64)}
+}
 
 // charge charges amount once per key; an amount of 402 is declined.
 func (p *provider) charge(ctx context.Context, key string, amount int64) (string, bool, error) {
@@ -58,10 +67,16 @@ func (p *provider) charge(ctx context.Context, key string, amount int64) (string
 	}
 	p.mu.Lock()
 	p.keys = append(p.keys, key)
+	p.amounts[key] = append(p.amounts[key], amount)
 	id, ok := p.charges[key]
+	if ok && p.keep > 0 && time.Since(p.at[key]) > p.keep {
+		ok = false // forgotten
+	}
 	if !ok {
-		id = fmt.Sprintf("ch_%d", len(p.charges)+1)
+		p.applied++
+		id = fmt.Sprintf("ch_%d", p.applied)
 		p.charges[key] = id
+		p.at[key] = time.Now()
 	}
 	p.mu.Unlock()
 	if p.after != nil {
@@ -81,7 +96,7 @@ func (p *provider) effects() (charges int, keys map[string]int) {
 	for _, k := range p.keys {
 		keys[k]++
 	}
-	return len(p.charges), keys
+	return p.applied, keys
 }
 
 // chargeFlow returns the tests' flow, named uniquely, over p; steps counts
@@ -124,15 +139,27 @@ func chargeFlow(p *provider, steps *atomic.Int64, opts ...idem.Option) *idem.Flo
 	}, opts...)
 }
 
+// ran is what a Run returned, for a test to read from a channel.
+type ran[T any] struct {
+	idem.Result[T]
+	err error
+}
+
 // providerKeyOf returns the provider key of the call named step of the flow
-// operation (scope, key), from its number, as InspectFlow reads it.
+// operation (scope, key), as InspectFlow reads it.
 func providerKeyOf(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key, step string) string {
 	t.Helper()
 	info, err := idem.InspectFlow(ctx, pool, scope, key)
 	if err != nil || !info.Found {
 		t.Fatalf("no flow for %s: %v", key, err)
 	}
-	return idem.ProviderKey(scope, key, step, info.Operation)
+	for _, s := range info.Steps {
+		if s.Name == step && s.ProviderKey != "" {
+			return s.ProviderKey
+		}
+	}
+	t.Fatalf("the flow for %s has no call named %s: %+v", key, step, info.Steps)
+	return ""
 }
 
 // setupFlow is setup for the flow tests: the context, the pool, a scope of

@@ -100,6 +100,7 @@ func do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	if err != nil {
 		return Result[T]{}, err
 	}
+	k.fp = o.storedFingerprint(scope, k.fp)
 	c, _, err := claim(ctx, tx, nil, nil, k, o)
 	obs.claimDone(c.outcome)
 	if err != nil {

@@ -66,10 +66,11 @@ type options struct {
 	codec      Codec
 
 	// Of flows only (see Flow).
-	lease time.Duration
-	grace time.Duration
-	// providerWindow is negative when there is none.
+	lease          time.Duration
+	grace          time.Duration
 	providerWindow time.Duration
+	// callTimeout is zero when there is none.
+	callTimeout time.Duration
 }
 
 // newOptions applies opts over the defaults.
@@ -81,6 +82,7 @@ func newOptions(opts []Option) (options, error) {
 		maxResponseSize: DefaultMaxResponseSize,
 		lease:           DefaultLease,
 		providerWindow:  DefaultProviderWindow,
+		callTimeout:     DefaultCallTimeout,
 	}
 	for _, opt := range opts {
 		if err := opt.apply(&o); err != nil {
@@ -208,7 +210,31 @@ type Codec interface {
 	Open(scope string, sealed []byte) ([]byte, error)
 }
 
-// WithCodec stores values sealed by codec, and opens them on replay.
+// FingerprintKeyer is implemented by a [Codec] that also keys the
+// fingerprints idem stores, with a secret of its own (an HMAC), so that a
+// reader of idem's tables cannot confirm a guess at a request by computing
+// its fingerprint, as [Fingerprint]'s plain hash of a request with few
+// possible values (an amount) allows. With such a codec, [Do], [Run],
+// [Once] and flows store, and compare, KeyFingerprint of each non-empty
+// fingerprint. It must give the same bytes for the same scope and
+// fingerprint for as long as records live: a new secret makes the retries
+// of records keyed with the old one mismatch, so change it only with the
+// codec's own rotation, once the retention has passed.
+type FingerprintKeyer interface {
+	KeyFingerprint(scope string, fingerprint []byte) []byte
+}
+
+// storedFingerprint is fp as idem stores it: keyed by the codec when it is
+// a FingerprintKeyer.
+func (o *options) storedFingerprint(scope string, fp []byte) []byte {
+	if keyer, ok := o.codec.(FingerprintKeyer); ok && len(fp) > 0 {
+		return keyer.KeyFingerprint(scope, fp)
+	}
+	return fp
+}
+
+// WithCodec stores values sealed by codec, and opens them on replay; a
+// codec that is a [FingerprintKeyer] keys the stored fingerprints too.
 // Defaults to none: values are stored as plain JSON.
 func WithCodec(codec Codec) Option {
 	return optionFunc(func(o *options) { o.codec = codec })
@@ -233,6 +259,10 @@ const (
 	// flow still calls again, unless [WithProviderWindow] says otherwise:
 	// Stripe keeps idempotency keys for 24 hours.
 	DefaultProviderWindow = 24 * time.Hour
+
+	// DefaultCallTimeout is how long a flow's call may run, unless
+	// [WithCallTimeout] says otherwise.
+	DefaultCallTimeout = time.Minute
 )
 
 // minLease is the shortest lease: the lease is renewed every third of it,
@@ -268,13 +298,35 @@ func WithGrace(d time.Duration) Option {
 
 // WithProviderWindow sets how long after a call's first attempt a flow
 // still calls the other system again with the same provider key (see
-// [Call]). Past it the provider may have forgotten the key, so that a
-// call made again could be applied twice: the flow is stopped instead, for
-// a person to decide ([ErrFlowStopped]). Choose the shortest time for which
-// the providers the flow calls keep their idempotency keys (Stripe: 24
-// hours). Zero means that a call is never made twice; a negative value
-// means no window: calls are made again however old their first attempt.
-// Defaults to 24h.
+// [Call]): the shortest time for which the providers the flow calls keep
+// their idempotency keys (Stripe: 24 hours; docs/flows.md has a table).
+// Past it the provider may have forgotten the key, so that a call made
+// again could be applied twice: the flow is stopped instead, for a person
+// to decide ([ErrFlowStopped]). Zero means that a call is never made
+// twice, for a provider that ignores keys. It must not be negative, and a
+// flow refuses a [WithRetention] shorter than it: a key used again once
+// its flow's retention has passed sends the provider the keys of the
+// operation before, and only a provider that has forgotten them since
+// takes the new calls for new ones (so choose the retention longer than
+// the longest time the provider may keep keys). Defaults to 24h.
 func WithProviderWindow(d time.Duration) Option {
+	if d < 0 {
+		return invalid("provider window must not be negative, got %s", d)
+	}
 	return optionFunc(func(o *options) { o.providerWindow = d })
+}
+
+// WithCallTimeout bounds how long a flow's call may run ([Call]): its
+// context ends once d has passed, and its lease is no longer renewed, so
+// that a call that hangs gives the flow up, to a retry or a completer,
+// within a lease after that, rather than holding it for ever. Choose it
+// longer than the provider's slowest answers (Stripe's libraries wait up
+// to 80s). Zero or a negative value means no bound of idem's (the
+// context's own, and the lease's on a single connection). Values beyond
+// about 24 days are rejected. Defaults to 1m.
+func WithCallTimeout(d time.Duration) Option {
+	if d > maxWait {
+		return invalid("call timeout must not exceed %s, got %s", maxWait, d)
+	}
+	return optionFunc(func(o *options) { o.callTimeout = max(d, 0) })
 }

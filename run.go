@@ -44,6 +44,7 @@ func Run[T any](ctx context.Context, db TxBeginner, scope, key string, fp []byte
 	if err != nil {
 		return Result[T]{}, err
 	}
+	k.fp = o.storedFingerprint(scope, k.fp)
 	var res Result[T]
 	err = retry(ctx, func() error {
 		var err error

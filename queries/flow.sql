@@ -1,16 +1,17 @@
 -- name: FlowStart :one
--- FlowStart writes a new flow's row, running, leased to the caller, with an
--- operation number and an epoch that no flow had before (idem_flow_seq).
--- It locks nothing that exists, nor waits for it: when a flow holds the
--- key, it returns no row, and the caller restarts the flow if it expired (FlowRestart), takes
--- it over if its lease ran out (FlowTakeOver), or judges it (FlowGet), in
--- the same round trip. Leases are dated by the clock, not by the start of
--- the transaction, which may have waited. Stored values are sent as text,
--- as KeyInsert's are.
-INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, operation, epoch, leased_until, runs, retention)
+-- FlowStart writes a new flow's row, running, leased to the caller under
+-- @epoch (a random number: see Flow), with the installation's id as the
+-- namespace of its provider keys (idem_installation; a missing row fails
+-- the CHECK). It locks nothing that exists, nor waits for it: when a flow
+-- holds the key, it returns no row, and the caller restarts the flow if
+-- it expired (FlowRestart), takes it over if its lease ran out
+-- (FlowTakeOver), or judges it (FlowGet), in the same round trip. Leases
+-- are dated by the clock, not by the start of the transaction, which may
+-- have waited. Stored values are sent as text, as KeyInsert's are.
+INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, runs, retention)
 SELECT @scope::text, @key::text, @flow_name::text, @fingerprint::bytea, 'running',
-       sqlc.arg(input)::text::jsonb, n.number, n.number, clock_timestamp() + @lease::interval, 1, @retention::interval
-FROM (SELECT nextval('idem_flow_seq') AS number) AS n
+       sqlc.arg(input)::text::jsonb, (SELECT id FROM idem_installation), @epoch::bigint,
+       clock_timestamp() + @lease::interval, 1, @retention::interval
 -- Without a row to see, the INSERT is not tried: the unique index would
 -- otherwise wait for a transaction that holds the row (a local step's).
 WHERE NOT EXISTS (
@@ -19,14 +20,15 @@ WHERE NOT EXISTS (
       AND key = @key::text
 )
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING operation, epoch;
+RETURNING provider_namespace, operation;
 
 -- name: FlowRestart :one
 -- FlowRestart starts again, as a new operation, a finished flow whose
 -- retention has passed: its row taken over, its steps deleted, and a new
--- operation number and epoch, so that nothing of its old executors can
--- commit into the new operation, and its calls get new provider keys. A
--- row another transaction holds is skipped, not waited for.
+-- epoch, so that nothing of its old executors can commit into the new
+-- operation. Its calls get the provider keys of the key's first operation
+-- (see Flow: a retention at least the provider's window keeps the two
+-- apart). A row another transaction holds is skipped, not waited for.
 WITH expired AS (
     SELECT scope, key
     FROM idem_flow
@@ -42,8 +44,9 @@ restarted AS (
         state = 'running',
         input = sqlc.arg(input)::text::jsonb,
         output = NULL,
-        operation = n.number,
-        epoch = n.number,
+        provider_namespace = (SELECT id FROM idem_installation),
+        operation = NULL,
+        epoch = @epoch::bigint,
         leased_until = clock_timestamp() + @lease::interval,
         step = NULL,
         runs = 1,
@@ -52,10 +55,10 @@ restarted AS (
         created_at = now(),
         completed_at = NULL,
         expires_at = NULL
-    FROM expired, (SELECT nextval('idem_flow_seq') AS number) AS n
+    FROM expired
     WHERE f.scope = expired.scope
       AND f.key = expired.key
-    RETURNING f.operation, f.epoch
+    RETURNING f.provider_namespace, f.operation
 ),
 cleared AS (
     DELETE FROM idem_flow_step AS s
@@ -63,17 +66,19 @@ cleared AS (
     WHERE s.scope = @scope::text
       AND s.key = @key::text
 )
-SELECT operation, epoch FROM restarted;
+SELECT provider_namespace, operation FROM restarted;
 
 -- name: FlowTakeOver :one
 -- FlowTakeOver takes a running flow whose lease has run out, for a caller
 -- with the same request (name and fingerprint), under a new epoch that
--- fences the executor that held it. A flow whose row another transaction
--- holds (the executor's local step, still open) is skipped, not waited
--- for: the caller keeps waiting under its own budget. It returns no row
--- when the flow is not running, its lease holds, or the request differs.
+-- fences the executor that held it, and returns the input its first run
+-- recorded, which the flow continues with. A flow whose row another
+-- transaction holds (the executor's local step, still open) is skipped,
+-- not waited for: the caller keeps waiting under its own budget. It
+-- returns no row when the flow is not running, its lease holds, or the
+-- request differs.
 UPDATE idem_flow AS f
-SET epoch = nextval('idem_flow_seq'),
+SET epoch = @epoch::bigint,
     leased_until = clock_timestamp() + @lease::interval,
     runs = f.runs + 1
 FROM (
@@ -89,7 +94,7 @@ FROM (
 ) AS free
 WHERE f.scope = free.scope
   AND f.key = free.key
-RETURNING f.operation, f.epoch;
+RETURNING f.provider_namespace, f.operation, f.input;
 
 -- name: FlowGet :one
 -- FlowGet reads what a caller who neither started nor took the flow over
@@ -118,21 +123,20 @@ ORDER BY s.seq;
 
 -- name: FlowLease :execrows
 -- FlowLease renews the executor's lease and notes the step it is at. It
--- affects no row when the lease was lost: another executor took the flow
--- over (epoch), the lease ran out, or an operator stopped the flow. As the
--- first statement of a local step's transaction it also locks the flow's
--- row until that transaction ends, so that no one takes the flow over
--- while the step's writes are open; sent again with the step's record
--- (@held), it renews the lease for the steps after it without looking at
--- the time: the row stayed locked since, so the lease could not be lost.
+-- affects no row when the executor no longer holds the flow: another
+-- executor took it over (a new epoch), or an operator stopped it. A lease
+-- that ran out with nobody taking the flow over is the same executor's
+-- still: the epoch alone fences, so that a slow executor slows down
+-- rather than fails. As the first statement of a local step's transaction
+-- it also locks the flow's row until that transaction ends, so that no
+-- one takes the flow over while the step's writes are open.
 UPDATE idem_flow
 SET leased_until = clock_timestamp() + @lease::interval,
     step = @step::text
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
-  AND state = 'running'
-  AND (@held::bool OR leased_until > clock_timestamp());
+  AND state = 'running';
 
 -- name: FlowStepRecord :exec
 -- FlowStepRecord records a local step's result in the transaction of its
@@ -149,8 +153,9 @@ VALUES (@scope::text, @key::text, @seq::int, @step::text, 'local', 'done',
 -- counted again, unless its first attempt is older than the provider's
 -- window (@call_window; NULL for none), past which the provider may have
 -- forgotten the key, and calling again could apply the call twice. leased
--- is false when the lease was lost; attempts, the call's attempts with
--- this one, is 0 when the window has passed.
+-- is false when the executor no longer holds the flow (see FlowLease);
+-- attempts, the call's attempts with this one, is 0 when the window has
+-- passed.
 WITH leased AS (
     UPDATE idem_flow
     SET leased_until = clock_timestamp() + @lease::interval,
@@ -159,7 +164,6 @@ WITH leased AS (
       AND key = @key::text
       AND epoch = @epoch::bigint
       AND state = 'running'
-      AND leased_until > clock_timestamp()
     RETURNING 1
 ),
 called AS (
@@ -177,8 +181,8 @@ SELECT EXISTS (SELECT FROM leased)::bool AS leased,
 
 -- name: FlowCallDone :execrows
 -- FlowCallDone records a call's result once the other system answered,
--- renewing the lease; it affects no row when the lease was lost, and then
--- records nothing.
+-- renewing the lease; it affects no row when the executor no longer holds
+-- the flow (see FlowLease), and then records nothing.
 WITH leased AS (
     UPDATE idem_flow
     SET leased_until = clock_timestamp() + @lease::interval
@@ -186,7 +190,6 @@ WITH leased AS (
       AND key = @key::text
       AND epoch = @epoch::bigint
       AND state = 'running'
-      AND leased_until > clock_timestamp()
     RETURNING 1
 )
 UPDATE idem_flow_step AS s
@@ -202,7 +205,7 @@ WHERE s.scope = @scope::text
 -- name: FlowComplete :execrows
 -- FlowComplete records the flow's answer: from now on retries replay it,
 -- until its retention (counted from now) has passed. It affects no row
--- when the lease was lost.
+-- when the executor no longer holds the flow (see FlowLease).
 UPDATE idem_flow
 SET state = 'done',
     output = sqlc.narg(output)::text::jsonb,
@@ -214,27 +217,27 @@ SET state = 'done',
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
-  AND state = 'running'
-  AND leased_until > clock_timestamp();
+  AND state = 'running';
 
--- name: FlowRelease :exec
+-- name: FlowRelease :execrows
 -- FlowRelease gives the lease up when the flow's function returned an
 -- error or its context ended, so that a retry takes the flow over at once
 -- instead of waiting for the lease to run out; the error is kept for
--- operators.
+-- operators. It affects no row when the executor no longer holds the flow
+-- (see FlowLease).
 UPDATE idem_flow
-SET leased_until = clock_timestamp(),
+SET leased_until = least(leased_until, clock_timestamp()),
     last_error = @last_error::text
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
-  AND state = 'running'
-  AND leased_until > clock_timestamp();
+  AND state = 'running';
 
 -- name: FlowStop :execrows
 -- FlowStop stops a running flow that needs a person's decision (a call
--- past the provider's window), so that nothing runs it again. It affects
--- no row when the lease was lost.
+-- past the provider's window, a result that cannot be stored), so that
+-- nothing runs it again. It affects no row when the executor no longer
+-- holds the flow (see FlowLease).
 UPDATE idem_flow
 SET state = 'attention',
     leased_until = NULL,
@@ -242,8 +245,7 @@ SET state = 'attention',
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
-  AND state = 'running'
-  AND leased_until > clock_timestamp();
+  AND state = 'running';
 
 -- name: FlowAbandoned :many
 -- FlowAbandoned lists up to @max_rows running flows named @name whose
@@ -266,7 +268,7 @@ LIMIT @max_rows::int;
 -- does for a caller, skipping a row another transaction holds, and returns
 -- the input to run it with.
 UPDATE idem_flow AS f
-SET epoch = nextval('idem_flow_seq'),
+SET epoch = @epoch::bigint,
     leased_until = clock_timestamp() + @lease::interval,
     runs = f.runs + 1
 FROM (
@@ -283,7 +285,7 @@ FROM (
 ) AS free
 WHERE f.scope = free.scope
   AND f.key = free.key
-RETURNING f.operation, f.epoch, f.input;
+RETURNING f.provider_namespace, f.operation, f.input;
 
 -- name: FlowEnd :execrows
 -- FlowEnd ends a flow that is running or needs attention, for an
@@ -327,7 +329,7 @@ SELECT count(*) FROM purged;
 
 -- name: FlowInspect :one
 -- FlowInspect reads one flow whatever its state, for operators.
-SELECT name, fingerprint, state, input, output, operation, epoch, leased_until, step, runs, last_error,
+SELECT name, fingerprint, state, input, output, provider_namespace, operation, leased_until, step, runs, last_error,
        created_at, completed_at, expires_at,
        coalesce(expires_at <= now(), false)::bool AS expired,
        coalesce(leased_until > now(), false)::bool AS leased

@@ -19,7 +19,13 @@ func providerKey(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, k
 	if err != nil {
 		t.Fatal(err)
 	}
-	return idem.ProviderKey(scope, key, "charge", info.Operation)
+	for _, s := range info.Steps {
+		if s.Name == "charge" {
+			return s.ProviderKey
+		}
+	}
+	t.Fatalf("the flow for %s has no call charge", key)
+	return ""
 }
 
 func TestInspectFlowAndFlowEnd(t *testing.T) {

@@ -122,19 +122,18 @@ func checkFlowSoak(ctx context.Context, admin *pgxpool.Pool, scope string, ops [
 		return fmt.Errorf("read the ledger: %w", err)
 	}
 	type flowRow struct {
-		state     string
-		output    []byte
-		operation int64
+		state  string
+		output []byte
 	}
 	flows := make(map[string]flowRow)
-	rows, err := admin.Query(ctx, `SELECT key, state, output, operation FROM idem_flow WHERE scope = $1`, scope)
+	rows, err := admin.Query(ctx, `SELECT key, state, output FROM idem_flow WHERE scope = $1`, scope)
 	if err != nil {
 		return fmt.Errorf("read flows: %w", err)
 	}
 	for rows.Next() {
 		var key string
 		var f flowRow
-		if err := rows.Scan(&key, &f.state, &f.output, &f.operation); err != nil {
+		if err := rows.Scan(&key, &f.state, &f.output); err != nil {
 			return fmt.Errorf("read flows: %w", err)
 		}
 		flows[key] = f
@@ -154,7 +153,10 @@ func checkFlowSoak(ctx context.Context, admin *pgxpool.Pool, scope string, ops [
 	for _, op := range ops {
 		// The call's provider key is the operation's (a flow never
 		// started has none, and no charge).
-		pk := idem.ProviderKey(scope, op.key, "charge", flows[op.key].operation)
+		pk, err := flowSoakProviderKey(ctx, admin, scope, op.key)
+		if err != nil {
+			return err
+		}
 		ours[pk] = true
 		charge, charged := charges[pk]
 		if !charged {
@@ -317,4 +319,19 @@ func (l *flowSoakLoad) print(w io.Writer, rep *flowSoakReport) {
 	}
 	fmt.Fprintf(w, "flows not done:       %d %v\n", notDone, rep.NotDone)
 	fmt.Fprintf(w, "operations unanswered: %d\n", rep.Unanswered)
+}
+
+// flowSoakProviderKey is the provider key of the operation (scope, key)'s
+// call charge, as InspectFlow shows it; "" when it has none.
+func flowSoakProviderKey(ctx context.Context, db idem.TxBeginner, scope, key string) (string, error) {
+	info, err := idem.InspectFlow(ctx, db, scope, key)
+	if err != nil {
+		return "", fmt.Errorf("inspect the flow of %s: %w", key, err)
+	}
+	for _, s := range info.Steps {
+		if s.Name == "charge" {
+			return s.ProviderKey, nil
+		}
+	}
+	return "", nil
 }

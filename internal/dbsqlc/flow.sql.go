@@ -61,27 +61,28 @@ func (q *Queries) FlowAbandoned(ctx context.Context, arg FlowAbandonedParams) ([
 
 const flowAdopt = `-- name: FlowAdopt :one
 UPDATE idem_flow AS f
-SET epoch = nextval('idem_flow_seq'),
-    leased_until = clock_timestamp() + $1::interval,
+SET epoch = $1::bigint,
+    leased_until = clock_timestamp() + $2::interval,
     runs = f.runs + 1
 FROM (
     SELECT scope, key
     FROM idem_flow
-    WHERE scope = $2::text
-      AND key = $3::text
-      AND name = $4::text
+    WHERE scope = $3::text
+      AND key = $4::text
+      AND name = $5::text
       AND state = 'running'
-      AND leased_until <= now() - $5::interval
+      AND leased_until <= now() - $6::interval
       AND leased_until + least(interval '1 second' * (power(2, least(runs - 1, 12)) - 1), interval '1 hour')
-          <= now() - $5::interval
+          <= now() - $6::interval
     FOR UPDATE SKIP LOCKED
 ) AS free
 WHERE f.scope = free.scope
   AND f.key = free.key
-RETURNING f.operation, f.epoch, f.input
+RETURNING f.provider_namespace, f.operation, f.input
 `
 
 type FlowAdoptParams struct {
+	Epoch    int64
 	Lease    pgtype.Interval
 	Scope    string
 	Key      string
@@ -90,9 +91,9 @@ type FlowAdoptParams struct {
 }
 
 type FlowAdoptRow struct {
-	Operation int64
-	Epoch     int64
-	Input     []byte
+	ProviderNamespace pgtype.UUID
+	Operation         pgtype.Int8
+	Input             []byte
 }
 
 // FlowAdopt takes over an abandoned flow for a completer, as FlowTakeOver
@@ -100,6 +101,7 @@ type FlowAdoptRow struct {
 // the input to run it with.
 func (q *Queries) FlowAdopt(ctx context.Context, arg FlowAdoptParams) (FlowAdoptRow, error) {
 	row := q.db.QueryRow(ctx, flowAdopt,
+		arg.Epoch,
 		arg.Lease,
 		arg.Scope,
 		arg.Key,
@@ -107,7 +109,7 @@ func (q *Queries) FlowAdopt(ctx context.Context, arg FlowAdoptParams) (FlowAdopt
 		arg.Grace,
 	)
 	var i FlowAdoptRow
-	err := row.Scan(&i.Operation, &i.Epoch, &i.Input)
+	err := row.Scan(&i.ProviderNamespace, &i.Operation, &i.Input)
 	return i, err
 }
 
@@ -119,7 +121,6 @@ WITH leased AS (
       AND key = $3::text
       AND epoch = $6::bigint
       AND state = 'running'
-      AND leased_until > clock_timestamp()
     RETURNING 1
 )
 UPDATE idem_flow_step AS s
@@ -143,8 +144,8 @@ type FlowCallDoneParams struct {
 }
 
 // FlowCallDone records a call's result once the other system answered,
-// renewing the lease; it affects no row when the lease was lost, and then
-// records nothing.
+// renewing the lease; it affects no row when the executor no longer holds
+// the flow (see FlowLease), and then records nothing.
 func (q *Queries) FlowCallDone(ctx context.Context, arg FlowCallDoneParams) (int64, error) {
 	result, err := q.db.Exec(ctx, flowCallDone,
 		arg.Result,
@@ -169,7 +170,6 @@ WITH leased AS (
       AND key = $4::text
       AND epoch = $5::bigint
       AND state = 'running'
-      AND leased_until > clock_timestamp()
     RETURNING 1
 ),
 called AS (
@@ -207,8 +207,9 @@ type FlowCallStartRow struct {
 // counted again, unless its first attempt is older than the provider's
 // window (@call_window; NULL for none), past which the provider may have
 // forgotten the key, and calling again could apply the call twice. leased
-// is false when the lease was lost; attempts, the call's attempts with
-// this one, is 0 when the window has passed.
+// is false when the executor no longer holds the flow (see FlowLease);
+// attempts, the call's attempts with this one, is 0 when the window has
+// passed.
 func (q *Queries) FlowCallStart(ctx context.Context, arg FlowCallStartParams) (FlowCallStartRow, error) {
 	row := q.db.QueryRow(ctx, flowCallStart,
 		arg.Lease,
@@ -237,7 +238,6 @@ WHERE scope = $2::text
   AND key = $3::text
   AND epoch = $4::bigint
   AND state = 'running'
-  AND leased_until > clock_timestamp()
 `
 
 type FlowCompleteParams struct {
@@ -249,7 +249,7 @@ type FlowCompleteParams struct {
 
 // FlowComplete records the flow's answer: from now on retries replay it,
 // until its retention (counted from now) has passed. It affects no row
-// when the lease was lost.
+// when the executor no longer holds the flow (see FlowLease).
 func (q *Queries) FlowComplete(ctx context.Context, arg FlowCompleteParams) (int64, error) {
 	result, err := q.db.Exec(ctx, flowComplete,
 		arg.Output,
@@ -338,7 +338,7 @@ func (q *Queries) FlowGet(ctx context.Context, arg FlowGetParams) (FlowGetRow, e
 }
 
 const flowInspect = `-- name: FlowInspect :one
-SELECT name, fingerprint, state, input, output, operation, epoch, leased_until, step, runs, last_error,
+SELECT name, fingerprint, state, input, output, provider_namespace, operation, leased_until, step, runs, last_error,
        created_at, completed_at, expires_at,
        coalesce(expires_at <= now(), false)::bool AS expired,
        coalesce(leased_until > now(), false)::bool AS leased
@@ -353,22 +353,22 @@ type FlowInspectParams struct {
 }
 
 type FlowInspectRow struct {
-	Name        string
-	Fingerprint []byte
-	State       string
-	Input       []byte
-	Output      []byte
-	Operation   int64
-	Epoch       int64
-	LeasedUntil pgtype.Timestamptz
-	Step        pgtype.Text
-	Runs        int32
-	LastError   pgtype.Text
-	CreatedAt   pgtype.Timestamptz
-	CompletedAt pgtype.Timestamptz
-	ExpiresAt   pgtype.Timestamptz
-	Expired     bool
-	Leased      bool
+	Name              string
+	Fingerprint       []byte
+	State             string
+	Input             []byte
+	Output            []byte
+	ProviderNamespace pgtype.UUID
+	Operation         pgtype.Int8
+	LeasedUntil       pgtype.Timestamptz
+	Step              pgtype.Text
+	Runs              int32
+	LastError         pgtype.Text
+	CreatedAt         pgtype.Timestamptz
+	CompletedAt       pgtype.Timestamptz
+	ExpiresAt         pgtype.Timestamptz
+	Expired           bool
+	Leased            bool
 }
 
 // FlowInspect reads one flow whatever its state, for operators.
@@ -381,8 +381,8 @@ func (q *Queries) FlowInspect(ctx context.Context, arg FlowInspectParams) (FlowI
 		&i.State,
 		&i.Input,
 		&i.Output,
+		&i.ProviderNamespace,
 		&i.Operation,
-		&i.Epoch,
 		&i.LeasedUntil,
 		&i.Step,
 		&i.Runs,
@@ -458,7 +458,6 @@ WHERE scope = $3::text
   AND key = $4::text
   AND epoch = $5::bigint
   AND state = 'running'
-  AND ($6::bool OR leased_until > clock_timestamp())
 `
 
 type FlowLeaseParams struct {
@@ -467,17 +466,16 @@ type FlowLeaseParams struct {
 	Scope string
 	Key   string
 	Epoch int64
-	Held  bool
 }
 
 // FlowLease renews the executor's lease and notes the step it is at. It
-// affects no row when the lease was lost: another executor took the flow
-// over (epoch), the lease ran out, or an operator stopped the flow. As the
-// first statement of a local step's transaction it also locks the flow's
-// row until that transaction ends, so that no one takes the flow over
-// while the step's writes are open; sent again with the step's record
-// (@held), it renews the lease for the steps after it without looking at
-// the time: the row stayed locked since, so the lease could not be lost.
+// affects no row when the executor no longer holds the flow: another
+// executor took it over (a new epoch), or an operator stopped it. A lease
+// that ran out with nobody taking the flow over is the same executor's
+// still: the epoch alone fences, so that a slow executor slows down
+// rather than fails. As the first statement of a local step's transaction
+// it also locks the flow's row until that transaction ends, so that no
+// one takes the flow over while the step's writes are open.
 func (q *Queries) FlowLease(ctx context.Context, arg FlowLeaseParams) (int64, error) {
 	result, err := q.db.Exec(ctx, flowLease,
 		arg.Lease,
@@ -485,7 +483,6 @@ func (q *Queries) FlowLease(ctx context.Context, arg FlowLeaseParams) (int64, er
 		arg.Scope,
 		arg.Key,
 		arg.Epoch,
-		arg.Held,
 	)
 	if err != nil {
 		return 0, err
@@ -526,15 +523,14 @@ func (q *Queries) FlowPurgeExpired(ctx context.Context, maxRows int32) (int64, e
 	return count, err
 }
 
-const flowRelease = `-- name: FlowRelease :exec
+const flowRelease = `-- name: FlowRelease :execrows
 UPDATE idem_flow
-SET leased_until = clock_timestamp(),
+SET leased_until = least(leased_until, clock_timestamp()),
     last_error = $1::text
 WHERE scope = $2::text
   AND key = $3::text
   AND epoch = $4::bigint
   AND state = 'running'
-  AND leased_until > clock_timestamp()
 `
 
 type FlowReleaseParams struct {
@@ -547,15 +543,19 @@ type FlowReleaseParams struct {
 // FlowRelease gives the lease up when the flow's function returned an
 // error or its context ended, so that a retry takes the flow over at once
 // instead of waiting for the lease to run out; the error is kept for
-// operators.
-func (q *Queries) FlowRelease(ctx context.Context, arg FlowReleaseParams) error {
-	_, err := q.db.Exec(ctx, flowRelease,
+// operators. It affects no row when the executor no longer holds the flow
+// (see FlowLease).
+func (q *Queries) FlowRelease(ctx context.Context, arg FlowReleaseParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowRelease,
 		arg.LastError,
 		arg.Scope,
 		arg.Key,
 		arg.Epoch,
 	)
-	return err
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
 }
 
 const flowRestart = `-- name: FlowRestart :one
@@ -574,20 +574,21 @@ restarted AS (
         state = 'running',
         input = $5::text::jsonb,
         output = NULL,
-        operation = n.number,
-        epoch = n.number,
-        leased_until = clock_timestamp() + $6::interval,
+        provider_namespace = (SELECT id FROM idem_installation),
+        operation = NULL,
+        epoch = $6::bigint,
+        leased_until = clock_timestamp() + $7::interval,
         step = NULL,
         runs = 1,
         last_error = NULL,
-        retention = $7::interval,
+        retention = $8::interval,
         created_at = now(),
         completed_at = NULL,
         expires_at = NULL
-    FROM expired, (SELECT nextval('idem_flow_seq') AS number) AS n
+    FROM expired
     WHERE f.scope = expired.scope
       AND f.key = expired.key
-    RETURNING f.operation, f.epoch
+    RETURNING f.provider_namespace, f.operation
 ),
 cleared AS (
     DELETE FROM idem_flow_step AS s
@@ -595,7 +596,7 @@ cleared AS (
     WHERE s.scope = $1::text
       AND s.key = $2::text
 )
-SELECT operation, epoch FROM restarted
+SELECT provider_namespace, operation FROM restarted
 `
 
 type FlowRestartParams struct {
@@ -604,20 +605,22 @@ type FlowRestartParams struct {
 	FlowName    string
 	Fingerprint []byte
 	Input       string
+	Epoch       int64
 	Lease       pgtype.Interval
 	Retention   pgtype.Interval
 }
 
 type FlowRestartRow struct {
-	Operation int64
-	Epoch     int64
+	ProviderNamespace pgtype.UUID
+	Operation         pgtype.Int8
 }
 
 // FlowRestart starts again, as a new operation, a finished flow whose
 // retention has passed: its row taken over, its steps deleted, and a new
-// operation number and epoch, so that nothing of its old executors can
-// commit into the new operation, and its calls get new provider keys. A
-// row another transaction holds is skipped, not waited for.
+// epoch, so that nothing of its old executors can commit into the new
+// operation. Its calls get the provider keys of the key's first operation
+// (see Flow: a retention at least the provider's window keeps the two
+// apart). A row another transaction holds is skipped, not waited for.
 func (q *Queries) FlowRestart(ctx context.Context, arg FlowRestartParams) (FlowRestartRow, error) {
 	row := q.db.QueryRow(ctx, flowRestart,
 		arg.Scope,
@@ -625,26 +628,27 @@ func (q *Queries) FlowRestart(ctx context.Context, arg FlowRestartParams) (FlowR
 		arg.FlowName,
 		arg.Fingerprint,
 		arg.Input,
+		arg.Epoch,
 		arg.Lease,
 		arg.Retention,
 	)
 	var i FlowRestartRow
-	err := row.Scan(&i.Operation, &i.Epoch)
+	err := row.Scan(&i.ProviderNamespace, &i.Operation)
 	return i, err
 }
 
 const flowStart = `-- name: FlowStart :one
-INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, operation, epoch, leased_until, runs, retention)
+INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, runs, retention)
 SELECT $1::text, $2::text, $3::text, $4::bytea, 'running',
-       $5::text::jsonb, n.number, n.number, clock_timestamp() + $6::interval, 1, $7::interval
-FROM (SELECT nextval('idem_flow_seq') AS number) AS n
+       $5::text::jsonb, (SELECT id FROM idem_installation), $6::bigint,
+       clock_timestamp() + $7::interval, 1, $8::interval
 WHERE NOT EXISTS (
     SELECT FROM idem_flow
     WHERE scope = $1::text
       AND key = $2::text
 )
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING operation, epoch
+RETURNING provider_namespace, operation
 `
 
 type FlowStartParams struct {
@@ -653,23 +657,25 @@ type FlowStartParams struct {
 	FlowName    string
 	Fingerprint []byte
 	Input       string
+	Epoch       int64
 	Lease       pgtype.Interval
 	Retention   pgtype.Interval
 }
 
 type FlowStartRow struct {
-	Operation int64
-	Epoch     int64
+	ProviderNamespace pgtype.UUID
+	Operation         pgtype.Int8
 }
 
-// FlowStart writes a new flow's row, running, leased to the caller, with an
-// operation number and an epoch that no flow had before (idem_flow_seq).
-// It locks nothing that exists, nor waits for it: when a flow holds the
-// key, it returns no row, and the caller restarts the flow if it expired (FlowRestart), takes
-// it over if its lease ran out (FlowTakeOver), or judges it (FlowGet), in
-// the same round trip. Leases are dated by the clock, not by the start of
-// the transaction, which may have waited. Stored values are sent as text,
-// as KeyInsert's are.
+// FlowStart writes a new flow's row, running, leased to the caller under
+// @epoch (a random number: see Flow), with the installation's id as the
+// namespace of its provider keys (idem_installation; a missing row fails
+// the CHECK). It locks nothing that exists, nor waits for it: when a flow
+// holds the key, it returns no row, and the caller restarts the flow if
+// it expired (FlowRestart), takes it over if its lease ran out
+// (FlowTakeOver), or judges it (FlowGet), in the same round trip. Leases
+// are dated by the clock, not by the start of the transaction, which may
+// have waited. Stored values are sent as text, as KeyInsert's are.
 // Without a row to see, the INSERT is not tried: the unique index would
 // otherwise wait for a transaction that holds the row (a local step's).
 func (q *Queries) FlowStart(ctx context.Context, arg FlowStartParams) (FlowStartRow, error) {
@@ -679,11 +685,12 @@ func (q *Queries) FlowStart(ctx context.Context, arg FlowStartParams) (FlowStart
 		arg.FlowName,
 		arg.Fingerprint,
 		arg.Input,
+		arg.Epoch,
 		arg.Lease,
 		arg.Retention,
 	)
 	var i FlowStartRow
-	err := row.Scan(&i.Operation, &i.Epoch)
+	err := row.Scan(&i.ProviderNamespace, &i.Operation)
 	return i, err
 }
 
@@ -810,7 +817,6 @@ WHERE scope = $2::text
   AND key = $3::text
   AND epoch = $4::bigint
   AND state = 'running'
-  AND leased_until > clock_timestamp()
 `
 
 type FlowStopParams struct {
@@ -821,8 +827,9 @@ type FlowStopParams struct {
 }
 
 // FlowStop stops a running flow that needs a person's decision (a call
-// past the provider's window), so that nothing runs it again. It affects
-// no row when the lease was lost.
+// past the provider's window, a result that cannot be stored), so that
+// nothing runs it again. It affects no row when the executor no longer
+// holds the flow (see FlowLease).
 func (q *Queries) FlowStop(ctx context.Context, arg FlowStopParams) (int64, error) {
 	result, err := q.db.Exec(ctx, flowStop,
 		arg.LastError,
@@ -838,26 +845,27 @@ func (q *Queries) FlowStop(ctx context.Context, arg FlowStopParams) (int64, erro
 
 const flowTakeOver = `-- name: FlowTakeOver :one
 UPDATE idem_flow AS f
-SET epoch = nextval('idem_flow_seq'),
-    leased_until = clock_timestamp() + $1::interval,
+SET epoch = $1::bigint,
+    leased_until = clock_timestamp() + $2::interval,
     runs = f.runs + 1
 FROM (
     SELECT scope, key
     FROM idem_flow
-    WHERE scope = $2::text
-      AND key = $3::text
-      AND name = $4::text
-      AND fingerprint = $5::bytea
+    WHERE scope = $3::text
+      AND key = $4::text
+      AND name = $5::text
+      AND fingerprint = $6::bytea
       AND state = 'running'
       AND leased_until <= clock_timestamp()
     FOR UPDATE SKIP LOCKED
 ) AS free
 WHERE f.scope = free.scope
   AND f.key = free.key
-RETURNING f.operation, f.epoch
+RETURNING f.provider_namespace, f.operation, f.input
 `
 
 type FlowTakeOverParams struct {
+	Epoch       int64
 	Lease       pgtype.Interval
 	Scope       string
 	Key         string
@@ -866,18 +874,22 @@ type FlowTakeOverParams struct {
 }
 
 type FlowTakeOverRow struct {
-	Operation int64
-	Epoch     int64
+	ProviderNamespace pgtype.UUID
+	Operation         pgtype.Int8
+	Input             []byte
 }
 
 // FlowTakeOver takes a running flow whose lease has run out, for a caller
 // with the same request (name and fingerprint), under a new epoch that
-// fences the executor that held it. A flow whose row another transaction
-// holds (the executor's local step, still open) is skipped, not waited
-// for: the caller keeps waiting under its own budget. It returns no row
-// when the flow is not running, its lease holds, or the request differs.
+// fences the executor that held it, and returns the input its first run
+// recorded, which the flow continues with. A flow whose row another
+// transaction holds (the executor's local step, still open) is skipped,
+// not waited for: the caller keeps waiting under its own budget. It
+// returns no row when the flow is not running, its lease holds, or the
+// request differs.
 func (q *Queries) FlowTakeOver(ctx context.Context, arg FlowTakeOverParams) (FlowTakeOverRow, error) {
 	row := q.db.QueryRow(ctx, flowTakeOver,
+		arg.Epoch,
 		arg.Lease,
 		arg.Scope,
 		arg.Key,
@@ -885,6 +897,6 @@ func (q *Queries) FlowTakeOver(ctx context.Context, arg FlowTakeOverParams) (Flo
 		arg.Fingerprint,
 	)
 	var i FlowTakeOverRow
-	err := row.Scan(&i.Operation, &i.Epoch)
+	err := row.Scan(&i.ProviderNamespace, &i.Operation, &i.Input)
 	return i, err
 }

@@ -16,23 +16,24 @@ type EntityVersion struct {
 }
 
 type IdemFlow struct {
-	Scope       string
-	Key         string
-	Name        string
-	Fingerprint []byte
-	State       string
-	Input       []byte
-	Output      []byte
-	Operation   int64
-	Epoch       int64
-	LeasedUntil pgtype.Timestamptz
-	Step        pgtype.Text
-	Runs        int32
-	LastError   pgtype.Text
-	Retention   pgtype.Interval
-	CreatedAt   pgtype.Timestamptz
-	CompletedAt pgtype.Timestamptz
-	ExpiresAt   pgtype.Timestamptz
+	Scope             string
+	Key               string
+	Name              string
+	Fingerprint       []byte
+	State             string
+	Input             []byte
+	Output            []byte
+	Operation         pgtype.Int8
+	Epoch             int64
+	LeasedUntil       pgtype.Timestamptz
+	Step              pgtype.Text
+	Runs              int32
+	LastError         pgtype.Text
+	Retention         pgtype.Interval
+	CreatedAt         pgtype.Timestamptz
+	CompletedAt       pgtype.Timestamptz
+	ExpiresAt         pgtype.Timestamptz
+	ProviderNamespace pgtype.UUID
 }
 
 type IdemFlowStep struct {
@@ -47,6 +48,12 @@ type IdemFlowStep struct {
 	LastError     pgtype.Text
 	FirstCalledAt pgtype.Timestamptz
 	CompletedAt   pgtype.Timestamptz
+}
+
+type IdemInstallation struct {
+	ID        pgtype.UUID
+	Singleton bool
+	CreatedAt pgtype.Timestamptz
 }
 
 type IdempotencyKey struct {

@@ -109,28 +109,28 @@ func noRow(err error, found *bool) error {
 // when the batch's results are read. No row is not an error.
 func QueueFlowStart(b *pgx.Batch, arg FlowStartParams, row *FlowStartRow, started *bool) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowStart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return noRow(r.Scan(&row.Operation, &row.Epoch), started)
+		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), started)
 	})
 }
 
 // QueueFlowRestart queues FlowRestart on b, as QueueFlowStart does.
 func QueueFlowRestart(b *pgx.Batch, arg FlowRestartParams, row *FlowRestartRow, restarted *bool) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowRestart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return noRow(r.Scan(&row.Operation, &row.Epoch), restarted)
+		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), restarted)
 	})
 }
 
 // QueueFlowTakeOver queues FlowTakeOver on b, as QueueFlowStart does.
 func QueueFlowTakeOver(b *pgx.Batch, arg FlowTakeOverParams, row *FlowTakeOverRow, tookOver *bool) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowTakeOver(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return noRow(r.Scan(&row.Operation, &row.Epoch), tookOver)
+		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation, &row.Input), tookOver)
 	})
 }
 
 // QueueFlowAdopt queues FlowAdopt on b, as QueueFlowStart does.
 func QueueFlowAdopt(b *pgx.Batch, arg FlowAdoptParams, row *FlowAdoptRow, adopted *bool) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowAdopt(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return noRow(r.Scan(&row.Operation, &row.Epoch, &row.Input), adopted)
+		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation, &row.Input), adopted)
 	})
 }
 

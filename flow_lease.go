@@ -1,0 +1,269 @@
+package idem
+
+import (
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/pgtime"
+)
+
+// An executor holds a flow by its epoch, which fences it, and its lease,
+// which tells others when they may take the flow over. The database checks
+// the epoch on every write an executor makes, and renews the lease with
+// it: an executor another has taken the flow from (a new epoch), or whose
+// flow an operator stopped, records nothing more. A lease that ran out
+// with nobody taking the flow over still belongs to its executor, which
+// goes on, more slowly, rather than failing.
+//
+// What the database cannot check is a call to another system. So an
+// executor makes a call, and keeps its context alive, only while its lease
+// surely holds by its own clock (flowLease): a process that stalled past
+// its lease (frozen, paused, cut off) wakes to find its call's context
+// ended and calls nobody.
+
+// flowLease is what an executor knows of its lease, by its own monotonic
+// clock: a lease renewed by a statement sent at t holds at least until
+// t + the lease, since the server dates it from when it ran the
+// statement. It is held to end a tenth of the lease sooner, for clocks
+// that run at slightly different rates.
+type flowLease struct {
+	d    time.Duration
+	base time.Time
+	// end is when the lease may run out, in nanoseconds after base.
+	end atomic.Int64
+}
+
+func (l *flowLease) init(d time.Duration) {
+	l.d = d
+	l.base = time.Now()
+}
+
+// renewed records a renewal whose statement was sent at sent.
+func (l *flowLease) renewed(sent time.Time) {
+	end := int64(sent.Sub(l.base) + l.d - l.d/10)
+	for {
+		cur := l.end.Load()
+		if end <= cur || l.end.CompareAndSwap(cur, end) {
+			return
+		}
+	}
+}
+
+// left returns how long the lease surely holds from now: zero or less
+// once it may have run out.
+func (l *flowLease) left() time.Duration {
+	return time.Duration(l.end.Load()) - time.Since(l.base)
+}
+
+// lostError is ErrLeaseLost, saying what may have happened.
+func (r *flowRun) lostError() error {
+	return fmt.Errorf("%w: its lease ran out, another executor took the flow over, or an operator ended it", ErrLeaseLost)
+}
+
+// renew renews the lease (FlowLease), noting step, and reports
+// ErrLeaseLost when the executor no longer holds the flow.
+func (r *flowRun) renew(ctx context.Context, step string) error {
+	sent := time.Now()
+	var n int64
+	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
+		n, err = q.FlowLease(ctx, dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: step,
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
+		return err
+	})
+	switch {
+	case err != nil:
+		return translate("renew the lease", err)
+	case n == 0:
+		return r.lostError()
+	}
+	r.lease.renewed(sent)
+	return nil
+}
+
+// holdForCall makes sure, before a call, that the lease holds by the
+// executor's clock, renewing it once if it may have run out: a call is
+// never started on a lease that may have run out.
+func (r *flowRun) holdForCall(ctx context.Context, step string) error {
+	if r.lease.left() > 0 {
+		return nil
+	}
+	if err := r.renew(ctx, step); err != nil {
+		return err
+	}
+	if r.lease.left() <= 0 {
+		return r.lostError() // the renewal took longer than the lease
+	}
+	return nil
+}
+
+// keepLease returns the context of a call that starts now, and the function
+// to call when the call has returned, which reports ErrLeaseLost if the
+// lease was lost meanwhile. The call's context ends when ctx does, when the
+// call's timeout ([WithCallTimeout]) passes, or when the lease may have run
+// out (flowLease). On a pool (or any TxBeginner but a single connection,
+// which the call must leave alone) the lease is renewed every third of it
+// (FlowLease) until the call returns or its timeout passes, which pushes
+// that end back; a renewal that finds the flow gone ends the context at
+// once.
+func (r *flowRun) keepLease(ctx context.Context, step string) (context.Context, func() error) {
+	lost := r.lostError()
+	ctx, cancel := context.WithCancelCause(ctx)
+	endTimeout := context.CancelFunc(func() {})
+	if r.o.callTimeout > 0 {
+		ctx, endTimeout = context.WithTimeoutCause(ctx, r.o.callTimeout,
+			fmt.Errorf("idem: step %q: the call ran past its timeout (%s)", step, r.o.callTimeout))
+	}
+	timer := time.AfterFunc(max(r.lease.left(), 0), func() { cancel(lost) })
+	var wg sync.WaitGroup
+	done := make(chan struct{})
+	switch r.db.(type) {
+	case *pgx.Conn, *pgxpool.Conn:
+	default:
+		wg.Go(func() { r.renewDuringCall(ctx, step, timer, done, func() { cancel(lost) }) })
+	}
+	return ctx, func() error {
+		close(done)
+		wg.Wait()
+		timer.Stop()
+		cause := context.Cause(ctx)
+		endTimeout()
+		cancel(nil)
+		return leaseCause(cause)
+	}
+}
+
+// renewDuringCall renews the lease every third of it until done is closed
+// or ctx ends, pushing the timer that ends the call back after each
+// renewal, and calls lose when a renewal finds the flow gone.
+func (r *flowRun) renewDuringCall(ctx context.Context, step string, timer *time.Timer, done <-chan struct{}, lose func()) {
+	ticker := time.NewTicker(r.o.lease / 3)
+	defer ticker.Stop()
+	for {
+		select {
+		case <-done:
+			return
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+		}
+		// A renewal that has not succeeded by the time the lease may run
+		// out is given up: a database out of reach must not keep the call
+		// going past its lease.
+		renewCtx, cancelRenew := context.WithTimeout(ctx, max(r.lease.left(), 0))
+		err := r.renew(renewCtx, step)
+		cancelRenew()
+		switch {
+		case err == nil:
+			timer.Reset(max(r.lease.left(), 0))
+		case errors.Is(err, ErrLeaseLost):
+			lose()
+			return
+		}
+	}
+}
+
+// leaseCause is cause when it says the lease was lost, else nil.
+func leaseCause(cause error) error {
+	if errors.Is(cause, ErrLeaseLost) {
+		return cause
+	}
+	return nil
+}
+
+// release gives the lease up, recording why, so that a retry takes the
+// flow over at once, and reports whether the executor still held the
+// flow. It runs even when ctx has ended, for at most cleanupTimeout; when
+// the database cannot be reached it reports that it held it.
+func (r *flowRun) release(ctx context.Context, why string) (held bool) {
+	ctx, cancel := cleanupContext(ctx)
+	defer cancel()
+	var n int64
+	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
+		n, err = q.FlowRelease(ctx, dbsqlc.FlowReleaseParams{LastError: sealText(why, r.k.scope, r.o),
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
+		return err
+	})
+	return err != nil || n == 1
+}
+
+// stop stops the flow for a person's decision (FlowStop), and returns the
+// error that says so: ErrFlowStopped, or ErrLeaseLost when the executor no
+// longer held it.
+func (r *flowRun) stop(ctx context.Context, why string) error {
+	var n int64
+	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
+		n, err = q.FlowStop(ctx, dbsqlc.FlowStopParams{LastError: sealText(why, r.k.scope, r.o), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
+		return err
+	})
+	switch {
+	case err != nil:
+		return translate("stop the flow", err)
+	case n == 0:
+		return r.lostError()
+	}
+	r.obs.flowStopped()
+	return fmt.Errorf("%w: it needs attention: %s", ErrFlowStopped, why)
+}
+
+// sealedTextPrefix starts a flow's last error sealed by its codec.
+const sealedTextPrefix = "sealed:"
+
+// sealText is the text of an error as a flow stores it for operators: cut
+// to suit an operator's screen, valid UTF-8 without NUL, and sealed by the
+// flow's codec, if it has one, since it may hold what the call's provider
+// said (a card number in a message), as the input and answer may.
+func sealText(s, scope string, o *options) string {
+	s = storableText(s)
+	if o.codec == nil {
+		return s
+	}
+	sealed, err := o.codec.Seal(scope, []byte(s))
+	if err != nil {
+		return "(not stored: the codec could not seal it)"
+	}
+	return sealedTextPrefix + base64.StdEncoding.EncodeToString(sealed)
+}
+
+// openText opens what sealText stored, for the error that tells a caller
+// why a flow stopped.
+func openText(s, scope string, o *options) string {
+	b64, ok := strings.CutPrefix(s, sealedTextPrefix)
+	if !ok || o.codec == nil {
+		return s
+	}
+	sealed, err := base64.StdEncoding.DecodeString(b64)
+	if err != nil {
+		return s
+	}
+	opened, err := o.codec.Open(scope, sealed)
+	if err != nil {
+		return "(sealed; the codec could not open it)"
+	}
+	return string(opened)
+}
+
+// storableText is s as a text column can hold it, cut to a size that
+// suits an operator's screen: valid UTF-8, without NUL.
+func storableText(s string) string {
+	s = strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "")
+	const limit = 2000
+	if len(s) > limit {
+		cut := limit
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		s = s[:cut] + "…"
+	}
+	return s
+}
