@@ -126,3 +126,14 @@ var ErrFlowChanged = errors.New("idem: flow's steps differ from those recorded")
 // flow's steps and its last error. Retrying does not help: the client
 // should be told that the operation needs attention.
 var ErrFlowStopped = errors.New("idem: flow stopped")
+
+// ErrNotSent is for a [Call]'s function to wrap in the error it returns
+// when the attempt surely did not reach the other system: the connection
+// was refused, the host's name did not resolve, the request was never
+// written. The call is then not counted as one that may have been
+// applied: when no earlier attempt may have been either, the next attempt
+// calls as if it were the first, whatever [AtMostOnce] and
+// [WithProviderWindow] say. idemhttp.Transport and idemgrpc's client
+// interceptor wrap it in the errors they are sure of. Wrap it in nothing
+// else: an attempt whose request may have left must stay uncertain.
+var ErrNotSent = errors.New("idem: the call was not sent")

@@ -52,6 +52,9 @@ type crashJob struct {
 	URL, Flow, Scope, Key, Provider, At string
 	// Window is the flow's provider window, when not the default.
 	Window *time.Duration
+	// Reconcile gives the call a lookup at the provider by the
+	// operation's reference (see reconcileOverHTTP).
+	Reconcile bool
 }
 
 // childResult is what a frozen child's run returned once woken, written as
@@ -68,9 +71,37 @@ type childResult struct {
 const crashLease = 300 * time.Millisecond
 
 // crashFlow is the flow the child and the parent run: reserve a payment,
-// charge it at the provider over HTTP, record it. at names the point
-// where the process kills or freezes itself, if any.
+// charge it at the provider over HTTP, with the operation's scope and key
+// as the charge's reference, record it. at names the point where the
+// process kills or freezes itself, if any.
 func crashFlow(name, providerURL, at string, opts ...idem.Option) *idem.Flow[chargeIn, chargeOut] {
+	return crashFlowWith(name, providerURL, at, nil, opts...)
+}
+
+// reconcileOverHTTP is the lookup of crashFlow's call: it asks the
+// provider for the charge made with the operation's reference.
+func reconcileOverHTTP(providerURL, ref string) idem.CallOption {
+	return idem.Reconcile(func(ctx context.Context, _ string) (string, bool, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, providerURL+"/lookup?"+url.Values{"ref": {ref}}.Encode(), nil)
+		if err != nil {
+			return "", false, err
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return "", false, err
+		}
+		defer resp.Body.Close()
+		if resp.StatusCode == http.StatusNotFound {
+			return "", false, nil
+		}
+		var id string
+		return id, true, json.NewDecoder(resp.Body).Decode(&id)
+	})
+}
+
+// crashFlowWith is crashFlow, whose call has a lookup (reconcileOverHTTP)
+// when reconcile is set.
+func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.Option) *idem.Flow[chargeIn, chargeOut] {
 	kill := func(point string) {
 		switch {
 		case at != point:
@@ -100,8 +131,13 @@ func crashFlow(name, providerURL, at string, opts ...idem.Option) *idem.Flow[cha
 			return chargeOut{}, err
 		}
 		kill(crashBeforeCall)
+		ref := s.Scope() + "/" + s.Key()
+		var callOpts []idem.CallOption
+		if reconcile != nil && *reconcile {
+			callOpts = append(callOpts, reconcileOverHTTP(providerURL, ref))
+		}
 		chargeID, err := idem.Call(s, "charge", func(ctx context.Context, providerKey string) (string, error) {
-			q := url.Values{"key": {providerKey}, "amount": {strconv.FormatInt(in.Amount, 10)}}
+			q := url.Values{"key": {providerKey}, "ref": {ref}, "amount": {strconv.FormatInt(in.Amount, 10)}}
 			req, err := http.NewRequestWithContext(ctx, http.MethodPost, providerURL+"?"+q.Encode(), nil)
 			if err != nil {
 				return "", err
@@ -118,7 +154,7 @@ func crashFlow(name, providerURL, at string, opts ...idem.Option) *idem.Flow[cha
 			kill(crashAfterCall)
 			kill(freezeInCall)
 			return id, nil
-		})
+		}, callOpts...)
 		if err != nil {
 			return chargeOut{}, err
 		}
@@ -167,7 +203,7 @@ func crashChild() int {
 	if job.Window != nil {
 		opts = append(opts, idem.WithProviderWindow(*job.Window))
 	}
-	res, err := crashFlow(job.Flow, job.Provider, job.At, opts...).Run(ctx, pool, job.Scope, job.Key, fpCharge, chargeIn{Amount: 2500})
+	res, err := crashFlowWith(job.Flow, job.Provider, job.At, &job.Reconcile, opts...).Run(ctx, pool, job.Scope, job.Key, fpCharge, chargeIn{Amount: 2500})
 	if job.At == freezeAfterIntent || job.At == freezeInCall {
 		out := childResult{Value: res.Value, Replayed: res.Replayed, Stopped: errors.Is(err, idem.ErrFlowStopped)}
 		if err != nil {
@@ -183,11 +219,21 @@ func crashChild() int {
 // setupCrash returns the context, pool and scope of the test, the
 // provider behind its HTTP server, and the function that runs the flow
 // named flow in a child process killed at the point at.
-func setupCrash(t *testing.T) (context.Context, *pgxpool.Pool, string, *provider, string, func(flow, key, at string)) {
+func setupCrash(t *testing.T) (context.Context, *pgxpool.Pool, string, *provider, string, func(flow, key, at string, reconcile ...bool)) {
 	ctx, pool, scope, p := setupFlow(t)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		amount, _ := strconv.ParseInt(r.URL.Query().Get("amount"), 10, 64)
-		id, _, err := p.charge(r.Context(), r.URL.Query().Get("key"), amount)
+		q := r.URL.Query()
+		if r.URL.Path == "/lookup" {
+			id, found := p.lookup(q.Get("ref"))
+			if !found {
+				http.NotFound(w, r)
+				return
+			}
+			_ = json.NewEncoder(w).Encode(id)
+			return
+		}
+		amount, _ := strconv.ParseInt(q.Get("amount"), 10, 64)
+		id, _, err := p.chargeRef(r.Context(), q.Get("key"), q.Get("ref"), amount)
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusServiceUnavailable)
 			return
@@ -196,9 +242,10 @@ func setupCrash(t *testing.T) (context.Context, *pgxpool.Pool, string, *provider
 	}))
 	t.Cleanup(srv.Close)
 	dbURL := env.URL(t)
-	crash := func(flow, key, at string) {
+	crash := func(flow, key, at string, reconcile ...bool) {
 		t.Helper()
-		job, _ := json.Marshal(crashJob{URL: dbURL, Flow: flow, Scope: scope, Key: key, Provider: srv.URL, At: at})
+		job, _ := json.Marshal(crashJob{URL: dbURL, Flow: flow, Scope: scope, Key: key, Provider: srv.URL, At: at,
+			Reconcile: len(reconcile) > 0 && reconcile[0]})
 		cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
 		cmd.Env = append(os.Environ(), crashEnv+"="+string(job))
 		out, err := cmd.CombinedOutput()

@@ -17,10 +17,13 @@ import (
 // counter idem.flow.events, by flow (idem.flow) and event (idem.event):
 // started, resumed, replayed, completed, stopped (the flow needs a
 // person's decision, found so or stopped now), mismatch, in_progress,
-// lease_lost and failed; and the counter idem.flow.step.attempts, by flow,
+// lease_lost and failed; the counter idem.flow.step.attempts, by flow,
 // kind of step (idem.step.kind: local, call) and outcome (idem.outcome:
 // done, failed, lease_lost), which counts the steps that ran, not those
-// whose recorded result was returned.
+// whose recorded result was returned; and the counter
+// idem.flow.reconciliations, by flow and outcome (found, not_found,
+// failed), which counts the lookups of calls whose outcome was not known
+// (see Reconcile).
 
 // Flow events, as idem.flow.events's idem.event spells them. A claim's
 // outcomes are Do's: claimed (spelled started here), replayed, mismatch,
@@ -80,19 +83,30 @@ func (obs *flowObservation) claimDone(outcome string) {
 func (obs *flowObservation) flowCompleted() { obs.event(outcomeCompleted) }
 func (obs *flowObservation) flowStopped()   { obs.event(outcomeStopped) }
 
+// reconciled counts a call's lookup with its outcome.
+func (obs *flowObservation) reconciled(outcome string) {
+	if obs == nil {
+		return
+	}
+	if obs.span != nil {
+		obs.span.AddEvent("reconciled", trace.WithAttributes(attribute.String("idem.outcome", outcome)))
+	}
+	if c := obs.observer.flowReconciles; c != nil {
+		c.Add(obs.ctx, 1, metric.WithAttributes(obs.flow, attribute.String("idem.outcome", outcome)))
+	}
+}
+
 // step starts observing a step that runs: a local step, or one attempt of a
 // call with its provider key. The function it returns ends the step with
 // its error.
-func (obs *flowObservation) step(ctx context.Context, kind, name, providerKey string, attempt int) (context.Context, func(error)) {
+func (obs *flowObservation) step(ctx context.Context, kind, spanName, name, providerKey string, attempt int) (context.Context, func(error)) {
 	if obs == nil {
 		return ctx, func(error) {}
 	}
 	var span trace.Span
 	if obs.observer.tracer != nil {
 		attrs := []attribute.KeyValue{obs.flow, attribute.String("idem.step", name)}
-		spanName := "idem.Local"
 		if kind == stepCall {
-			spanName = "idem.Call"
 			attrs = append(attrs, attribute.String("idem.provider_key", providerKey), attribute.Int("idem.call.attempt", attempt))
 		}
 		ctx, span = obs.observer.tracer.Start(ctx, spanName, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(attrs...))

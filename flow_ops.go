@@ -56,9 +56,10 @@ type FlowInfo struct {
 type FlowStep struct {
 	// Name is the step's name, Kind "local" or "call".
 	Name, Kind string
-	// State is "done" once its result is recorded; a call whose intent is
-	// recorded without a result is "calling": a run of the flow calls it
-	// again with ProviderKey.
+	// State is "done" once its result is recorded. A call whose intent is
+	// recorded without a result is "calling" when an attempt may have
+	// reached the other system (a run of the flow resolves it first: see
+	// [Call]), "unsent" when every attempt surely did not.
 	State string
 	// Attempts counts a call's attempts (1 for a local step).
 	Attempts int
@@ -69,6 +70,12 @@ type FlowStep struct {
 	// FirstCalledAt is when a call's first attempt was made; CompletedAt
 	// is when the step's result was recorded.
 	FirstCalledAt, CompletedAt time.Time
+	// Reconciles counts the lookups made for a call whose outcome was not
+	// known ([Reconcile]); LastReconcile is the last one's outcome:
+	// "found", "not_found", or "failed: " and its error (sealed when the
+	// flow has a [Codec], as LastError is).
+	Reconciles    int
+	LastReconcile string
 }
 
 // InspectFlow reads what idem holds for the flow operation (scope, key),
@@ -100,7 +107,8 @@ func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInf
 		}
 		for _, s := range steps {
 			step := FlowStep{Name: s.Name, Kind: s.Kind, State: s.State, Attempts: int(s.Attempts), Result: s.Result,
-				FirstCalledAt: timeOf(s.FirstCalledAt), CompletedAt: timeOf(s.CompletedAt)}
+				FirstCalledAt: timeOf(s.FirstCalledAt), CompletedAt: timeOf(s.CompletedAt),
+				Reconciles: int(s.Reconciles), LastReconcile: s.LastReconcile.String}
 			if s.Kind == stepCall {
 				step.ProviderKey = providerKeys{namespace: f.ProviderNamespace, operation: f.Operation}.of(k.scope, k.key, s.Name)
 			}

@@ -2,10 +2,7 @@ package idem
 
 import (
 	"context"
-	"encoding/hex"
-	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -72,7 +69,7 @@ func Local[T any](s *Steps, name string, fn func(ctx context.Context, tx pgx.Tx)
 	}
 	var value T
 	err = retry(s.ctx, func() error {
-		ctx, end := r.obs.step(s.ctx, stepLocal, name, "", 0)
+		ctx, end := r.obs.step(s.ctx, stepLocal, "idem.Local", name, "", 0)
 		var err error
 		value, err = runLocal(ctx, r, seq, name, fn)
 		end(err)
@@ -198,144 +195,6 @@ func decodedResult[T any](r *flowRun, encoded []byte) (T, error) {
 	return res.Value, nil
 }
 
-// Call runs the flow's step named name: a call to another system, fn,
-// made with no transaction open and no connection held. fn gets the
-// call's provider key, the same on every attempt, in every process: pass
-// it to the provider's own idempotency mechanism (Stripe's Idempotency-Key
-// header, an AIP-155 request_id), so that a call made again after a crash
-// or a timeout is recognised by the provider and applied once. The key is
-// a UUID derived from the database's installation id and the operation's
-// scope, key and step name (see docs/flows.md): two databases never send
-// the same key, and a flow started again after an asynchronous failover
-// lost its row sends the keys its first run sent. [InspectFlow] shows it.
-//
-// Before fn is called, the step's intent is recorded, in a short
-// transaction of its own; once fn returns a value, the value (its result,
-// stored as JSON) is recorded in another. A step with a recorded result
-// never runs again: when the flow runs again, Call returns the result
-// without calling fn. A step whose intent is recorded without a result
-// (the process died during the call, or the call failed) calls fn again,
-// with the same provider key, until [WithProviderWindow] has passed since
-// its first attempt; past it, the flow is stopped for a person's decision
-// and Call returns [ErrFlowStopped]. So is a flow whose call returned a
-// value that cannot be stored ([ErrResponseNotStorable],
-// [ErrResponseTooLarge]): the other system applied the call, and calling it
-// again would give the same value.
-//
-// An error from fn is the call's uncertain outcome: Call returns it,
-// wrapped, records nothing but the attempt, and the flow's function should
-// return it. A definite failure (a declined card) is a value: return it in
-// T, and it is recorded like any result.
-//
-// fn is called only while the executor's lease surely holds, and its
-// context ends when ctx does, when [WithCallTimeout] has passed, or when
-// the lease may have run out: it is renewed every third of [WithLease]
-// while fn runs (not when the flow runs on a single connection, which the
-// call must not hold: its lease then covers one call). fn must stop acting
-// when its context ends (an http.Client does): an executor that stalled
-// past its lease then calls nobody, and Call returns [ErrLeaseLost].
-func Call[T any](s *Steps, name string, fn func(ctx context.Context, providerKey string) (T, error)) (T, error) {
-	var zero T
-	r := s.run
-	seq, rec, err := r.begin(name, stepCall)
-	if err != nil {
-		return zero, err
-	}
-	defer r.end()
-	if rec != nil && rec.State == stepDone {
-		return recordedResult[T](r, name, rec.Result)
-	}
-	value, err := runCall(s.ctx, r, seq, name, fn)
-	if err != nil {
-		return zero, fmt.Errorf("step %q: %w", name, err)
-	}
-	return value, nil
-}
-
-// stepDone marks a step whose result is recorded.
-const stepDone = "done"
-
-// runCall records the call's intent (FlowCallStart), calls fn while the
-// lease is kept, and records the result (FlowCallDone).
-func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string, fn func(ctx context.Context, providerKey string) (T, error)) (T, error) {
-	var zero T
-	window := pgtype.Interval{}
-	if r.o.providerWindow >= 0 {
-		window = pgtime.Interval(r.o.providerWindow)
-	}
-	sent := time.Now()
-	var start dbsqlc.FlowCallStartRow
-	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
-		start, err = q.FlowCallStart(ctx, dbsqlc.FlowCallStartParams{Lease: pgtime.Interval(r.o.lease), Step: name,
-			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq, CallWindow: window})
-		return err
-	})
-	switch {
-	case err != nil:
-		return zero, translate("record the call's intent", err)
-	case !start.Leased:
-		return zero, r.lostError()
-	case start.Attempts == 0:
-		return zero, r.stop(ctx, fmt.Sprintf("step %q: the call's first attempt is older than the provider window (%s), "+
-			"past which calling again with the same key could apply it twice: find out from the provider whether it was applied", name, r.o.providerWindow))
-	}
-	r.lease.renewed(sent)
-
-	providerKey := r.keys.of(r.k.scope, r.k.key, name)
-	value, err := callKeepingLease(ctx, r, name, providerKey, int(start.Attempts), fn)
-	if err != nil {
-		return zero, err
-	}
-	encoded, err := encodeResponse(value, r.k.scope, r.o)
-	if err != nil {
-		return zero, errors.Join(err, r.stop(ctx, fmt.Sprintf("step %q: the call's result cannot be stored (%v); "+
-			"the other system applied the call, and calling it again would give the same result: settle it by hand", name, err)))
-	}
-	var n int64
-	err = onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
-		n, err = q.FlowCallDone(ctx, dbsqlc.FlowCallDoneParams{Result: pgtype.Text{String: string(encoded), Valid: true},
-			Scope: r.k.scope, Key: r.k.key, Seq: seq, Lease: pgtime.Interval(r.o.lease), Epoch: r.epoch})
-		return err
-	})
-	if err != nil {
-		return zero, translate("record the call's result", err)
-	}
-	if n == 0 {
-		return zero, r.lostError()
-	}
-	return decodedResult[T](r, encoded)
-}
-
-// callKeepingLease calls fn with providerKey while the lease is kept (see
-// keepLease), as attempt attempt of the call named name; a panic of fn
-// stops the renewals and ends the span before it goes on. fn is not called
-// when the lease may have run out, or ctx has ended, by the time it would
-// be.
-func callKeepingLease[T any](ctx context.Context, r *flowRun, name, providerKey string, attempt int,
-	fn func(ctx context.Context, providerKey string) (T, error),
-) (value T, err error) {
-	if err := r.holdForCall(ctx, name); err != nil {
-		return value, err
-	}
-	callCtx, stop := r.keepLease(ctx, name)
-	callCtx, end := r.obs.step(callCtx, stepCall, name, providerKey, attempt)
-	defer func() {
-		if lost := stop(); lost != nil {
-			err = errors.Join(lost, err)
-		}
-		end(err)
-	}()
-	// The last look before the call: a process frozen since the lease was
-	// renewed wakes here, and must not act.
-	if r.lease.left() <= 0 {
-		return value, r.lostError()
-	}
-	if err := callCtx.Err(); err != nil {
-		return value, context.Cause(callCtx)
-	}
-	return fn(callCtx, providerKey)
-}
-
 // begin starts the function's next step, named name, of kind: it checks
 // the name, that no other step runs and the function has not returned, and
 // that the step is the one earlier runs recorded at its place, if any, and
@@ -389,45 +248,3 @@ func recordedResult[T any](r *flowRun, name string, result []byte) (T, error) {
 	return res.Value, nil
 }
 
-// providerKeys derives the provider keys of an operation's calls: from
-// the installation's id as the flow's row recorded it when the flow
-// started (namespace), or, for a flow started before migration 00007,
-// from its operation number, as that version derived them.
-type providerKeys struct {
-	namespace pgtype.UUID
-	operation pgtype.Int8
-}
-
-// of returns the provider key of the call named step of the operation
-// (scope, key): a UUID (RFC 9562, version 8) made of the first 16 bytes of
-// the SHA-256 of the namespace, scope, key and step, each prefixed with
-// its length, after the string "idem.Call/2" ([Fingerprint]), with the
-// version and variant bits set. It fits what providers accept as an
-// idempotency key: Stripe's up to 255 characters, AIP-155's UUID
-// request_id.
-func (p providerKeys) of(scope, key, step string) string {
-	if !p.namespace.Valid {
-		return uuidV8(Fingerprint([]byte("idem.Call"), []byte(scope), []byte(key), []byte(step),
-			strconv.AppendInt(nil, p.operation.Int64, 10)))
-	}
-	return uuidV8(Fingerprint([]byte("idem.Call/2"), p.namespace.Bytes[:], []byte(scope), []byte(key), []byte(step)))
-}
-
-// uuidV8 spells the first 16 bytes of sum as a UUID of version 8.
-func uuidV8(sum []byte) string {
-	var u [16]byte
-	copy(u[:], sum)
-	u[6] = u[6]&0x0f | 0x80 // version 8
-	u[8] = u[8]&0x3f | 0x80 // RFC 9562 variant
-	var b [36]byte
-	hex.Encode(b[0:8], u[0:4])
-	b[8] = '-'
-	hex.Encode(b[9:13], u[4:6])
-	b[13] = '-'
-	hex.Encode(b[14:18], u[6:8])
-	b[18] = '-'
-	hex.Encode(b[19:23], u[8:10])
-	b[23] = '-'
-	hex.Encode(b[24:36], u[10:16])
-	return string(b[:])
-}

@@ -44,6 +44,12 @@ type provider struct {
 	keys []string
 	// amounts are the amounts of the calls, by provider key.
 	amounts map[string][]int64
+	// keyless makes the provider ignore keys, as some do: every charge it
+	// is asked for is a new one. It keeps each charge under the reference
+	// of the caller's that came with it, which lookup finds.
+	keyless bool
+	refs    map[string]string // reference → charge id
+	lookups atomic.Int64
 	// before runs as each call arrives, after runs once it is applied and
 	// before it is answered; either may fail the call.
 	before, after func(key string, attempt int) error
@@ -51,11 +57,27 @@ type provider struct {
 }
 
 func newProvider() *provider {
-	return &provider{charges: make(map[string]string), at: make(map[string]time.Time), amounts: make(map[string][]int64)}
+	return &provider{charges: make(map[string]string), at: make(map[string]time.Time), amounts: make(map[string][]int64),
+		refs: make(map[string]string)}
 }
 
 // charge charges amount once per key; an amount of 402 is declined.
 func (p *provider) charge(ctx context.Context, key string, amount int64) (string, bool, error) {
+	return p.chargeRef(ctx, key, "", amount)
+}
+
+// lookup returns the charge made with the caller's reference ref, if any.
+func (p *provider) lookup(ref string) (string, bool) {
+	p.lookups.Add(1)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	id, ok := p.refs[ref]
+	return id, ok
+}
+
+// chargeRef is charge with a reference of the caller's, which a keyless
+// provider keeps with the charge.
+func (p *provider) chargeRef(ctx context.Context, key, ref string, amount int64) (string, bool, error) {
 	attempt := int(p.calls.Add(1))
 	if p.before != nil {
 		if err := p.before(key, attempt); err != nil {
@@ -69,14 +91,17 @@ func (p *provider) charge(ctx context.Context, key string, amount int64) (string
 	p.keys = append(p.keys, key)
 	p.amounts[key] = append(p.amounts[key], amount)
 	id, ok := p.charges[key]
-	if ok && p.keep > 0 && time.Since(p.at[key]) > p.keep {
-		ok = false // forgotten
+	if ok && (p.keyless || p.keep > 0 && time.Since(p.at[key]) > p.keep) {
+		ok = false // forgotten, or never looked at
 	}
 	if !ok {
 		p.applied++
 		id = fmt.Sprintf("ch_%d", p.applied)
 		p.charges[key] = id
 		p.at[key] = time.Now()
+		if ref != "" {
+			p.refs[ref] = id
+		}
 	}
 	p.mu.Unlock()
 	if p.after != nil {

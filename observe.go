@@ -55,6 +55,7 @@ type Observer struct {
 	// Of flows (see flow_observe.go).
 	flowEvents       metric.Int64Counter
 	flowStepAttempts metric.Int64Counter
+	flowReconciles   metric.Int64Counter
 	logger           *slog.Logger
 	logKeys          bool
 }
@@ -101,6 +102,12 @@ func NewObserver(cfg ObserverConfig) (*Observer, error) {
 		o.flowStepAttempts, err = meter.Int64Counter("idem.flow.step.attempts",
 			metric.WithDescription("Steps of flows that ran, local steps and call attempts, by outcome."),
 			metric.WithUnit("{attempt}"))
+		if err != nil {
+			return nil, fmt.Errorf("idem: observer: %w", err)
+		}
+		o.flowReconciles, err = meter.Int64Counter("idem.flow.reconciliations",
+			metric.WithDescription("Lookups made for calls whose outcome was not known (idem.Reconcile), by outcome: found, not_found, failed."),
+			metric.WithUnit("{lookup}"))
 		if err != nil {
 			return nil, fmt.Errorf("idem: observer: %w", err)
 		}

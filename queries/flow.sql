@@ -149,13 +149,15 @@ VALUES (@scope::text, @key::text, @seq::int, @step::text, 'local', 'done',
 -- name: FlowCallStart :one
 -- FlowCallStart records the intent of a call before the other system is
 -- called, renewing the lease: the call's row is written 'calling', or, for
--- a call an earlier executor started and never recorded, its attempts
--- counted again, unless its first attempt is older than the provider's
--- window (@call_window; NULL for none), past which the provider may have
--- forgotten the key, and calling again could apply the call twice. leased
--- is false when the executor no longer holds the flow (see FlowLease);
--- attempts, the call's attempts with this one, is 0 when the window has
--- passed.
+-- a call whose intent an earlier run recorded, its attempts counted again
+-- (and, when every earlier attempt surely did not reach the other system,
+-- 'unsent', its window started again). It returns leased, false when the
+-- executor no longer holds the flow (see FlowLease); attempts, the call's
+-- attempts with this one, 0 when the call has a result already; resumed,
+-- true when an earlier attempt may have reached the other system (the
+-- row was 'calling'); and past_window, true when such an attempt is older
+-- than the provider's window (@call_window), past which the provider may
+-- have forgotten the key, and calling again could apply the call twice.
 WITH leased AS (
     UPDATE idem_flow
     SET leased_until = clock_timestamp() + @lease::interval,
@@ -166,23 +168,34 @@ WITH leased AS (
       AND state = 'running'
     RETURNING 1
 ),
+earlier AS (
+    SELECT state, first_called_at
+    FROM idem_flow_step
+    WHERE scope = @scope::text
+      AND key = @key::text
+      AND seq = @seq::int
+),
 called AS (
     INSERT INTO idem_flow_step AS s (scope, key, seq, name, kind, state, attempts, first_called_at)
     SELECT @scope::text, @key::text, @seq::int, @step::text, 'call', 'calling', 1, now()
     FROM leased
     ON CONFLICT (scope, key, seq) DO UPDATE
-    SET attempts = s.attempts + 1
-    WHERE s.state = 'calling'
-      AND (sqlc.narg(call_window)::interval IS NULL OR s.first_called_at > now() - sqlc.narg(call_window)::interval)
+    SET attempts = s.attempts + 1,
+        state = 'calling',
+        first_called_at = CASE WHEN s.state = 'unsent' THEN now() ELSE s.first_called_at END
+    WHERE s.state IN ('calling', 'unsent')
     RETURNING s.attempts
 )
 SELECT EXISTS (SELECT FROM leased)::bool AS leased,
-       coalesce((SELECT attempts FROM called), 0)::int AS attempts;
+       coalesce((SELECT attempts FROM called), 0)::int AS attempts,
+       coalesce((SELECT state = 'calling' FROM earlier), false)::bool AS resumed,
+       coalesce((SELECT state = 'calling' AND first_called_at <= now() - @call_window::interval FROM earlier), false)::bool AS past_window;
 
 -- name: FlowCallDone :execrows
--- FlowCallDone records a call's result once the other system answered,
--- renewing the lease; it affects no row when the executor no longer holds
--- the flow (see FlowLease), and then records nothing.
+-- FlowCallDone records a call's result once the other system answered, or
+-- a lookup found it (@reconciled, 'found', counted with the call's
+-- lookups), renewing the lease; it affects no row when the executor no
+-- longer holds the flow (see FlowLease), and then records nothing.
 WITH leased AS (
     UPDATE idem_flow
     SET leased_until = clock_timestamp() + @lease::interval
@@ -195,10 +208,47 @@ WITH leased AS (
 UPDATE idem_flow_step AS s
 SET state = 'done',
     result = sqlc.narg(result)::text::jsonb,
-    completed_at = now()
+    completed_at = now(),
+    reconciles = s.reconciles + CASE WHEN sqlc.narg(reconciled)::text IS NULL THEN 0 ELSE 1 END,
+    last_reconcile = coalesce(sqlc.narg(reconciled)::text, s.last_reconcile)
 FROM leased
 WHERE s.scope = @scope::text
   AND s.key = @key::text
+  AND s.seq = @seq::int
+  AND s.state = 'calling';
+
+-- name: FlowCallReconciled :execrows
+-- FlowCallReconciled counts a lookup made for a call found 'calling' that
+-- did not find it (@outcome 'not_found', and the call is made again) or
+-- failed (the outcome says how), for operators; it affects no row when
+-- the executor no longer holds the flow.
+UPDATE idem_flow_step AS s
+SET reconciles = s.reconciles + 1,
+    last_reconcile = @outcome::text
+FROM idem_flow AS f
+WHERE f.scope = @scope::text
+  AND f.key = @key::text
+  AND f.epoch = @epoch::bigint
+  AND f.state = 'running'
+  AND s.scope = f.scope
+  AND s.key = f.key
+  AND s.seq = @seq::int
+  AND s.state = 'calling';
+
+-- name: FlowCallUnsent :execrows
+-- FlowCallUnsent records that a call's attempt surely did not reach the
+-- other system (its function said so: a refused connection), when no
+-- earlier attempt may have either: the call is then 'unsent', and the
+-- next attempt is made whatever the provider's window or AtMostOnce say.
+UPDATE idem_flow_step AS s
+SET state = 'unsent'
+FROM idem_flow AS f
+WHERE f.scope = @scope::text
+  AND f.key = @key::text
+  AND f.epoch = @epoch::bigint
+  AND f.state = 'running'
+  AND s.scope = f.scope
+  AND s.key = f.key
   AND s.seq = @seq::int
   AND s.state = 'calling';
 
@@ -339,7 +389,7 @@ WHERE scope = @scope::text
 
 -- name: FlowInspectSteps :many
 -- FlowInspectSteps reads one flow's steps, for operators.
-SELECT seq, name, kind, state, result, attempts, first_called_at, completed_at
+SELECT seq, name, kind, state, result, attempts, first_called_at, completed_at, reconciles, last_reconcile
 FROM idem_flow_step
 WHERE scope = @scope::text
   AND key = @key::text

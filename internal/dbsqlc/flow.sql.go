@@ -116,39 +116,44 @@ func (q *Queries) FlowAdopt(ctx context.Context, arg FlowAdoptParams) (FlowAdopt
 const flowCallDone = `-- name: FlowCallDone :execrows
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = clock_timestamp() + $5::interval
-    WHERE scope = $2::text
-      AND key = $3::text
-      AND epoch = $6::bigint
+    SET leased_until = clock_timestamp() + $6::interval
+    WHERE scope = $3::text
+      AND key = $4::text
+      AND epoch = $7::bigint
       AND state = 'running'
     RETURNING 1
 )
 UPDATE idem_flow_step AS s
 SET state = 'done',
     result = $1::text::jsonb,
-    completed_at = now()
+    completed_at = now(),
+    reconciles = s.reconciles + CASE WHEN $2::text IS NULL THEN 0 ELSE 1 END,
+    last_reconcile = coalesce($2::text, s.last_reconcile)
 FROM leased
-WHERE s.scope = $2::text
-  AND s.key = $3::text
-  AND s.seq = $4::int
+WHERE s.scope = $3::text
+  AND s.key = $4::text
+  AND s.seq = $5::int
   AND s.state = 'calling'
 `
 
 type FlowCallDoneParams struct {
-	Result pgtype.Text
-	Scope  string
-	Key    string
-	Seq    int32
-	Lease  pgtype.Interval
-	Epoch  int64
+	Result     pgtype.Text
+	Reconciled pgtype.Text
+	Scope      string
+	Key        string
+	Seq        int32
+	Lease      pgtype.Interval
+	Epoch      int64
 }
 
-// FlowCallDone records a call's result once the other system answered,
-// renewing the lease; it affects no row when the executor no longer holds
-// the flow (see FlowLease), and then records nothing.
+// FlowCallDone records a call's result once the other system answered, or
+// a lookup found it (@reconciled, 'found', counted with the call's
+// lookups), renewing the lease; it affects no row when the executor no
+// longer holds the flow (see FlowLease), and then records nothing.
 func (q *Queries) FlowCallDone(ctx context.Context, arg FlowCallDoneParams) (int64, error) {
 	result, err := q.db.Exec(ctx, flowCallDone,
 		arg.Result,
+		arg.Reconciled,
 		arg.Scope,
 		arg.Key,
 		arg.Seq,
@@ -161,68 +166,166 @@ func (q *Queries) FlowCallDone(ctx context.Context, arg FlowCallDoneParams) (int
 	return result.RowsAffected(), nil
 }
 
+const flowCallReconciled = `-- name: FlowCallReconciled :execrows
+UPDATE idem_flow_step AS s
+SET reconciles = s.reconciles + 1,
+    last_reconcile = $1::text
+FROM idem_flow AS f
+WHERE f.scope = $2::text
+  AND f.key = $3::text
+  AND f.epoch = $4::bigint
+  AND f.state = 'running'
+  AND s.scope = f.scope
+  AND s.key = f.key
+  AND s.seq = $5::int
+  AND s.state = 'calling'
+`
+
+type FlowCallReconciledParams struct {
+	Outcome string
+	Scope   string
+	Key     string
+	Epoch   int64
+	Seq     int32
+}
+
+// FlowCallReconciled counts a lookup made for a call found 'calling' that
+// did not find it (@outcome 'not_found', and the call is made again) or
+// failed (the outcome says how), for operators; it affects no row when
+// the executor no longer holds the flow.
+func (q *Queries) FlowCallReconciled(ctx context.Context, arg FlowCallReconciledParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowCallReconciled,
+		arg.Outcome,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+		arg.Seq,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const flowCallStart = `-- name: FlowCallStart :one
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = clock_timestamp() + $1::interval,
-        step = $2::text
-    WHERE scope = $3::text
-      AND key = $4::text
-      AND epoch = $5::bigint
+    SET leased_until = clock_timestamp() + $2::interval,
+        step = $3::text
+    WHERE scope = $4::text
+      AND key = $5::text
+      AND epoch = $6::bigint
       AND state = 'running'
     RETURNING 1
 ),
+earlier AS (
+    SELECT state, first_called_at
+    FROM idem_flow_step
+    WHERE scope = $4::text
+      AND key = $5::text
+      AND seq = $7::int
+),
 called AS (
     INSERT INTO idem_flow_step AS s (scope, key, seq, name, kind, state, attempts, first_called_at)
-    SELECT $3::text, $4::text, $6::int, $2::text, 'call', 'calling', 1, now()
+    SELECT $4::text, $5::text, $7::int, $3::text, 'call', 'calling', 1, now()
     FROM leased
     ON CONFLICT (scope, key, seq) DO UPDATE
-    SET attempts = s.attempts + 1
-    WHERE s.state = 'calling'
-      AND ($7::interval IS NULL OR s.first_called_at > now() - $7::interval)
+    SET attempts = s.attempts + 1,
+        state = 'calling',
+        first_called_at = CASE WHEN s.state = 'unsent' THEN now() ELSE s.first_called_at END
+    WHERE s.state IN ('calling', 'unsent')
     RETURNING s.attempts
 )
 SELECT EXISTS (SELECT FROM leased)::bool AS leased,
-       coalesce((SELECT attempts FROM called), 0)::int AS attempts
+       coalesce((SELECT attempts FROM called), 0)::int AS attempts,
+       coalesce((SELECT state = 'calling' FROM earlier), false)::bool AS resumed,
+       coalesce((SELECT state = 'calling' AND first_called_at <= now() - $1::interval FROM earlier), false)::bool AS past_window
 `
 
 type FlowCallStartParams struct {
+	CallWindow pgtype.Interval
 	Lease      pgtype.Interval
 	Step       string
 	Scope      string
 	Key        string
 	Epoch      int64
 	Seq        int32
-	CallWindow pgtype.Interval
 }
 
 type FlowCallStartRow struct {
-	Leased   bool
-	Attempts int32
+	Leased     bool
+	Attempts   int32
+	Resumed    bool
+	PastWindow bool
 }
 
 // FlowCallStart records the intent of a call before the other system is
 // called, renewing the lease: the call's row is written 'calling', or, for
-// a call an earlier executor started and never recorded, its attempts
-// counted again, unless its first attempt is older than the provider's
-// window (@call_window; NULL for none), past which the provider may have
-// forgotten the key, and calling again could apply the call twice. leased
-// is false when the executor no longer holds the flow (see FlowLease);
-// attempts, the call's attempts with this one, is 0 when the window has
-// passed.
+// a call whose intent an earlier run recorded, its attempts counted again
+// (and, when every earlier attempt surely did not reach the other system,
+// 'unsent', its window started again). It returns leased, false when the
+// executor no longer holds the flow (see FlowLease); attempts, the call's
+// attempts with this one, 0 when the call has a result already; resumed,
+// true when an earlier attempt may have reached the other system (the
+// row was 'calling'); and past_window, true when such an attempt is older
+// than the provider's window (@call_window), past which the provider may
+// have forgotten the key, and calling again could apply the call twice.
 func (q *Queries) FlowCallStart(ctx context.Context, arg FlowCallStartParams) (FlowCallStartRow, error) {
 	row := q.db.QueryRow(ctx, flowCallStart,
+		arg.CallWindow,
 		arg.Lease,
 		arg.Step,
 		arg.Scope,
 		arg.Key,
 		arg.Epoch,
 		arg.Seq,
-		arg.CallWindow,
 	)
 	var i FlowCallStartRow
-	err := row.Scan(&i.Leased, &i.Attempts)
+	err := row.Scan(
+		&i.Leased,
+		&i.Attempts,
+		&i.Resumed,
+		&i.PastWindow,
+	)
 	return i, err
+}
+
+const flowCallUnsent = `-- name: FlowCallUnsent :execrows
+UPDATE idem_flow_step AS s
+SET state = 'unsent'
+FROM idem_flow AS f
+WHERE f.scope = $1::text
+  AND f.key = $2::text
+  AND f.epoch = $3::bigint
+  AND f.state = 'running'
+  AND s.scope = f.scope
+  AND s.key = f.key
+  AND s.seq = $4::int
+  AND s.state = 'calling'
+`
+
+type FlowCallUnsentParams struct {
+	Scope string
+	Key   string
+	Epoch int64
+	Seq   int32
+}
+
+// FlowCallUnsent records that a call's attempt surely did not reach the
+// other system (its function said so: a refused connection), when no
+// earlier attempt may have either: the call is then 'unsent', and the
+// next attempt is made whatever the provider's window or AtMostOnce say.
+func (q *Queries) FlowCallUnsent(ctx context.Context, arg FlowCallUnsentParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowCallUnsent,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+		arg.Seq,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
 }
 
 const flowComplete = `-- name: FlowComplete :execrows
@@ -397,7 +500,7 @@ func (q *Queries) FlowInspect(ctx context.Context, arg FlowInspectParams) (FlowI
 }
 
 const flowInspectSteps = `-- name: FlowInspectSteps :many
-SELECT seq, name, kind, state, result, attempts, first_called_at, completed_at
+SELECT seq, name, kind, state, result, attempts, first_called_at, completed_at, reconciles, last_reconcile
 FROM idem_flow_step
 WHERE scope = $1::text
   AND key = $2::text
@@ -418,6 +521,8 @@ type FlowInspectStepsRow struct {
 	Attempts      int32
 	FirstCalledAt pgtype.Timestamptz
 	CompletedAt   pgtype.Timestamptz
+	Reconciles    int32
+	LastReconcile pgtype.Text
 }
 
 // FlowInspectSteps reads one flow's steps, for operators.
@@ -439,6 +544,8 @@ func (q *Queries) FlowInspectSteps(ctx context.Context, arg FlowInspectStepsPara
 			&i.Attempts,
 			&i.FirstCalledAt,
 			&i.CompletedAt,
+			&i.Reconciles,
+			&i.LastReconcile,
 		); err != nil {
 			return nil, err
 		}

@@ -48,6 +48,8 @@ type IdemFlowStep struct {
 	LastError     pgtype.Text
 	FirstCalledAt pgtype.Timestamptz
 	CompletedAt   pgtype.Timestamptz
+	Reconciles    int32
+	LastReconcile pgtype.Text
 }
 
 type IdemInstallation struct {

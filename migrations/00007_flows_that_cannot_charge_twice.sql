@@ -1,4 +1,7 @@
 -- +goose Up
+-- Flows that cannot charge twice, whatever happens to their executors, their
+-- database or the other system's answers.
+--
 -- idem_installation holds one random id per database, made with idem's
 -- tables. A flow's calls derive their provider keys from it and from the
 -- operation's scope, key and step, and nothing else (see idem_flow's
@@ -31,9 +34,26 @@ ALTER TABLE idem_flow
     ALTER COLUMN operation DROP NOT NULL,
     ADD CONSTRAINT idem_flow_provider_key_check CHECK ((provider_namespace IS NULL) <> (operation IS NULL));
 
+-- A call's step is 'calling' while an attempt may have reached the other
+-- system, 'unsent' when every attempt so far surely did not (the call's
+-- function said so: a refused connection), and 'done' with its result.
+-- reconciles counts the lookups made for a call found 'calling' (see
+-- idem.Reconcile), last_reconcile says what the last one found.
+ALTER TABLE idem_flow_step
+    DROP CONSTRAINT idem_flow_step_state_check,
+    ADD CONSTRAINT idem_flow_step_state_check CHECK (state IN ('calling', 'unsent', 'done')),
+    ADD COLUMN reconciles integer NOT NULL DEFAULT 0,
+    ADD COLUMN last_reconcile text;
+
 -- +goose Down
 -- Flows started under the Up section get operation numbers, and with them
 -- other provider keys: settle or end running flows before going down.
+UPDATE idem_flow_step SET state = 'calling' WHERE state = 'unsent';
+ALTER TABLE idem_flow_step
+    DROP COLUMN last_reconcile,
+    DROP COLUMN reconciles,
+    DROP CONSTRAINT idem_flow_step_state_check,
+    ADD CONSTRAINT idem_flow_step_state_check CHECK (state IN ('calling', 'done'));
 UPDATE idem_flow SET operation = nextval('idem_flow_seq') WHERE operation IS NULL;
 ALTER TABLE idem_flow
     DROP CONSTRAINT idem_flow_provider_key_check,

@@ -1,0 +1,383 @@
+package idem
+
+import (
+	"context"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/pgtime"
+)
+
+// Call runs the flow's step named name: a call to another system, fn,
+// made with no transaction open and no connection held. fn gets the
+// call's provider key, the same on every attempt, in every process, also
+// in its context ([ProviderKeyFromContext]): pass it to the provider's own
+// idempotency mechanism (Stripe's Idempotency-Key header, an AIP-155
+// request_id; idemhttp.Transport and idemgrpc's client interceptor can
+// stamp it for you), so that a call made again after a crash or a timeout
+// is recognised by the provider and applied once. The key is a UUID
+// derived from the database's installation id and the operation's scope,
+// key and step name (see docs/flows.md): two databases never send the same
+// key, and a flow started again after an asynchronous failover lost its
+// row sends the keys its first run sent. [InspectFlow] shows it.
+//
+// Before fn is called, the step's intent is recorded, in a short
+// transaction of its own; once fn returns a value, the value (its result,
+// stored as JSON) is recorded in another. A step with a recorded result
+// never runs again: when the flow runs again, Call returns the result
+// without calling fn.
+//
+// A step whose intent is recorded without a result, after an attempt that
+// may have reached the other system (the process died during the call, or
+// fn returned an error), is resolved before anything is called again: by
+// its lookup, when given one ([Reconcile]); otherwise it is called again,
+// with the same provider key, unless it is [AtMostOnce] or its first such
+// attempt is older than [WithProviderWindow], and then the flow is
+// stopped for a person's decision and Call returns [ErrFlowStopped]. So is
+// a flow whose call returned a value that cannot be stored
+// ([ErrResponseNotStorable], [ErrResponseTooLarge]): the other system
+// applied the call, and calling it again would give the same value.
+//
+// An error from fn is the call's uncertain outcome: Call returns it,
+// wrapped, records nothing but the attempt, and the flow's function should
+// return it. An error that wraps [ErrNotSent] says that the attempt surely
+// did not reach the other system: when no earlier attempt may have, the
+// next one is made as if it were the first. A definite failure (a
+// declined card) is a value: return it in T, and it is recorded like any
+// result.
+//
+// fn is called only while the executor's lease surely holds, and its
+// context ends when ctx does, when [WithCallTimeout] has passed, or when
+// the lease may have run out: it is renewed every third of [WithLease]
+// while fn runs (not when the flow runs on a single connection, which the
+// call must not hold: its lease then covers one call). fn must stop acting
+// when its context ends (an http.Client does): an executor that stalled
+// past its lease then calls nobody, and Call returns [ErrLeaseLost].
+func Call[T any](s *Steps, name string, fn func(ctx context.Context, providerKey string) (T, error), opts ...CallOption) (T, error) {
+	var zero T
+	co, err := newCallOptions[T](opts)
+	if err != nil {
+		return zero, fmt.Errorf("idem: step %q: %w", name, err)
+	}
+	r := s.run
+	seq, rec, err := r.begin(name, stepCall)
+	if err != nil {
+		return zero, err
+	}
+	defer r.end()
+	if rec != nil && rec.State == stepDone {
+		return recordedResult[T](r, name, rec.Result)
+	}
+	value, err := runCall(s.ctx, r, seq, name, fn, co)
+	if err != nil {
+		return zero, fmt.Errorf("step %q: %w", name, err)
+	}
+	return value, nil
+}
+
+// CallOption changes how [Call] treats a call whose outcome is not known:
+// [Reconcile] and [AtMostOnce].
+type CallOption interface {
+	applyCall(o *callOptions)
+}
+
+// callOptions are what a call's options add up to; reconcile is the
+// lookup given to Reconcile, of type func(context.Context, string) (T,
+// bool, error) for the call's T.
+type callOptions struct {
+	atMostOnce bool
+	reconcile  any
+}
+
+type callOptionFunc func(*callOptions)
+
+func (f callOptionFunc) applyCall(o *callOptions) { f(o) }
+
+// Reconcile gives a call a lookup at the other system, which runs only
+// when the call's intent is recorded and its result is not, after an
+// attempt that may have reached it (the process died during the call, or
+// its outcome was not known): never on a call's first attempt. lookup
+// asks the other system by the provider key it is given, or by a
+// reference of the caller's own (an order id in the charge's metadata),
+// and answers:
+//
+//   - found, with the call's result: the result is recorded as the call's,
+//     and the call is not made again;
+//   - not found (found false, no error): the call is made again, with the
+//     same provider key, even when it is AtMostOnce or past the provider
+//     window, since it was not applied;
+//   - an error: nothing is recorded, Call returns the error (wrapped, the
+//     flow incomplete), and the next attempt asks again; when the attempt
+//     that may have reached the other system is older than
+//     [WithProviderWindow], the flow is stopped for a person instead.
+//
+// It is how a flow calls a provider that ignores idempotency keys exactly
+// once: such a provider applies every request it gets, so only a lookup
+// can tell an attempt that was applied from one that was not. lookup must
+// tell them apart for as long as a flow may resume: a lookup by provider
+// key at a provider that forgets keys must return an error, not "not
+// found", once the provider may have forgotten. Its context is kept
+// alive as a call's is, by the lease. [InspectFlow] shows each call's
+// lookups and the last one's outcome; an [Observer] counts them
+// (idem.flow.reconciliations). T must be the call's result type, or Call
+// returns [ErrInvalidOption] before anything runs.
+func Reconcile[T any](lookup func(ctx context.Context, providerKey string) (result T, found bool, err error)) CallOption {
+	return callOptionFunc(func(o *callOptions) { o.reconcile = lookup })
+}
+
+// AtMostOnce marks a call that must never be made twice, for effects where
+// a duplicate is worse than a gap (an email, an SMS): when its intent is
+// recorded without a result after an attempt that may have reached the
+// other system, no attempt calls again; the flow is stopped for a person
+// ([ErrFlowStopped]), unless the call's [Reconcile] lookup finds that the
+// attempt was not applied. An attempt whose function returned an error
+// wrapping [ErrNotSent] surely did not reach it, and does not count.
+func AtMostOnce() CallOption {
+	return callOptionFunc(func(o *callOptions) { o.atMostOnce = true })
+}
+
+// newCallOptions applies opts, checking that a lookup returns T.
+func newCallOptions[T any](opts []CallOption) (callOptions, error) {
+	var co callOptions
+	for _, opt := range opts {
+		if opt == nil {
+			return co, fmt.Errorf("%w: a nil CallOption", ErrInvalidOption)
+		}
+		opt.applyCall(&co)
+	}
+	if co.reconcile != nil {
+		if _, ok := co.reconcile.(func(context.Context, string) (T, bool, error)); !ok {
+			var zero T
+			return co, fmt.Errorf("%w: Reconcile's lookup is %T; the call's result is %T", ErrInvalidOption, co.reconcile, zero)
+		}
+	}
+	return co, nil
+}
+
+// providerKeyContextKey is the key of a call's provider key in its
+// context.
+type providerKeyContextKey struct{}
+
+// ProviderKeyFromContext returns the provider key of the call whose
+// context, or a context derived from it, ctx is ([Call], [Reconcile]), and
+// whether there is one: for code a call's function reaches that stamps
+// the key on a request by itself, as idemhttp.Transport and idemgrpc's
+// client interceptor do when asked to.
+func ProviderKeyFromContext(ctx context.Context) (string, bool) {
+	key, ok := ctx.Value(providerKeyContextKey{}).(string)
+	return key, ok
+}
+
+// stepDone marks a step whose result is recorded.
+const stepDone = "done"
+
+// The outcomes of a call's lookup, as idem_flow_step.last_reconcile and an
+// Observer's idem.outcome spell them.
+const (
+	reconcileFound    = "found"
+	reconcileNotFound = "not_found"
+	reconcileFailed   = "failed"
+)
+
+// runCall records the call's intent (FlowCallStart), resolves an earlier
+// attempt that may have reached the other system (a lookup, or a stop),
+// calls fn while the lease is kept, and records the result (FlowCallDone).
+func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
+	fn func(ctx context.Context, providerKey string) (T, error), co callOptions,
+) (T, error) {
+	var zero T
+	sent := time.Now()
+	var start dbsqlc.FlowCallStartRow
+	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
+		start, err = q.FlowCallStart(ctx, dbsqlc.FlowCallStartParams{Lease: pgtime.Interval(r.o.lease), Step: name,
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq, CallWindow: pgtime.Interval(r.o.providerWindow)})
+		return err
+	})
+	switch {
+	case err != nil:
+		return zero, translate("record the call's intent", err)
+	case !start.Leased, start.Attempts == 0:
+		return zero, r.lostError()
+	}
+	r.lease.renewed(sent)
+	providerKey := r.keys.of(r.k.scope, r.k.key, name)
+
+	if start.Resumed {
+		// An earlier attempt may have reached the other system.
+		switch {
+		case co.reconcile != nil:
+			lookup := co.reconcile.(func(context.Context, string) (T, bool, error))
+			got, err := callKeepingLease(ctx, r, name, providerKey, int(start.Attempts), "idem.Reconcile",
+				func(ctx context.Context, key string) (lookedUp[T], error) {
+					v, found, err := lookup(ctx, key)
+					return lookedUp[T]{v, found}, err
+				})
+			switch {
+			case errors.Is(err, ErrLeaseLost):
+				return zero, err
+			case err != nil:
+				r.obs.reconciled(reconcileFailed)
+				r.noteReconcile(ctx, seq, reconcileFailed+": "+err.Error())
+				if start.PastWindow {
+					return zero, errors.Join(err, r.stop(ctx, fmt.Sprintf("step %q: the lookup of an attempt older than the provider window (%s) failed (%v): "+
+						"find out from the provider whether it was applied", name, r.o.providerWindow, err)))
+				}
+				return zero, fmt.Errorf("lookup: %w", err)
+			case got.found:
+				r.obs.reconciled(reconcileFound)
+				return recordCall(ctx, r, seq, name, got.value, reconcileFound)
+			}
+			r.obs.reconciled(reconcileNotFound)
+			r.noteReconcile(ctx, seq, reconcileNotFound)
+		case co.atMostOnce:
+			return zero, r.stop(ctx, fmt.Sprintf("step %q: the call is made at most once, and an earlier attempt may have reached "+
+				"the other system: find out whether it was applied", name))
+		case start.PastWindow:
+			return zero, r.stop(ctx, fmt.Sprintf("step %q: the call's first attempt is older than the provider window (%s), "+
+				"past which calling again with the same key could apply it twice: find out from the provider whether it was applied", name, r.o.providerWindow))
+		}
+	}
+
+	value, err := callKeepingLease(ctx, r, name, providerKey, int(start.Attempts), "idem.Call", fn)
+	if err != nil {
+		if errors.Is(err, ErrNotSent) && !start.Resumed {
+			r.noteUnsent(ctx, seq)
+		}
+		return zero, err
+	}
+	return recordCall(ctx, r, seq, name, value, "")
+}
+
+// lookedUp is what a call's lookup found.
+type lookedUp[T any] struct {
+	value T
+	found bool
+}
+
+// recordCall records the call's result, value (FlowCallDone), which a
+// lookup found when reconciled says so, and returns it as a resumed run
+// would get it. A value that cannot be stored stops the flow.
+func recordCall[T any](ctx context.Context, r *flowRun, seq int32, name string, value T, reconciled string) (T, error) {
+	var zero T
+	encoded, err := encodeResponse(value, r.k.scope, r.o)
+	if err != nil {
+		return zero, errors.Join(err, r.stop(ctx, fmt.Sprintf("step %q: the call's result cannot be stored (%v); "+
+			"the other system applied the call, and calling it again would give the same result: settle it by hand", name, err)))
+	}
+	var n int64
+	err = onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
+		n, err = q.FlowCallDone(ctx, dbsqlc.FlowCallDoneParams{Result: pgtype.Text{String: string(encoded), Valid: true},
+			Reconciled: pgtype.Text{String: reconciled, Valid: reconciled != ""},
+			Scope:      r.k.scope, Key: r.k.key, Seq: seq, Lease: pgtime.Interval(r.o.lease), Epoch: r.epoch})
+		return err
+	})
+	if err != nil {
+		return zero, translate("record the call's result", err)
+	}
+	if n == 0 {
+		return zero, r.lostError()
+	}
+	return decodedResult[T](r, encoded)
+}
+
+// noteReconcile records a lookup that did not find the call, for
+// operators; it is best effort: a failure records nothing more.
+func (r *flowRun) noteReconcile(ctx context.Context, seq int32, outcome string) {
+	_ = onDB(ctx, r.db, func(q *dbsqlc.Queries) error {
+		_, err := q.FlowCallReconciled(ctx, dbsqlc.FlowCallReconciledParams{Outcome: sealText(outcome, r.k.scope, r.o),
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq})
+		return err
+	})
+}
+
+// noteUnsent records that the call's attempt surely did not reach the other
+// system; it is best effort: a call left 'calling' is only treated more
+// carefully.
+func (r *flowRun) noteUnsent(ctx context.Context, seq int32) {
+	ctx, cancel := cleanupContext(ctx)
+	defer cancel()
+	_ = onDB(ctx, r.db, func(q *dbsqlc.Queries) error {
+		_, err := q.FlowCallUnsent(ctx, dbsqlc.FlowCallUnsentParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq})
+		return err
+	})
+}
+
+// callKeepingLease calls fn with providerKey while the lease is kept (see
+// keepLease), as attempt attempt of the call named name, in a span named
+// span; a panic of fn stops the renewals and ends the span before it goes
+// on. fn is not called when the lease may have run out, or ctx has ended,
+// by the time it would be.
+func callKeepingLease[T any](ctx context.Context, r *flowRun, name, providerKey string, attempt int, span string,
+	fn func(ctx context.Context, providerKey string) (T, error),
+) (value T, err error) {
+	if err := r.holdForCall(ctx, name); err != nil {
+		return value, err
+	}
+	callCtx, stop := r.keepLease(ctx, name)
+	callCtx = context.WithValue(callCtx, providerKeyContextKey{}, providerKey)
+	callCtx, end := r.obs.step(callCtx, stepCall, span, name, providerKey, attempt)
+	defer func() {
+		if lost := stop(); lost != nil {
+			err = errors.Join(lost, err)
+		}
+		end(err)
+	}()
+	// The last look before the call: a process frozen since the lease was
+	// renewed wakes here, and must not act.
+	if r.lease.left() <= 0 {
+		return value, r.lostError()
+	}
+	if err := callCtx.Err(); err != nil {
+		return value, context.Cause(callCtx)
+	}
+	return fn(callCtx, providerKey)
+}
+
+// providerKeys derives the provider keys of an operation's calls: from
+// the installation's id as the flow's row recorded it when the flow
+// started (namespace), or, for a flow started before migration 00007,
+// from its operation number, as that version derived them.
+type providerKeys struct {
+	namespace pgtype.UUID
+	operation pgtype.Int8
+}
+
+// of returns the provider key of the call named step of the operation
+// (scope, key): a UUID (RFC 9562, version 8) made of the first 16 bytes of
+// the SHA-256 of the namespace, scope, key and step, each prefixed with
+// its length, after the string "idem.Call/2" ([Fingerprint]), with the
+// version and variant bits set. It fits what providers accept as an
+// idempotency key: Stripe's up to 255 characters, AIP-155's UUID
+// request_id.
+func (p providerKeys) of(scope, key, step string) string {
+	if !p.namespace.Valid {
+		return uuidV8(Fingerprint([]byte("idem.Call"), []byte(scope), []byte(key), []byte(step),
+			strconv.AppendInt(nil, p.operation.Int64, 10)))
+	}
+	return uuidV8(Fingerprint([]byte("idem.Call/2"), p.namespace.Bytes[:], []byte(scope), []byte(key), []byte(step)))
+}
+
+// uuidV8 spells the first 16 bytes of sum as a UUID of version 8.
+func uuidV8(sum []byte) string {
+	var u [16]byte
+	copy(u[:], sum)
+	u[6] = u[6]&0x0f | 0x80 // version 8
+	u[8] = u[8]&0x3f | 0x80 // RFC 9562 variant
+	var b [36]byte
+	hex.Encode(b[0:8], u[0:4])
+	b[8] = '-'
+	hex.Encode(b[9:13], u[4:6])
+	b[13] = '-'
+	hex.Encode(b[14:18], u[6:8])
+	b[18] = '-'
+	hex.Encode(b[19:23], u[8:10])
+	b[23] = '-'
+	hex.Encode(b[24:36], u[10:16])
+	return string(b[:])
+}
