@@ -247,4 +247,3 @@ func recordedResult[T any](r *flowRun, name string, result []byte) (T, error) {
 	}
 	return res.Value, nil
 }
-
