@@ -55,6 +55,9 @@ type crashJob struct {
 	// Reconcile gives the call a lookup at the provider by the
 	// operation's reference (see reconcileOverHTTP).
 	Reconcile bool
+	// Compensate runs compensationFlow instead of crashFlow (see
+	// flow_compensation_test.go).
+	Compensate bool
 }
 
 // childResult is what a frozen child's run returned once woken, written as
@@ -199,6 +202,11 @@ func crashChild() int {
 		return 2
 	}
 	defer pool.Close()
+	if job.Compensate {
+		_, err := compensationFlow(job.Flow, job.Provider, job.At).Run(ctx, pool, job.Scope, job.Key, nil, Order{AmountCents: 402})
+		fmt.Fprintf(os.Stderr, "the flow ended without a crash: %v\n", err)
+		return 3
+	}
 	var opts []idem.Option
 	if job.Window != nil {
 		opts = append(opts, idem.WithProviderWindow(*job.Window))
