@@ -65,8 +65,11 @@ type Config struct {
 	// answers. It is only called for calls that carry a key. When it
 	// returns an error the call gets UNAUTHENTICATED (reason SCOPE_UNKNOWN)
 	// and the handler does not run; the error is not shown to the client.
-	// The scope must be 1 to 255 bytes of UTF-8: any other value is a
-	// server error (INTERNAL).
+	// The scope must be 1 to 255 bytes of UTF-8: any other value, ""
+	// included, is a bug of the server's, not the caller's (return an
+	// error for a call that does not say who is calling): the call gets
+	// INTERNAL (reason REQUEST_FAILED), which does not invite a retry, and
+	// the handler does not run.
 	//
 	// It is required, with no default: any default would let two tenants
 	// share keys.
