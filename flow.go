@@ -154,6 +154,9 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 	}
 	input, err := encodeResponse(in, scope, &o)
 	if err != nil {
+		if errors.As(err, new(sealError)) { // the codec's failure, not the input's
+			return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
+		}
 		return Result[Out]{}, fmt.Errorf("idem: flow %q: %w: %w", f.name, ErrInputNotStorable, err)
 	}
 	if fp == nil {

@@ -2,6 +2,7 @@ package idemhttp_test
 
 import (
 	"encoding/json"
+	"errors"
 	"log/slog"
 	"net/http"
 	"strings"
@@ -111,4 +112,32 @@ func TestAnswerThatCannotBeStoredIs500WithoutInvitingARetry(t *testing.T) {
 	if calls.Load() != 1 || countPayments(t, pool, tenant) != 0 || countRecords(t, pool, tenant) != 0 {
 		t.Fatalf("%d runs, %d payments, %d records; want 1 run, rolled back", calls.Load(), countPayments(t, pool, tenant), countRecords(t, pool, tenant))
 	}
+}
+
+// failingCodec seals nothing: a codec whose key service is down, say.
+type failingCodec struct{}
+
+func (failingCodec) Seal(string, []byte) ([]byte, error) {
+	return nil, errors.New("key service unavailable")
+}
+func (failingCodec) Open(string, []byte) ([]byte, error) {
+	return nil, errors.New("key service unavailable")
+}
+
+// TestFlowCodecThatCannotSealTheInputIsTheServersFailure gives a flow a
+// codec that fails: the input is fine, so the answer is the server's 500,
+// not the request's 422.
+func TestFlowCodecThatCannotSealTheInputIsTheServersFailure(t *testing.T) {
+	_, pool, tenant := setup(t)
+	flow := idem.NewFlow(testdb.Name("note"), func(s *idem.Steps, in note) (note, error) { return in, nil },
+		idem.WithCodec(failingCodec{}))
+	m, err := idemhttp.NewMiddleware(pool, idemhttp.Config{Scope: tenantScope, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := serveHandler(t, idemhttp.FlowHandler(m, flow,
+		func(r *http.Request, body []byte) (note, error) { return note{Text: string(body)}, nil },
+		func(w http.ResponseWriter, r *http.Request, out note) { _ = json.NewEncoder(w).Encode(out) }))
+	wantProblem(t, post(t, srv, "/notes", tenant, testdb.Name("k"), `ab`), http.StatusInternalServerError,
+		idemhttp.DefaultProblemTypeBase, idemhttp.ProblemRequestFailed)
 }
