@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"os/signal"
 	"strconv"
 	"syscall"
 	"testing"
@@ -109,7 +110,7 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.O
 		switch {
 		case at != point:
 		case point == freezeInCall:
-			_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP) // goes on once woken
+			freezeSelf()
 		default:
 			self, _ := os.FindProcess(os.Getpid())
 			_ = self.Kill()
@@ -165,6 +166,19 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.O
 	}, append([]idem.Option{idem.WithLease(crashLease)}, opts...)...)
 }
 
+// freezeSelf stops the process (SIGSTOP) and returns once it is woken
+// (SIGCONT). A process does not stop the moment it signals itself: the
+// signal is handled by one of its threads, which then stops the others,
+// and on a loaded machine the calling goroutine would run on meanwhile, so
+// it waits for the signal that continues it.
+func freezeSelf() {
+	woken := make(chan os.Signal, 1)
+	signal.Notify(woken, syscall.SIGCONT)
+	defer signal.Stop(woken)
+	_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
+	<-woken
+}
+
 // freezingTracer stops its process (SIGSTOP) as a span named at starts.
 type freezingTracer struct {
 	noop.TracerProvider
@@ -182,7 +196,7 @@ type freezingTracerOf struct {
 
 func (f freezingTracerOf) Start(ctx context.Context, name string, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
 	if name == f.at {
-		_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
+		freezeSelf()
 	}
 	return f.Tracer.Start(ctx, name, opts...)
 }

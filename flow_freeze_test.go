@@ -130,7 +130,7 @@ func TestFlowFrozenAfterItsIntentCallsNobodyOnceAnOperatorEndedIt(t *testing.T) 
 		t.Fatalf("the woken executor answered %+v, want ErrFlowStopped", got)
 	}
 	if p.calls.Load() != 0 {
-		t.Fatalf("the provider was called %d times on a flow an operator ended as not charged", p.calls.Load())
+		t.Fatalf("the provider was called %d times on a flow an operator ended as not charged\n%s", p.calls.Load(), child.stderr.String())
 	}
 }
 
