@@ -24,7 +24,7 @@
 //  2. a postgres container started with testcontainers-go, where Docker
 //     runs;
 //  3. a throwaway server started from a PostgreSQL installation on the
-//     machine (see [github.com/pgidem/idem/idemtest/pgtemp]), as an
+//     machine (see [github.com/pgidem/idem/internal/pgtemp]), as an
 //     unprivileged user when the tests run as root.
 //
 // These are the servers idem's own tests run on, found by the same code.

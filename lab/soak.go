@@ -136,7 +136,7 @@ type soakConfig struct {
 	noFsync bool
 }
 
-// defaultSoakConfig returns the configuration of "idem soak" without flags:
+// defaultSoakConfig returns the configuration of "go run ./lab soak" without flags:
 // sized to finish in about a minute on two cores.
 func defaultSoakConfig() soakConfig {
 	return soakConfig{

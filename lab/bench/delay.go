@@ -29,7 +29,7 @@ import (
 // make two milliseconds. The round trip added is still somewhat longer
 // than the delay asked for: the timer's lateness, and the proxy's own
 // hops, 0.2 to 0.5 ms in all for 1 ms on a busy 2-core machine.
-// [PingTime] measures it, and idem bench prints it.
+// [PingTime] measures it, and go run ./lab bench prints it.
 //
 // Each connection has a goroutine per direction, and one more to write
 // back what was held; once a connection's buffers exist, passing messages

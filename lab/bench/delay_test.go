@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pgidem/idem/cmd/idem/internal/bench"
+	"github.com/pgidem/idem/lab/bench"
 )
 
 // echoServer listens on 127.0.0.1 and sends back what it reads, until the
