@@ -153,11 +153,11 @@ func TestAReplayWaitsForTheSynchronousStandby(t *testing.T) {
 
 	// statement_timeout does not end a COMMIT's wait: PostgreSQL stops
 	// timing a statement before its commit waits.
-	timed := s.pool(t, ctx, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["statement_timeout"] = "100ms" })
+	timed := s.pool(t, ctx, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["statement_timeout"] = "1s" })
 	s.abandonedInItsWait(t, ctx, func(ctx context.Context) error {
 		_, err := payOnce(timed, "k")(ctx)
 		return err
-	}, 20*100*time.Millisecond)
+	}, 3*time.Second)
 
 	// Once the standby is back, each retry answers, when the standby has
 	// everything up to the record's commit.
@@ -363,7 +363,7 @@ type syncPair struct {
 	// receiver is the pid of the standby's WAL receiver, frozen while it
 	// is stopped (SIGSTOP).
 	receiver int
-	frozen   bool
+	frozen   atomic.Bool
 }
 
 // startSyncPair starts a primary and a standby that it names synchronous.
@@ -426,7 +426,7 @@ func (s *syncPair) pool(t *testing.T, ctx context.Context, edit func(*pgxpool.Co
 // primary's COMMITs wait for it. It may run on a goroutine of its own.
 func (s *syncPair) freeze(t *testing.T) {
 	t.Helper()
-	if s.frozen {
+	if s.frozen.Load() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -439,18 +439,18 @@ func (s *syncPair) freeze(t *testing.T) {
 		t.Errorf("freeze the standby's WAL receiver: %v", err)
 		return
 	}
-	s.frozen = true
+	s.frozen.Store(true)
 }
 
 func (s *syncPair) thaw(t *testing.T) {
 	t.Helper()
-	if !s.frozen {
+	if !s.frozen.Load() {
 		return
 	}
 	if err := syscall.Kill(s.receiver, syscall.SIGCONT); err != nil {
 		t.Errorf("thaw the standby's WAL receiver: %v", err)
 	}
-	s.frozen = false
+	s.frozen.Store(false)
 }
 
 // waitForWaiters waits until n sessions of the primary wait for the
@@ -480,14 +480,24 @@ func (s *syncPair) waitForWaiters(t *testing.T, ctx context.Context, n int, done
 }
 
 // abandonedInItsWait runs call, whose COMMIT is to wait for the frozen
-// standby (freeze), until its session waits for the standby and at least
-// as long as hold, then ends call's context, and checks that call returns
-// the context's error: it did not return before, and did not answer.
+// standby, until its session waits for the standby and at least as long
+// as hold, then ends call's context, and checks that call returns the
+// context's error: it did not return before, and did not answer. The
+// standby is frozen already, or by call itself (freeze) before the COMMIT
+// meant: a COMMIT before that one may wait a moment for the standby too.
 func (s *syncPair) abandonedInItsWait(t *testing.T, ctx context.Context, call func(ctx context.Context) error, hold ...time.Duration) {
 	t.Helper()
 	callCtx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- call(callCtx) }()
+	for !s.frozen.Load() {
+		select {
+		case err := <-done:
+			cancel()
+			t.Fatalf("the call returned (%v) before it froze the standby", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
 	s.waitForWaiters(t, ctx, 1, done)
 	for _, d := range hold {
 		time.Sleep(d)
