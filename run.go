@@ -119,6 +119,7 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 		if err := commitReplay(ctx, tx); err != nil {
 			return Result[T]{}, err
 		}
+		finished = true
 		return replayed[T](c.stored, k.scope, o)
 	}
 

@@ -167,10 +167,10 @@ type KeyGetRow struct {
 // transaction has a transaction id and wrote WAL, so when the session's
 // COMMITs wait for one (synchronous_standby_names set, synchronous_commit
 // on, remote_write or remote_apply, a primary), KeyGet writes a
-// transactional logical message (prefix 'idem', empty: 96 bytes of WAL
-// with its commit record) and reports true: the COMMIT of its transaction
-// then waits until the standby has the WAL up to it, the record's commit
-// included. Otherwise it writes nothing and reports false.
+// transactional logical message (prefix 'idem', empty; with its commit
+// record, two WAL records of 89 bytes) and reports true: the COMMIT of its
+// transaction then waits until the standby has the WAL up to it, the
+// record's commit included. Otherwise it writes nothing and reports false.
 func (q *Queries) KeyGet(ctx context.Context, arg KeyGetParams) (KeyGetRow, error) {
 	row := q.db.QueryRow(ctx, keyGet, arg.Scope, arg.Key)
 	var i KeyGetRow
