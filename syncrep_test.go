@@ -150,6 +150,14 @@ func TestAReplayWaitsForTheSynchronousStandby(t *testing.T) {
 		_, err := payOnce(cancelling, "k")(ctx)
 		return err
 	})
+	s.abandonedInItsWait(t, ctx, func(ctx context.Context) error {
+		_, err := payOnce(cancelling, "k", idem.WithLookupFirst())(ctx)
+		return err
+	})
+	s.abandonedInItsWait(t, ctx, func(ctx context.Context) error {
+		_, err := flow.Run(ctx, cancelling, scope, "flow", nil, 1)
+		return err
+	})
 
 	// statement_timeout does not end a COMMIT's wait: PostgreSQL stops
 	// timing a statement before its commit waits.
