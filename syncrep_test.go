@@ -2,10 +2,7 @@ package idem_test
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
-	"net"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -220,13 +217,13 @@ func TestAReplayWritesAMarkerOnlyForASynchronousStandby(t *testing.T) {
 	if _, err := admin.Exec(ctx, `CREATE EXTENSION pg_walinspect`); err != nil {
 		t.Fatal(err)
 	}
-	var count wireCount
+	var count testdb.WireCount
 	cfg, err := pgx.ParseConfig(pair.Primary.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
 	cfg.RuntimeParams["synchronous_commit"] = "on"
-	cfg.DialFunc = count.dial
+	cfg.DialFunc = count.Dial
 	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -268,12 +265,12 @@ func TestAReplayWritesAMarkerOnlyForASynchronousStandby(t *testing.T) {
 		if err := admin.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&start); err != nil {
 			t.Fatal(err)
 		}
-		before := count.get()
+		before := count.Counts()
 		if replayed, err := call(ctx); err != nil || !replayed {
 			t.Fatalf("replayed %v, %v; want a replay", replayed, err)
 		}
-		after := count.get()
-		c := cost{roundTrips: after.roundTrips - before.roundTrips, statements: after.statements - before.statements}
+		after := count.Counts()
+		c := cost{roundTrips: after.RoundTrips - before.RoundTrips, statements: after.Statements - before.Statements}
 		var flushed bool
 		if err := admin.QueryRow(ctx, `SELECT pg_current_wal_flush_lsn() > $1::text::pg_lsn`, start).Scan(&flushed); err != nil || !flushed {
 			return c // nothing written since start
@@ -559,87 +556,5 @@ func (s *syncPair) waitForRecord(t *testing.T, ctx context.Context, query, scope
 			return
 		}
 		time.Sleep(10 * time.Millisecond)
-	}
-}
-
-// wireCount counts what a client sends on the connections it dials: round
-// trips (each write that follows a read) and statements (the extended
-// protocol's Execute messages, the simple protocol's Query messages).
-type wireCount struct {
-	mu                     sync.Mutex
-	roundTrips, statements int64
-}
-
-func (w *wireCount) dial(ctx context.Context, network, addr string) (net.Conn, error) {
-	c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-	if err != nil {
-		return nil, err
-	}
-	return &countedConn{Conn: c, w: w, read: true}, nil
-}
-
-func (w *wireCount) get() (out struct{ roundTrips, statements int64 }) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	out.roundTrips, out.statements = w.roundTrips, w.statements
-	return out
-}
-
-type countedConn struct {
-	net.Conn
-	w *wireCount
-	// read is set by a read: the next write starts a round trip.
-	read bool
-	// started is set once the startup message, which has no type byte,
-	// was passed; head holds the start of a message's header, skip the
-	// bytes of its body still to pass.
-	started bool
-	head    []byte
-	skip    int
-}
-
-func (c *countedConn) Write(b []byte) (int, error) {
-	c.w.mu.Lock()
-	if c.read {
-		c.w.roundTrips++
-		c.read = false
-	}
-	c.parse(b)
-	c.w.mu.Unlock()
-	return c.Conn.Write(b)
-}
-
-func (c *countedConn) Read(b []byte) (int, error) {
-	n, err := c.Conn.Read(b)
-	if n > 0 {
-		c.w.mu.Lock()
-		c.read = true
-		c.w.mu.Unlock()
-	}
-	return n, err
-}
-
-// parse passes over the messages in b, counting statements.
-func (c *countedConn) parse(b []byte) {
-	for len(b) > 0 {
-		if c.skip > 0 {
-			n := min(c.skip, len(b))
-			c.skip, b = c.skip-n, b[n:]
-			continue
-		}
-		size := 5 // a type byte and a length
-		if !c.started {
-			size = 4
-		}
-		n := min(size-len(c.head), len(b))
-		c.head, b = append(c.head, b[:n]...), b[n:]
-		if len(c.head) < size {
-			return
-		}
-		if c.started && (c.head[0] == 'E' || c.head[0] == 'Q') {
-			c.w.statements++
-		}
-		c.skip = int(binary.BigEndian.Uint32(c.head[size-4:])) - 4
-		c.started, c.head = true, c.head[:0]
 	}
 }
