@@ -3,7 +3,6 @@ package idem_test
 import (
 	"context"
 	"fmt"
-	"net"
 	"regexp"
 	"strconv"
 	"sync/atomic"
@@ -30,18 +29,12 @@ func TestFlowAfterAnAsynchronousFailoverCallsTheProviderWithTheSameKey(t *testin
 	pair := testdb.StartPair(t, ctx)
 
 	// The standby streams through a freezer.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := &freezer{ln: ln, frozen: make(chan struct{})}
-	go f.serve(fmt.Sprintf("127.0.0.1:%d", pair.Primary.Port))
-	defer f.close()
+	f := newFreezer(t, "127.0.0.1", uint16(pair.Primary.Port))
 	var conninfo string
 	if err := pair.StandbyPool.QueryRow(ctx, `SHOW primary_conninfo`).Scan(&conninfo); err != nil {
 		t.Fatal(err)
 	}
-	proxyPort := ln.Addr().(*net.TCPAddr).Port
+	proxyPort := f.proxy.Addr().Port
 	conninfo = regexp.MustCompile(`port=\d+`).ReplaceAllString(conninfo, "port="+strconv.Itoa(proxyPort))
 	for _, stmt := range []string{fmt.Sprintf(`ALTER SYSTEM SET primary_conninfo = '%s'`, conninfo), `SELECT pg_reload_conf()`} {
 		if _, err := pair.StandbyPool.Exec(ctx, stmt); err != nil {
