@@ -192,6 +192,11 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The process that made the directory owns it while it lives: another
+	// one's removeStale leaves it alone, however long initdb takes.
+	if err := os.WriteFile(filepath.Join(s.Dir, ownerFile), []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		return nil, err
+	}
 	ok := false
 	defer func() {
 		if !ok {
@@ -337,16 +342,23 @@ func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.C
 	}
 }
 
+// ownerFile holds the pid of the process that made a server's directory.
+const ownerFile = "owner.pid"
+
 // removeStale removes the directories of earlier throwaway servers whose
 // process was killed before it could remove them (by SIGKILL, say: the
-// server itself dies with it): those with no live postmaster, older than
-// minAge so that a server still being initialized is left alone. What this
-// process may not remove it leaves.
+// server itself dies with it): those whose maker and postmaster are both
+// gone, older than minAge so that a directory just made, whose owner file
+// is not written yet, is left alone. What this process may not remove it
+// leaves.
 func removeStale(tmp string, minAge time.Duration) {
 	dirs, _ := filepath.Glob(filepath.Join(tmp, "idem-pg-*"))
 	for _, dir := range dirs {
 		info, err := os.Stat(dir)
 		if err != nil || !info.IsDir() || time.Since(info.ModTime()) < minAge {
+			continue
+		}
+		if pid, ok := postmasterPID(filepath.Join(dir, ownerFile)); ok && alive(pid) {
 			continue
 		}
 		if pid, ok := postmasterPID(filepath.Join(dir, "data", "postmaster.pid")); ok && alive(pid) {

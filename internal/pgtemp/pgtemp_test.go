@@ -53,12 +53,20 @@ func TestRemoveStaleRemovesOnlyDeadServersDirectories(t *testing.T) {
 	stale := mkdir("idem-pg-stale", strconv.Itoa(dead), old)
 	noPID := mkdir("idem-pg-nopid", "", old)
 	live := mkdir("idem-pg-live", strconv.Itoa(os.Getpid()), old)
+	// A directory whose maker lives, still in initdb: no postmaster yet.
+	initializing := mkdir("idem-pg-initializing", "", old)
+	if err := os.WriteFile(filepath.Join(initializing, ownerFile), []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chtimes(initializing, old, old); err != nil {
+		t.Fatal(err)
+	}
 	young := mkdir("idem-pg-young", "", time.Now())
 	other := mkdir("not-ours", "", old)
 
 	removeStale(tmp, time.Minute)
 
-	for dir, want := range map[string]bool{stale: false, noPID: false, live: true, young: true, other: true} {
+	for dir, want := range map[string]bool{stale: false, noPID: false, live: true, initializing: true, young: true, other: true} {
 		_, err := os.Stat(dir)
 		if exists := err == nil; exists != want {
 			t.Errorf("%s: exists %t, want %t", filepath.Base(dir), exists, want)
