@@ -41,6 +41,13 @@ var linkHosts = []string{
 	"pgbouncer.org",
 	"opentelemetry.io",
 	"stripe.com",
+	// Vendors' documentation of engines that look like PostgreSQL
+	// (docs/large-deployments.md).
+	"aws.amazon.com",
+	"cockroachlabs.com",
+	"yugabyte.com",
+	"cloud.google.com",
+	"neon.com",
 	// Reserved for examples (RFC 2606): an example's own address.
 	"example.com",
 }

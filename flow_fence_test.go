@@ -341,6 +341,22 @@ func TestFlowExpiredFlowBeingRestartedIsNotReplayed(t *testing.T) {
 	if res, err := flow.Run(short, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("a run while the expired row is held: %+v, %v; want it to wait", res, err)
 	}
+	// pgx returns at the deadline and cancels the run's statement after,
+	// from a goroutine: until that lands, its session still waits for the
+	// row, and would restart the flow the moment the row is released (seen
+	// on PostgreSQL 14 under load). Release it once nothing waits on it.
+	holderPID := holder.Conn().PgConn().PID()
+	for {
+		var waiting bool
+		if err := pool.QueryRow(ctx,
+			`SELECT EXISTS (SELECT FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid)))`, holderPID).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if !waiting {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 	if err := holder.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}

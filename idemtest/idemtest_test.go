@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 
@@ -13,6 +14,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemtest"
+	"github.com/pgidem/idem/internal/pgtemp"
 )
 
 // noMain, set in a child's environment, runs the tests without Main.
@@ -27,11 +29,15 @@ func TestMain(m *testing.M) {
 
 // child returns the command that runs this test binary again with run,
 // without the connection variables of this one, and with extra set.
+// IDEM_PG_BIN, which picks the installation of a matrix run, stays unless
+// extra sets TEST_DATABASE_URL, with which it may not be set.
 func child(run string, extra ...string) *exec.Cmd {
 	cmd := exec.Command(os.Args[0], "-test.run", run, "-test.v")
+	dropBinDir := slices.ContainsFunc(extra, func(kv string) bool { return strings.HasPrefix(kv, "TEST_DATABASE_URL=") })
 	for _, kv := range os.Environ() {
 		name, _, _ := strings.Cut(kv, "=")
-		if name != "TEST_DATABASE_URL" && name != noMain && !strings.HasPrefix(name, "PG") {
+		if name != "TEST_DATABASE_URL" && name != noMain && !strings.HasPrefix(name, "PG") &&
+			(name != pgtemp.BinDirEnv || !dropBinDir) {
 			cmd.Env = append(cmd.Env, kv)
 		}
 	}

@@ -2,11 +2,11 @@
 
 // Package pgtemp starts a throwaway PostgreSQL server from an installation
 // already on the machine: its initdb and postgres found on PATH or in the
-// usual install directories. The server lives in a temporary directory,
-// listens on 127.0.0.1 and a Unix socket in that directory only, and is
-// stopped and removed by Stop, or when the process that started it dies
-// (on Linux; elsewhere, the next Start removes the directories of servers
-// whose process is gone).
+// usual install directories, or else in the directory [BinDirEnv] names.
+// The server lives in a temporary directory, listens on 127.0.0.1 and a
+// Unix socket in that directory only, and is stopped and removed by Stop,
+// or when the process that started it dies (on Linux; elsewhere, the next
+// Start removes the directories of servers whose process is gone).
 //
 // PostgreSQL refuses to run as root. Started by root, the server runs as an
 // unprivileged OS user (nobody, or else postgres), which owns the directory.
@@ -103,6 +103,12 @@ const where = "initdb and postgres on PATH, or in /usr/lib/postgresql/<version>/
 
 // find returns the directory of an installation's initdb and postgres.
 func find() (string, error) {
+	if dir := os.Getenv(BinDirEnv); dir != "" {
+		if isExecutable(filepath.Join(dir, "initdb")) && isExecutable(filepath.Join(dir, "postgres")) {
+			return dir, nil
+		}
+		return "", fmt.Errorf("%s=%s: no initdb and postgres there", BinDirEnv, dir)
+	}
 	if path, err := exec.LookPath("initdb"); err == nil {
 		if real, err := filepath.EvalSymlinks(path); err == nil {
 			path = real

@@ -14,8 +14,12 @@ import (
 )
 
 // baseBackup fills data with a base backup of primary, set up to stream
-// from it (pg_basebackup -R), as the server's user.
+// from it (pg_basebackup -R), as the server's user; where the installation
+// has no pg_basebackup, with copyBackup.
 func (s *Server) baseBackup(ctx context.Context, data string, cred *syscall.Credential, primary *Server) error {
+	if !isExecutable(filepath.Join(s.BinDir, "pg_basebackup")) {
+		return s.copyBackup(ctx, data, cred, primary)
+	}
 	// The connection settings, the password among them, are written into
 	// the standby's postgresql.auto.conf, in the server's own directory.
 	backup := exec.CommandContext(ctx, filepath.Join(s.BinDir, "pg_basebackup"),

@@ -7,11 +7,13 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/pgidem/idem/internal/pgtemp"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
@@ -29,13 +31,17 @@ func TestMain(m *testing.M) {
 }
 
 // child returns the command that runs this binary's test run as a child,
-// with the connection variables removed and extra set.
+// with the connection variables removed and extra set. IDEM_PG_BIN, which
+// picks the installation of a matrix run, stays unless extra sets
+// TEST_DATABASE_URL, with which it may not be set.
 func child(t *testing.T, run string, extra ...string) *exec.Cmd {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run", run, "-test.v")
+	dropBinDir := slices.ContainsFunc(extra, func(kv string) bool { return strings.HasPrefix(kv, "TEST_DATABASE_URL=") })
 	for _, kv := range os.Environ() {
 		name, _, _ := strings.Cut(kv, "=")
-		if name != "TEST_DATABASE_URL" && name != "DATABASE_URL" && name != "CI" && !strings.HasPrefix(name, "PG") {
+		if name != "TEST_DATABASE_URL" && name != "DATABASE_URL" && name != "CI" && !strings.HasPrefix(name, "PG") &&
+			(name != pgtemp.BinDirEnv || !dropBinDir) {
 			cmd.Env = append(cmd.Env, kv)
 		}
 	}
@@ -56,6 +62,21 @@ func TestFailsLoudlyWhenTheConfiguredServerCannotBeUsed(t *testing.T) {
 	}
 	if bytes.Contains(out, []byte("panic")) || bytes.Contains(out, []byte("PASS")) {
 		t.Errorf("want one clear failure, got:\n%s", out)
+	}
+}
+
+// TestRefusesAConfiguredServerAndAnInstallationTogether checks that
+// TEST_DATABASE_URL and IDEM_PG_BIN set together fail the run, rather
+// than run it on a server of another major version than the one asked for.
+func TestRefusesAConfiguredServerAndAnInstallationTogether(t *testing.T) {
+	t.Parallel()
+	cmd := child(t, "^$", "TEST_DATABASE_URL=postgres://postgres@127.0.0.1:1/none?sslmode=disable", pgtemp.BinDirEnv+"=/nonexistent")
+	out, err := cmd.CombinedOutput()
+	if code := exitCode(err); code == 0 {
+		t.Fatalf("exit 0 with both set:\n%s", out)
+	}
+	if want := "TEST_DATABASE_URL and IDEM_PG_BIN are both set"; !bytes.Contains(out, []byte(want)) {
+		t.Errorf("the failure does not say %q:\n%s", want, out)
 	}
 }
 

@@ -5,7 +5,10 @@
 // The server is, in this order: the one TEST_DATABASE_URL names; a
 // postgres container started with testcontainers-go where Docker runs;
 // otherwise a throwaway server started from a PostgreSQL installation on
-// the machine (see internal/pgtemp). When none of them works the test
+// the machine (see internal/pgtemp). IDEM_PG_BIN, the directory of an
+// installation, skips the container and starts the throwaway server from
+// that installation, to run the tests on its major version; set together
+// with TEST_DATABASE_URL it fails the binary. When none of them works the test
 // binary fails before running anything, saying what it tried and how to
 // fix it: database tests never skip, except under -short.
 package testserver
@@ -107,7 +110,13 @@ func Run(m *testing.M, cfg Config) int {
 
 // start finds a server, in the documented order.
 func start(ctx context.Context, prefix string) (*Server, error) {
-	if url := os.Getenv("TEST_DATABASE_URL"); url != "" {
+	url, binDir := os.Getenv("TEST_DATABASE_URL"), os.Getenv(pgtemp.BinDirEnv)
+	if url != "" && binDir != "" {
+		return nil, fmt.Errorf(`%s: TEST_DATABASE_URL and %s are both set: the tests would run on
+the server TEST_DATABASE_URL names, not on a throwaway one from %s.
+Unset one of them`, prefix, pgtemp.BinDirEnv, binDir)
+	}
+	if url != "" {
 		conn, err := pgx.Connect(ctx, url)
 		if err != nil {
 			return nil, fmt.Errorf(`%s: TEST_DATABASE_URL is set, but %s cannot be used: %w
@@ -120,9 +129,15 @@ skips the database tests`, prefix, redact(url), err)
 		_ = conn.Close(ctx)
 		return &Server{URL: url, Desc: "TEST_DATABASE_URL (" + redact(url) + ")", stop: func() {}}, nil
 	}
-	url, stop, containerErr := startContainer(ctx)
-	if containerErr == nil {
-		return &Server{URL: url, Desc: "a postgres container (testcontainers-go)", stop: stop}, nil
+	// IDEM_PG_BIN asks for that installation's major version, which a
+	// container would not have.
+	containerErr := fmt.Errorf("not tried: %s is set", pgtemp.BinDirEnv)
+	if binDir == "" {
+		var stop func()
+		url, stop, containerErr = startContainer(ctx)
+		if containerErr == nil {
+			return &Server{URL: url, Desc: "a postgres container (testcontainers-go)", stop: stop}, nil
+		}
 	}
 	srv, localErr := pgtemp.Start(ctx, pgtemp.Config{Fast: true})
 	if localErr == nil {
