@@ -253,13 +253,16 @@ func (rc *Receiver) fail(w http.ResponseWriter, r *http.Request, ev Event, err e
 	attrs := []slog.Attr{slog.String("scope", ev.Scope), slog.String("event_id", ev.ID), slog.String("type", ev.Type)}
 	var handler *handlerFailed
 	isHandler := errors.As(err, &handler)
+	// The handler's own errors are its own, even one that idem gave it
+	// (an idem.Do of its own on a key reused): only the database's
+	// unavailability is told apart from them.
 	switch {
-	case errors.Is(err, idem.ErrFingerprintMismatch):
+	case !isHandler && errors.Is(err, idem.ErrFingerprintMismatch):
 		rc.metrics.delivery(ctx, outcomeRefused, reasonIDReused, true)
 		rc.logger.LogAttrs(ctx, slog.LevelError, "webhook: event id reused with another payload (a sender's bug, or an attack); refused, nothing written", attrs...)
 		rc.writeProblem(w, http.StatusUnprocessableEntity, ProblemIDReused,
 			"This event id was received before with another payload. The delivery was refused and nothing of it was kept.")
-	case errors.Is(err, idem.ErrInProgress):
+	case !isHandler && errors.Is(err, idem.ErrInProgress):
 		rc.metrics.delivery(ctx, outcomeFailed, reasonInProgress, true)
 		w.Header().Set("Retry-After", rc.retryAfter)
 		rc.writeProblem(w, http.StatusConflict, idemhttp.ProblemKeyInProgress,

@@ -310,11 +310,15 @@ func TestHandlerFailureIsRetriedNotStored(t *testing.T) {
 			return errors.New("the ledger is closed")
 		case "panic":
 			panic("a bug")
+		case "inner key reused":
+			// The handler's own idem.Do found a key reused: its failure,
+			// not the event's id reused.
+			return fmt.Errorf("inner call: %w", idem.ErrFingerprintMismatch)
 		}
 		return nil
 	}
 	body := []byte(`{"amount":100}`)
-	for _, m := range []string{"error", "panic"} {
+	for _, m := range []string{"error", "panic", "inner key reused"} {
 		fail.Lock()
 		mode = m
 		fail.Unlock()
@@ -331,10 +335,10 @@ func TestHandlerFailureIsRetriedNotStored(t *testing.T) {
 	if a := f.deliver("msg_h", body); a.status != http.StatusNoContent {
 		t.Fatalf("third delivery: %d %s", a.status, a.body)
 	}
-	if f.runs.Load() != 3 || f.payments() != 1 {
-		t.Errorf("handler ran %d times, %d rows; want 3 and 1", f.runs.Load(), f.payments())
+	if f.runs.Load() != 4 || f.payments() != 1 {
+		t.Errorf("handler ran %d times, %d rows; want 4 and 1", f.runs.Load(), f.payments())
 	}
-	wantCounts(t, f.counts(), map[string]float64{"failed:handler": 2, "applied": 1})
+	wantCounts(t, f.counts(), map[string]float64{"failed:handler": 3, "applied": 1})
 }
 
 // A database the receiver cannot reach gets the sender to deliver again
