@@ -13,7 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/httpproblem"
+	"github.com/pgidem/idem/internal/httpedge"
 )
 
 // Default values of the configuration.
@@ -359,7 +359,7 @@ func newSettings(cfg Config) (settings, error) {
 		s.store = StoreBelow500
 	}
 	if cfg.ProblemTypeBase != "" {
-		if problem := httpproblem.CheckTypeBase(cfg.ProblemTypeBase); problem != "" {
+		if problem := httpedge.CheckTypeBase(cfg.ProblemTypeBase); problem != "" {
 			return settings{}, invalidField("Config.ProblemTypeBase", "%q %s", cfg.ProblemTypeBase, problem)
 		}
 	}

@@ -6,7 +6,7 @@ import (
 	"net/http"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/httpproblem"
+	"github.com/pgidem/idem/internal/httpedge"
 )
 
 // DefaultProblemTypeBase is the start of every problem's type URI unless
@@ -98,7 +98,7 @@ const (
 )
 
 // problem is an RFC 9457 problem details object with a code member.
-type problem = httpproblem.Details
+type problem = httpedge.Details
 
 // WriteError answers a request for which [Middleware.ParseKey], [idem.Run]
 // or [idem.Do] returned err, as the middleware answers its own requests:
@@ -155,9 +155,9 @@ func (m *Middleware) WriteError(w http.ResponseWriter, r *http.Request, err erro
 // the request has a key, with which a retry is safe.
 func (m *Middleware) writeFailed(w http.ResponseWriter, r *http.Request, err error, keyed bool) {
 	status, code, detail := http.StatusInternalServerError, ProblemRequestFailed, "The request could not be completed."
-	if httpproblem.DatabaseUnavailable(err) {
+	if httpedge.DatabaseUnavailable(err) {
 		status, code, detail = http.StatusServiceUnavailable, ProblemDatabaseUnavailable, "The request could not be completed: the database is unavailable."
-		w.Header().Set("Retry-After", httpproblem.UnavailableRetryAfter)
+		w.Header().Set("Retry-After", httpedge.UnavailableRetryAfter)
 	}
 	// When the client went away, it cancelled its own request: nothing
 	// went wrong that an operator must hear about.
@@ -185,6 +185,6 @@ func (s *settings) writeProblem(w http.ResponseWriter, status int, code, detail 
 }
 
 func (s *settings) writeProblemOf(w http.ResponseWriter, p problem) {
-	p.Title = httpproblem.Title(p.Code)
-	httpproblem.Write(w, s.problemTypeBase, p)
+	p.Title = httpedge.Title(p.Code)
+	httpedge.Write(w, s.problemTypeBase, p)
 }

@@ -12,7 +12,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/httpproblem"
+	"github.com/pgidem/idem/internal/httpedge"
 )
 
 // Default values of the configuration.
@@ -191,7 +191,7 @@ func newSettings(cfg Config) (settings, error) {
 		s.maxBodyBytes = math.MaxInt64
 	}
 	if cfg.ProblemTypeBase != "" {
-		if problem := httpproblem.CheckTypeBase(cfg.ProblemTypeBase); problem != "" {
+		if problem := httpedge.CheckTypeBase(cfg.ProblemTypeBase); problem != "" {
 			return settings{}, invalidField("Config.ProblemTypeBase", "%q %s", cfg.ProblemTypeBase, problem)
 		}
 	}

@@ -6,9 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
-	"math"
 	"net/http"
 	"runtime/debug"
 	"strings"
@@ -18,7 +16,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/httpproblem"
+	"github.com/pgidem/idem/internal/httpedge"
 	"github.com/pgidem/idem/internal/ident"
 )
 
@@ -278,12 +276,12 @@ func (rc *Receiver) fail(w http.ResponseWriter, r *http.Request, ev Event, err e
 			append(attrs, slog.Any("panic", handler.panic), slog.String("stack", string(handler.stack)))...)
 		rc.writeProblem(w, http.StatusInternalServerError, idemhttp.ProblemRequestFailed,
 			"The event could not be applied. Nothing of it was kept: delivering it again is safe.")
-	case httpproblem.DatabaseUnavailable(err):
+	case httpedge.DatabaseUnavailable(err):
 		rc.metrics.delivery(ctx, outcomeFailed, reasonDatabaseUnavailable, true)
 		if ctx.Err() == nil {
 			rc.logger.LogAttrs(ctx, slog.LevelError, "webhook: database unavailable; the sender is asked to deliver again", append(attrs, slog.Any("error", err))...)
 		}
-		w.Header().Set("Retry-After", httpproblem.UnavailableRetryAfter)
+		w.Header().Set("Retry-After", httpedge.UnavailableRetryAfter)
 		rc.writeProblem(w, http.StatusServiceUnavailable, idemhttp.ProblemDatabaseUnavailable,
 			"The event could not be applied: the database is unavailable. Delivering it again later is safe.")
 	default:
@@ -303,28 +301,12 @@ func (rc *Receiver) fail(w http.ResponseWriter, r *http.Request, ev Event, err e
 // readBody reads the whole body, up to the limit, or answers the delivery
 // itself and reports false.
 func (rc *Receiver) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
-	tooLarge := func() {
+	body, err := httpedge.ReadBody(r, rc.maxBodyBytes)
+	switch {
+	case errors.Is(err, httpedge.ErrBodyTooLarge):
 		rc.metrics.delivery(r.Context(), outcomeRefused, reasonBodyTooLarge, false)
 		rc.writeProblem(w, http.StatusRequestEntityTooLarge, idemhttp.ProblemBodyTooLarge,
 			fmt.Sprintf("The delivery's body is larger than %d bytes.", rc.maxBodyBytes))
-	}
-	if r.ContentLength > rc.maxBodyBytes {
-		tooLarge()
-		return nil, false
-	}
-	if r.Body == nil || r.Body == http.NoBody {
-		return nil, true
-	}
-	// One byte past the limit tells a body over it from one at it.
-	limit := rc.maxBodyBytes
-	if limit < math.MaxInt64 {
-		limit++
-	}
-	body, err := io.ReadAll(io.LimitReader(r.Body, limit))
-	var maxBytesErr *http.MaxBytesError
-	switch {
-	case errors.As(err, &maxBytesErr) || int64(len(body)) > rc.maxBodyBytes:
-		tooLarge()
 		return nil, false
 	case err != nil:
 		rc.metrics.delivery(r.Context(), outcomeRefused, reasonBodyUnreadable, false)
@@ -335,5 +317,5 @@ func (rc *Receiver) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bo
 }
 
 func (rc *Receiver) writeProblem(w http.ResponseWriter, status int, code, detail string) {
-	httpproblem.Write(w, rc.problemTypeBase, httpproblem.Details{Status: status, Code: code, Title: httpproblem.Title(code), Detail: detail})
+	httpedge.Write(w, rc.problemTypeBase, httpedge.Details{Status: status, Code: code, Title: httpedge.Title(code), Detail: detail})
 }

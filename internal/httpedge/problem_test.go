@@ -1,4 +1,4 @@
-package httpproblem_test
+package httpedge_test
 
 import (
 	"encoding/json"
@@ -8,7 +8,7 @@ import (
 
 	"github.com/pgidem/idem/idemhttp"
 	"github.com/pgidem/idem/idemhttp/webhook"
-	"github.com/pgidem/idem/internal/httpproblem"
+	"github.com/pgidem/idem/internal/httpedge"
 )
 
 // Every code that idemhttp or idemhttp/webhook answers has its title here.
@@ -23,7 +23,7 @@ func TestEveryCodeHasATitle(t *testing.T) {
 		webhook.ProblemUnsigned, webhook.ProblemMalformed, webhook.ProblemSignatureInvalid,
 		webhook.ProblemStale, webhook.ProblemIDReused,
 	} {
-		if httpproblem.Title(code) == "" {
+		if httpedge.Title(code) == "" {
 			t.Errorf("%s has no title", code)
 		}
 	}
@@ -32,12 +32,12 @@ func TestEveryCodeHasATitle(t *testing.T) {
 func TestWriteSendsTheProblemWithItsLink(t *testing.T) {
 	t.Parallel()
 	w := httptest.NewRecorder()
-	httpproblem.Write(w, "https://example.com/p#", httpproblem.Details{Status: 422, Code: "key-reused", Title: "T", Detail: "D"})
-	var got httpproblem.Details
+	httpedge.Write(w, "https://example.com/p#", httpedge.Details{Status: 422, Code: "key-reused", Title: "T", Detail: "D"})
+	var got httpedge.Details
 	if err := json.Unmarshal(w.Body.Bytes(), &got); err != nil {
 		t.Fatal(err)
 	}
-	want := httpproblem.Details{Type: "https://example.com/p#key-reused", Title: "T", Status: 422, Detail: "D", Code: "key-reused"}
+	want := httpedge.Details{Type: "https://example.com/p#key-reused", Title: "T", Status: 422, Detail: "D", Code: "key-reused"}
 	if w.Code != 422 || got != want {
 		t.Errorf("%d %+v, want %+v", w.Code, got, want)
 	}

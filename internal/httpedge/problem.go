@@ -1,8 +1,9 @@
-// Package httpproblem is what idemhttp and idemhttp/webhook share to answer
-// a request themselves: the RFC 9457 problem, written the same way with the
-// same headers, and the test that tells a database that is unavailable
-// (503, retry later) from a statement that failed.
-package httpproblem
+// Package httpedge is what idemhttp and idemhttp/webhook share at the HTTP
+// edge: the RFC 9457 problems they answer themselves, written the same way
+// with the same headers and titles; the test that tells a database that is
+// unavailable (503, retry later) from a statement that failed; and the
+// bounded read of a request's body.
+package httpedge
 
 import (
 	"encoding/json"
