@@ -109,7 +109,8 @@ duplicate, refused (400, 413, 422) or failed (409, 5xx), with
 idem.webhook.reason for refused and failed ones (unsigned, malformed,
 signature_invalid, stale, body_too_large, body_unreadable, scope_unknown,
 id_reused, in_progress, database_unavailable, handler, error) and
-idem.webhook.verified, whether its signature was verified. The claim of
+idem.webhook.verified, whether it passed verification (a signature that
+matches, signed within the tolerance, naming an event). The claim of
 each event's id is observed as idem.Run's, on idem.calls and in a span.
 */
 package webhook

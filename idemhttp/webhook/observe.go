@@ -51,7 +51,7 @@ func newMetrics(o *idem.Observer) (*metrics, error) {
 	}
 	counter, err := meter.Int64Counter("idem.webhook.deliveries",
 		metric.WithDescription("Webhook deliveries received, each once, by outcome (applied, duplicate, refused, failed), "+
-			"reason (for refused and failed ones) and whether its signature was verified."),
+			"reason (for refused and failed ones) and whether it passed verification."),
 		metric.WithUnit("{delivery}"))
 	if err != nil {
 		return nil, fmt.Errorf("idem.webhook.deliveries: %w", err)
@@ -59,7 +59,8 @@ func newMetrics(o *idem.Observer) (*metrics, error) {
 	return &metrics{deliveries: counter}, nil
 }
 
-// delivery counts one delivery. verified says whether its signature was.
+// delivery counts one delivery. verified says whether it passed
+// verification: a signature that matches, within the tolerance.
 func (m *metrics) delivery(ctx context.Context, outcome, reason string, verified bool) {
 	if m == nil {
 		return
