@@ -108,8 +108,8 @@ each one's documentation says when it is returned and what to do:
 [ErrInvalidScope], [ErrInvalidKey], [ErrInvalidOption], [ErrInvalidVersion],
 [ErrFingerprintMismatch], [ErrInProgress], [ErrSerialization],
 [ErrReadOnly], [ErrConnInTransaction], [ErrResponseTooLarge] and
-[ErrResponseNotStorable]; flows add [ErrLeaseLost], [ErrFlowChanged] and
-[ErrFlowStopped]. Driver errors that mean one of them (a wait that
+[ErrResponseNotStorable]; flows add [ErrLeaseLost], [ErrFlowChanged],
+[ErrFlowStopped] and [ErrInputNotStorable]. Driver errors that mean one of them (a wait that
 ran out, a serialization failure, a deadlock) are translated, so callers
 never inspect SQLSTATE codes for those. Other driver errors come back
 wrapped with what idem was doing, the driver's error in the chain.

@@ -66,6 +66,16 @@ var ErrResponseTooLarge = errors.New("idem: response too large to store")
 // fn's writes have no record.
 var ErrResponseNotStorable = errors.New("idem: response cannot be stored")
 
+// ErrInputNotStorable is in the chain of the error [Flow.Run] returns when
+// the flow's input cannot be stored, with [ErrResponseTooLarge] or
+// [ErrResponseNotStorable], which says why. Nothing is sent to the
+// database and the flow does not run. A [Codec] that fails to seal the
+// input is the server's failure, not the input's: its error has
+// ErrResponseNotStorable in its chain, but not this one. The input comes from the request, so
+// the request cannot be served as it is, however often it is retried: at
+// HTTP it is 422 input-not-storable.
+var ErrInputNotStorable = errors.New("idem: flow's input cannot be stored")
+
 // ErrSerialization is returned when PostgreSQL aborted the transaction to
 // keep it serializable (SQLSTATE 40001) or to break a deadlock (40P01), or
 // when the key was completed while the function ran by a writer that does

@@ -136,8 +136,8 @@ func checkFlowOptions(o *options) error {
 // retry continues the flow at once, and returns the error, with
 // [ErrFlowIncomplete] in its chain; nothing of it is stored. A flow
 // stopped for a person's decision gives [ErrFlowStopped]. The input must
-// be storable as JSON ([ErrResponseNotStorable], [ErrResponseTooLarge]
-// otherwise); a completer resumes the flow with it.
+// be storable as JSON ([ErrInputNotStorable] otherwise); a completer
+// resumes the flow with it.
 func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key string, fp []byte, in In, opts ...Option) (_ Result[Out], err error) {
 	o, err := f.options(opts)
 	ctx, obs := o.observer.observeFlow(ctx, "idem.Flow.Run", f.name)
@@ -152,14 +152,17 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 	if err := dberr.CheckIdle(db, "a flow commits transactions of its own: pass the pool or an idle connection"); err != nil {
 		return Result[Out]{}, err
 	}
+	input, err := encodeResponse(in, scope, &o)
+	if err != nil {
+		if errors.As(err, new(sealError)) { // the codec's failure, not the input's
+			return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
+		}
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: %w: %w", f.name, ErrInputNotStorable, err)
+	}
 	if fp == nil {
 		if k.fp, err = FingerprintJSON(in); err != nil {
 			return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
 		}
-	}
-	input, err := encodeResponse(in, scope, &o)
-	if err != nil {
-		return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
 	}
 	r, stored, err := f.claim(ctx, db, k, input, &o, obs)
 	if err != nil {

@@ -25,7 +25,7 @@ func encodeResponse(v any, scope string, o *options) ([]byte, error) {
 	if o.codec != nil {
 		sealed, err := o.codec.Seal(scope, encoded)
 		if err != nil {
-			return nil, fmt.Errorf("%w: seal: %w", ErrResponseNotStorable, err)
+			return nil, fmt.Errorf("%w: %w", ErrResponseNotStorable, sealError{err})
 		}
 		encoded, _ = json.Marshal(sealed) // a []byte always encodes
 	}
@@ -42,6 +42,13 @@ func encodeResponse(v any, scope string, o *options) ([]byte, error) {
 	}
 	return encoded, nil
 }
+
+// sealError is a codec's failure to seal a value: the server's, whatever
+// the value.
+type sealError struct{ err error }
+
+func (e sealError) Error() string { return "seal: " + e.err.Error() }
+func (e sealError) Unwrap() error { return e.err }
 
 // replayed decodes a stored response into the result of a replay.
 func replayed[T any](stored []byte, scope string, o *options) (Result[T], error) {

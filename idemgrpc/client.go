@@ -81,6 +81,9 @@ const retryAttemptMetadata = "x-retry-attempt"
 // that carries a key already, set by the caller with
 // metadata.AppendToOutgoingContext, keeps it: that is how a caller that
 // must restart an operation, after a crash say, resends it with its key.
+// A call of a method without side effects, which the server interceptor
+// never covers (see "Which calls are covered" in the package
+// documentation), gets no key.
 //
 // The key stays the same across every attempt that happens beneath the
 // interceptor: gRPC's own retries (a retryPolicy in the service config,
@@ -117,7 +120,7 @@ func (s *clientSettings) intercept(ctx context.Context, method string, req, repl
 	invoker grpc.UnaryInvoker, opts ...grpc.CallOption,
 ) error {
 	md, _ := metadata.FromOutgoingContext(ctx)
-	if len(md.Get(s.metadata)) > 0 {
+	if len(md.Get(s.metadata)) > 0 || hasNoSideEffects(method) {
 		return invoker(ctx, method, req, reply, cc, opts...)
 	}
 	msg, _ := req.(proto.Message)

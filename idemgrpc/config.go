@@ -65,8 +65,11 @@ type Config struct {
 	// answers. It is only called for calls that carry a key. When it
 	// returns an error the call gets UNAUTHENTICATED (reason SCOPE_UNKNOWN)
 	// and the handler does not run; the error is not shown to the client.
-	// The scope must be 1 to 255 bytes of UTF-8: any other value is a
-	// server error (INTERNAL).
+	// The scope must be 1 to 255 bytes of UTF-8: any other value, ""
+	// included, is a bug of the server's, not the caller's (return an
+	// error for a call that does not say who is calling): the call gets
+	// INTERNAL (reason REQUEST_FAILED), which does not invite a retry, and
+	// the handler does not run.
 	//
 	// It is required, with no default: any default would let two tenants
 	// share keys.
@@ -84,8 +87,12 @@ type Config struct {
 	// ("/payments.v1.Payments/Create", the generated code's
 	// Payments_Create_FullMethodName). Calls of other methods pass straight
 	// to the handler, outside any transaction, and their key is ignored.
-	// An empty, non-nil list is refused: it would cover nothing. Defaults,
-	// when nil, to every unary method. Streaming methods are never covered.
+	// An empty, non-nil list is refused: it would cover nothing, and so is
+	// a method without side effects. Defaults, when nil, to every unary
+	// method. Streaming methods and methods without side effects (health
+	// checks, reflection, channelz, and those declared NO_SIDE_EFFECTS: see
+	// "Which calls are covered" in the package documentation) are never
+	// covered.
 	Methods []string
 
 	// Optional lists covered methods, by full name, on which a key is
@@ -280,8 +287,11 @@ func newSettings(cfg Config) (settings, error) {
 	default:
 		s.methods = make(map[string]bool, len(cfg.Methods))
 		for _, m := range cfg.Methods {
-			if !isFullMethod(m) {
+			switch {
+			case !isFullMethod(m):
 				return settings{}, invalidField("Config.Methods", "holds %q, which is not a full method name such as /payments.v1.Payments/Create", m)
+			case hasNoSideEffects(m):
+				return settings{}, invalidField("Config.Methods", "holds %q, a method without side effects, which is never covered", m)
 			}
 			s.methods[m] = true
 		}
@@ -296,6 +306,8 @@ func newSettings(cfg Config) (settings, error) {
 			return settings{}, invalidField("Config.Optional", "holds %q, which is not a full method name such as /payments.v1.Payments/Create", m)
 		case s.methods != nil && !s.methods[m]:
 			return settings{}, invalidField("Config.Optional", "holds %q, which Config.Methods does not cover", m)
+		case hasNoSideEffects(m):
+			return settings{}, invalidField("Config.Optional", "holds %q, a method without side effects, which is never covered", m)
 		}
 		s.optional[m] = true
 	}
@@ -367,7 +379,8 @@ func newSettings(cfg Config) (settings, error) {
 // covers reports whether calls of the unary method fullMethod go through
 // idem, and whether they must carry a key.
 func (s *settings) covers(fullMethod string) (covered, required bool) {
-	if s.methods != nil && !s.methods[fullMethod] {
+	switch {
+	case s.methods != nil && !s.methods[fullMethod], hasNoSideEffects(fullMethod):
 		return false, false
 	}
 	return true, s.required && !s.optional[fullMethod]

@@ -13,6 +13,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgrpc"
+	"github.com/pgidem/idem/idemgrpc/internal/testpb"
 )
 
 func TestNewServerInterceptorRefusesEveryFieldThatCannotWork(t *testing.T) {
@@ -32,6 +33,9 @@ func TestNewServerInterceptorRefusesEveryFieldThatCannotWork(t *testing.T) {
 		{"Config.Optional", db, idemgrpc.Config{Scope: scope, Optional: []string{"/p.S/M"}}},
 		{"Config.Optional", db, idemgrpc.Config{Scope: scope, Required: true, Optional: []string{"/p.S/"}}},
 		{"Config.Optional", db, idemgrpc.Config{Scope: scope, Required: true, Methods: []string{"/p.S/A"}, Optional: []string{"/p.S/B"}}},
+		{"Config.Methods", db, idemgrpc.Config{Scope: scope, Methods: []string{"/grpc.health.v1.Health/Check"}}},
+		{"Config.Methods", db, idemgrpc.Config{Scope: scope, Methods: []string{testpb.PaymentsPay, testpb.PaymentsGet}}},
+		{"Config.Optional", db, idemgrpc.Config{Scope: scope, Required: true, Optional: []string{"/grpc.channelz.v1.Channelz/GetServers"}}},
 		{"Config.Metadata", db, idemgrpc.Config{Scope: scope, Metadata: "idempotency key"}},
 		{"Config.Metadata", db, idemgrpc.Config{Scope: scope, Metadata: "idempotency-key-bin"}},
 		{"Config.Metadata", db, idemgrpc.Config{Scope: scope, Metadata: "grpc-key"}},

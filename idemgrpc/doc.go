@@ -62,7 +62,15 @@ slog.Default().
 # Which calls are covered
 
 Every unary method, unless [Config.Methods] lists some; streaming calls
-always pass through untouched. A covered call with a key runs as above. A
+always pass through untouched, and so do the calls of a method without
+side effects, whatever the configuration: a method of gRPC's own read-only
+services (grpc.health.v1.Health, grpc.reflection.v1 and v1alpha
+ServerReflection, grpc.channelz.v1.Channelz), or one whose descriptor in
+protobuf's global registry says option idempotency_level =
+NO_SIDE_EFFECTS. Such a call changes nothing that a key would protect, so
+health checks answer with [Config.Required] set, and no probe opens a
+transaction or stores a record; [NewClientInterceptor] gives it no key. A
+covered call with a key runs as above. A
 covered call without one gets INVALID_ARGUMENT when a key is required
 ([Config.Required], [Config.Optional]), and otherwise runs its handler in a
 transaction of its own, with nothing claimed or stored, so that the

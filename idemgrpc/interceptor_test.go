@@ -185,6 +185,30 @@ func TestScopeUnknownIsUnauthenticated(t *testing.T) {
 	}
 }
 
+// TestScopeThatIsNotAScopeIsInternalAndDoesNotInviteARetry gives the
+// interceptor a scope function that breaks its contract, answering "" (or
+// more than 255 bytes) where it should return an error: the server's bug,
+// which every retry would meet again, so the call gets INTERNAL, whose
+// message does not say that retrying is safe, and nothing runs.
+func TestScopeThatIsNotAScopeIsInternalAndDoesNotInviteARetry(t *testing.T) {
+	ctx, pool, tenant := setup(t)
+	for name, scope := range map[string]string{"empty": "", "too long": strings.Repeat("s", 256)} {
+		var p payments
+		conn := serve(t, pool, idemgrpc.Config{
+			Scope:  func(context.Context) (string, error) { return scope, nil },
+			Logger: discard,
+		}, p.server())
+		a := pay(ctx, conn, tenant, "k", &testpb.PayRequest{AmountCents: 100})
+		st := wantReason(t, a.err, codes.Internal, idemgrpc.ReasonRequestFailed)
+		if strings.Contains(st.Message(), "retrying it with the same idempotency key is safe") || !strings.Contains(st.Message(), "error of the server's") {
+			t.Errorf("%s scope: the message %q invites a retry, or does not say whose the error is", name, st.Message())
+		}
+		if p.runs.Load() != 0 || count(t, pool, `SELECT count(*) FROM idempotency_key`) != 0 {
+			t.Fatalf("%s scope: the handler ran %d times", name, p.runs.Load())
+		}
+	}
+}
+
 func TestDatabaseUnavailableIsUnavailable(t *testing.T) {
 	ctx, pool, tenant := setup(t)
 	// A pool on a port where nothing listens, on this machine.

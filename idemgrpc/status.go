@@ -67,9 +67,12 @@ const (
 	ReasonResponseNotStored = "RESPONSE_NOT_STORED"
 
 	// ReasonRequestFailed (INTERNAL): the call did not complete, because of
-	// a database error, an answer that cannot be stored, or a bug in
-	// Config.Scope or Config.KeyField. Nothing it did was kept: retrying it
-	// with the same key is safe.
+	// a database error, or an error of the server's: Config.Scope gave no
+	// valid scope ("" or over 255 bytes), the answer could not be stored,
+	// Config.KeyField names no string field. Nothing it did was kept:
+	// retrying it with the same key is safe, but the message says so only
+	// when a retry can help, not for an error of the server's that the same
+	// call would meet again.
 	ReasonRequestFailed = "REQUEST_FAILED"
 
 	// ReasonDatabaseUnavailable (UNAVAILABLE): the database could not be
@@ -116,8 +119,14 @@ func (i *interceptor) failed(ctx context.Context, method string, err error, keye
 		return status.FromContextError(ctx.Err()).Err()
 	}
 	code, reason, msg := codes.Internal, ReasonRequestFailed, "idemgrpc: the call could not be completed"
-	if databaseUnavailable(err) {
+	switch {
+	case databaseUnavailable(err):
 		code, reason, msg = codes.Unavailable, ReasonDatabaseUnavailable, "idemgrpc: the call could not be completed: the database is unavailable"
+	case errors.Is(err, idem.ErrInvalidScope), errors.Is(err, idem.ErrResponseTooLarge), errors.Is(err, idem.ErrResponseNotStorable):
+		// The server's own misconfiguration or bug, which the same call
+		// meets again: safe to retry, since nothing was kept, but no use.
+		msg += " because of an error of the server's, which retrying would meet again until the service is fixed"
+		keyed = false
 	}
 	i.logger.LogAttrs(ctx, slog.LevelError, "idemgrpc: call failed; its transaction did not commit",
 		slog.String("method", method), slog.String("code", code.String()), slog.Any("error", err))

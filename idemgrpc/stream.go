@@ -14,6 +14,8 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
+
+	"github.com/pgidem/idem"
 )
 
 // storedCall is the value idem stores for a key and replays. The message
@@ -161,7 +163,8 @@ func replayMetadata(stored map[string][][]byte) metadata.MD {
 
 // storeAnswer returns what is stored of the handler's answer: its response
 // or its error, and the metadata it set. An answer of more than max bytes
-// is stored without its message.
+// is stored without its message. An answer that cannot be stored at all,
+// a bug of the server's, is an error that wraps idem.ErrResponseNotStorable.
 func storeAnswer(rec *recorder, resp any, handlerErr error, max int) (storedCall, error) {
 	var stored storedCall
 	stored.Header, stored.Trailer = rec.metadataOf()
@@ -178,18 +181,20 @@ func storeAnswer(rec *recorder, resp any, handlerErr error, max int) (storedCall
 	} else {
 		msg, ok := resp.(proto.Message)
 		if !ok || msg == nil {
-			return storedCall{}, fmt.Errorf("idemgrpc: the handler's response is a %T, not a protobuf message: only protobuf messages can be stored", resp)
+			return storedCall{}, fmt.Errorf("%w: idemgrpc: the handler's response is a %T, not a protobuf message: only protobuf messages can be stored",
+				idem.ErrResponseNotStorable, resp)
 		}
 		name := msg.ProtoReflect().Descriptor().FullName()
 		if _, err := protoregistry.GlobalTypes.FindMessageByName(name); err != nil {
-			return storedCall{}, fmt.Errorf("idemgrpc: the response type %s is not in protobuf's global registry, where a replay would look for it: %w", name, err)
+			return storedCall{}, fmt.Errorf("%w: idemgrpc: the response type %s is not in protobuf's global registry, where a replay would look for it: %w",
+				idem.ErrResponseNotStorable, name, err)
 		}
 		stored.Type = string(name)
 		wire, err = proto.Marshal(msg)
 		stored.Response = wire
 	}
 	if err != nil {
-		return storedCall{}, fmt.Errorf("idemgrpc: encode the answer: %w", err)
+		return storedCall{}, fmt.Errorf("%w: idemgrpc: encode the answer: %w", idem.ErrResponseNotStorable, err)
 	}
 	if len(wire) > max {
 		stored.Response, stored.Status = nil, nil

@@ -66,8 +66,11 @@ type Config struct {
 	// pick the same key never see each other's responses. It is only called
 	// for requests that carry a key. When it returns an error the request
 	// gets 400 and the handler does not run; the error is not shown to the
-	// client. The scope must be 1 to 255 bytes of UTF-8: any other value is
-	// a server error (500).
+	// client. The scope must be 1 to 255 bytes of UTF-8: any other value,
+	// "" included, is a bug of the server's, not the client's (return an
+	// error for a request that does not say who is calling): the request
+	// gets 500 request-failed, which does not invite a retry, and the
+	// handler does not run.
 	//
 	// It is required, with no default: any default would let two tenants
 	// share keys.

@@ -31,11 +31,16 @@ import (
 //     response's bytes: answer must write the same response for the same
 //     out (a definite failure, such as a declined card, is part of out,
 //     and answered, say, 402, the same each time);
+//   - an input that the flow cannot store ([idem.ErrInputNotStorable]:
+//     too large, or holding a NUL character, say) is 422
+//     input-not-storable, and the flow does not run;
 //   - an error of the flow (a call that failed or whose outcome is
 //     unknown: [idem.ErrFlowIncomplete]) is not stored: 503
 //     operation-incomplete, with Retry-After, and the client's retry
 //     continues the flow where it stopped; a flow whose steps changed
-//     ([idem.ErrFlowChanged]) is 500 request-failed;
+//     ([idem.ErrFlowChanged]), or whose answer cannot be stored, is 500
+//     request-failed, whose detail does not invite a retry: the same
+//     request would meet it again;
 //   - a duplicate waits for the flow's executor up to [Config.Wait], as
 //     the middleware's do, then gets 409 key-in-progress; a flow stopped
 //     for a person's decision gets 409 operation-stopped.
@@ -106,7 +111,7 @@ func (m *Middleware) writeFlowError(w http.ResponseWriter, r *http.Request, err 
 		// does something.
 		m.logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: flow's steps differ from those its operation recorded",
 			slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()), slog.Any("error", err))
-		m.writeProblem(w, http.StatusInternalServerError, ProblemRequestFailed, m.failedDetail("The request could not be completed.", true))
+		m.writeProblem(w, http.StatusInternalServerError, ProblemRequestFailed, serverFaultDetail)
 	case !errors.Is(err, idem.ErrFlowIncomplete):
 		m.WriteError(w, r, err)
 	default:

@@ -329,9 +329,13 @@ func TestInvalidScopeIsServerError(t *testing.T) {
 		Scope:  func(*http.Request) (string, error) { return "", nil },
 		Logger: slog.New(slog.DiscardHandler),
 	}, payHandler(&calls))
-	post(t, srv, "/payments", tenant, "k", `{"amount_cents":100}`).problem(t, http.StatusInternalServerError)
+	p := post(t, srv, "/payments", tenant, "k", `{"amount_cents":100}`).problem(t, http.StatusInternalServerError)
 	if calls.Load() != 0 || countRecords(t, pool, "") != 0 {
 		t.Fatalf("an empty scope ran the handler %d times", calls.Load())
+	}
+	// Every retry would meet the same bug: the answer must not invite one.
+	if detail, _ := p["detail"].(string); strings.Contains(detail, "is safe") || !strings.Contains(detail, "error of the server's") {
+		t.Fatalf("the detail %q invites a retry, or does not say whose the error is", detail)
 	}
 }
 

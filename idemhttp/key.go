@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 
 	"github.com/pgidem/idem"
@@ -16,8 +17,13 @@ import (
 // [idem.ErrInvalidKey] and says what is wrong with the field; given to
 // [Middleware.WriteError], it is answered 400 key-missing when r has no such
 // field and 400 key-invalid otherwise, as the middleware answers it.
+//
+// The field is found whatever the case of its name in r.Header, where an
+// entry set in the map directly, such as r.Header["idempotency-key"],
+// keeps its own spelling: values under two spellings are a field sent
+// twice, which is invalid.
 func (m *Middleware) ParseKey(r *http.Request) (string, error) {
-	values := r.Header.Values(m.header)
+	values, _ := fieldValues(r.Header, m.header)
 	if len(values) == 0 {
 		return "", &keyError{header: m.header, problem: "is missing", missing: true}
 	}
@@ -26,6 +32,32 @@ func (m *Middleware) ParseKey(r *http.Request) (string, error) {
 		return "", &keyError{header: m.header, problem: err.Error()}
 	}
 	return key, nil
+}
+
+// fieldValues returns the values of the header field name in h, whatever
+// the case its name is spelled in, and the spellings other than the
+// canonical one that hold it. http.Header's methods canonicalize names,
+// and net/http does so for a request it reads, but an entry set in the map
+// directly, such as h["idempotency-key"], keeps its own spelling, as
+// http.Header's documentation allows: a key there must not be missed, nor
+// a second key beside it. The canonical entry's values come first, then
+// those of the other spellings, in the order of their names.
+func fieldValues(h http.Header, name string) (values, others []string) {
+	canonical := http.CanonicalHeaderKey(name)
+	for n := range h {
+		if n != canonical && strings.EqualFold(n, canonical) {
+			others = append(others, n)
+		}
+	}
+	if len(others) == 0 {
+		return h[canonical], nil
+	}
+	slices.Sort(others)
+	values = slices.Clone(h[canonical])
+	for _, n := range others {
+		values = append(values, h[n]...)
+	}
+	return values, others
 }
 
 // keyError is a request's key field that cannot be used.

@@ -152,3 +152,53 @@ func TestMiddlewareParseKeyReadsTheConfiguredHeader(t *testing.T) {
 		}
 	}
 }
+
+// TestParseKeyFindsTheFieldWhateverTheCaseOfItsName gives ParseKey, and
+// the middleware, requests whose key's field is set in the header map
+// directly, under names spelled in other cases, as http.Header allows: a
+// key there is found, and two of them are a field sent twice, never read
+// as the one or the other.
+func TestParseKeyFindsTheFieldWhateverTheCaseOfItsName(t *testing.T) {
+	t.Parallel()
+	m, err := NewMiddleware(&pgxpool.Pool{}, Config{Scope: func(*http.Request) (string, error) { return "s", nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	request := func(fields map[string][]string) *http.Request {
+		r := httptest.NewRequest(http.MethodPost, "/payments", nil)
+		for name, values := range fields {
+			r.Header[name] = values
+		}
+		return r
+	}
+	for name, fields := range map[string]map[string][]string{
+		"in lower case":         {"idempotency-key": {"k"}},
+		"in upper case":         {"IDEMPOTENCY-KEY": {`"k"`}},
+		"beside an empty entry": {DefaultHeader: nil, "idempotency-key": {"k"}},
+	} {
+		if key, err := m.ParseKey(request(fields)); err != nil || key != "k" {
+			t.Errorf("%s: ParseKey = %q, %v; want k", name, key, err)
+		}
+	}
+
+	handlerRan := false
+	next := m.Wrap(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { handlerRan = true }))
+	for name, fields := range map[string]map[string][]string{
+		"two keys in two cases":       {DefaultHeader: {"a"}, "idempotency-key": {"b"}},
+		"two keys in two other cases": {"idempotency-key": {"a"}, "IDEMPOTENCY-KEY": {"b"}},
+		"one key in two cases":        {DefaultHeader: {"a"}, "idempotency-key": {"a"}},
+	} {
+		key, err := m.ParseKey(request(fields))
+		if key != "" || !errors.Is(err, idem.ErrInvalidKey) || isKeyMissing(err) || !strings.Contains(err.Error(), "more than once") {
+			t.Errorf("%s: ParseKey = %q, %v; want the error of a field sent twice", name, key, err)
+		}
+		rec := httptest.NewRecorder()
+		next.ServeHTTP(rec, request(fields))
+		if rec.Code != http.StatusBadRequest || !strings.Contains(rec.Body.String(), ProblemKeyInvalid) {
+			t.Errorf("%s: the middleware answered %d %s, want 400 %s", name, rec.Code, rec.Body, ProblemKeyInvalid)
+		}
+	}
+	if handlerRan {
+		t.Error("the handler ran for a request with two keys")
+	}
+}

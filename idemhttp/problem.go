@@ -63,8 +63,12 @@ const (
 	ProblemResponseNotStored = "response-not-stored"
 
 	// ProblemRequestFailed (500): the request did not complete, because of
-	// a database error, a panic in the handler, or a bug in Config.Scope.
-	// Nothing it did was kept: retrying it with the same key is safe.
+	// a database error, a panic in the handler, or an error of the
+	// server's that the same request would meet again: Config.Scope gave
+	// no valid scope, the answer could not be stored, a flow's steps
+	// changed. Nothing it did was kept, or a flow's completed steps only:
+	// retrying it with the same key is safe, but its detail says so only
+	// when a retry can help.
 	ProblemRequestFailed = "request-failed"
 
 	// ProblemDatabaseUnavailable (503): the database could not be reached,
@@ -88,6 +92,15 @@ const (
 	// with the same key, after Retry-After, continues the operation where
 	// it stopped, without repeating what it completed.
 	ProblemOperationIncomplete = "operation-incomplete"
+
+	// ProblemInputNotStorable (422): the operation's input, which a flow
+	// endpoint reads from the request (see [FlowHandler]), cannot be
+	// stored: it is larger than the flow stores, or holds what PostgreSQL
+	// cannot (a NUL character, a lone UTF-16 surrogate, a number out of
+	// range): the detail says which. The flow did not run and nothing was
+	// recorded. The same request gets the same answer: do not retry it;
+	// fix it.
+	ProblemInputNotStorable = "input-not-storable"
 
 	// ProblemOperationStopped (409): the operation with the key was
 	// stopped, for a person to decide what became of it (a call it had
@@ -113,16 +126,22 @@ type problem = httpedge.Details
 //     of [Config.Wait] in seconds, rounded up (so give idem.Run the same
 //     wait).
 //   - a flow's [idem.ErrFlowStopped]: 409 operation-stopped.
+//   - a flow's [idem.ErrInputNotStorable]: 422 input-not-storable.
 //   - an error that says the database could not be reached or the
 //     connection to it broke (pgx's connect errors, a closed connection,
 //     a server shutting down), or [idem.ErrReadOnly] (a standby): 503
 //     database-unavailable, with a Retry-After of 1.
-//   - any other error: 500 request-failed.
+//   - any other error: 500 request-failed. Its detail says that a retry
+//     with the same key is safe, which holds when the error came from
+//     idem, whose transaction did not commit, except for the errors that
+//     the same request would meet again, which are the server's to fix:
+//     [idem.ErrInvalidScope] (Config.Scope gave "" or another scope idem
+//     refuses), [idem.ErrResponseTooLarge] and [idem.ErrResponseNotStorable]
+//     (an answer that cannot be stored).
 //
 // The last two are logged to [Config.Logger], unless the request's context
-// is done: the client went away. All say that a retry with the same key is
-// safe, which holds when the error came from idem, whose transaction did
-// not commit; an error of the handler's own deserves an answer of its own.
+// is done: the client went away. An error of the handler's own deserves an
+// answer of its own.
 func (m *Middleware) WriteError(w http.ResponseWriter, r *http.Request, err error) {
 	var keyErr *keyError
 	switch {
@@ -139,6 +158,15 @@ func (m *Middleware) WriteError(w http.ResponseWriter, r *http.Request, err erro
 		w.Header().Set("Retry-After", m.retryAfter)
 		m.writeProblem(w, http.StatusConflict, ProblemKeyInProgress,
 			"A request with this "+m.header+" is still being processed. Retry it later with the same key.")
+	case errors.Is(err, idem.ErrInputNotStorable):
+		// Before ErrResponseTooLarge and ErrResponseNotStorable, which say
+		// why: the input comes from the request, not from the server.
+		why := "it holds what the database cannot store (a NUL character, a lone UTF-16 surrogate or a number out of range)"
+		if errors.Is(err, idem.ErrResponseTooLarge) {
+			why = "it is larger than the server stores"
+		}
+		m.writeProblem(w, http.StatusUnprocessableEntity, ProblemInputNotStorable,
+			"The operation's input, read from this request, cannot be stored: "+why+". Nothing ran and nothing was recorded; the same request would get this answer again.")
 	case errors.Is(err, idem.ErrFlowStopped):
 		m.logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: operation stopped; it needs a person's decision",
 			slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()), slog.Any("error", err))
@@ -155,9 +183,14 @@ func (m *Middleware) WriteError(w http.ResponseWriter, r *http.Request, err erro
 // the request has a key, with which a retry is safe.
 func (m *Middleware) writeFailed(w http.ResponseWriter, r *http.Request, err error, keyed bool) {
 	status, code, detail := http.StatusInternalServerError, ProblemRequestFailed, "The request could not be completed."
-	if httpedge.DatabaseUnavailable(err) {
+	switch {
+	case httpedge.DatabaseUnavailable(err):
 		status, code, detail = http.StatusServiceUnavailable, ProblemDatabaseUnavailable, "The request could not be completed: the database is unavailable."
 		w.Header().Set("Retry-After", httpedge.UnavailableRetryAfter)
+	case errors.Is(err, idem.ErrInvalidScope), errors.Is(err, idem.ErrResponseTooLarge), errors.Is(err, idem.ErrResponseNotStorable):
+		// The server's own misconfiguration or bug, which the same request
+		// meets again: safe to retry, since nothing was kept, but no use.
+		detail, keyed = serverFaultDetail, false
 	}
 	// When the client went away, it cancelled its own request: nothing
 	// went wrong that an operator must hear about.
@@ -167,6 +200,11 @@ func (m *Middleware) writeFailed(w http.ResponseWriter, r *http.Request, err err
 	}
 	m.writeProblem(w, status, code, m.failedDetail(detail, keyed))
 }
+
+// serverFaultDetail is the detail of a request that failed because of an
+// error of the server's that a retry would meet again.
+const serverFaultDetail = "The request could not be completed because of an error of the server's, " +
+	"which retrying would meet again until the service is fixed; its operators are told."
 
 // failedDetail is detail, the reason a request failed, plus, when it has
 // a key, that retrying with it is safe.

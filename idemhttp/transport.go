@@ -67,6 +67,11 @@ import (
 // A request that already carries the key's field keeps it, as it is: a
 // caller that must know the key before the call (to store it with the
 // operation, so that a restarted process retries with it) sets it itself.
+// The field counts whatever the case of its name: one set in the map
+// directly, as req.Header["idempotency-key"], is sent under the canonical
+// name, and the same key set twice is sent once, so that the server never
+// sees two keys. A request whose field holds two different keys is refused
+// before anything is sent, with an error that wraps [idem.ErrInvalidKey].
 // Otherwise the Transport sets one from [Transport.NewKey], as an RFC 8941
 // sf-string, as the IETF draft specifies. GET, HEAD, OPTIONS and TRACE
 // requests, safe by definition, get no key; they are retried as they are.
@@ -275,13 +280,25 @@ func Attempts(resp *http.Response) (key string, n int) {
 }
 
 // setKey gives out a fresh key, unless it has one or its method is safe,
-// and returns the key as the server reads it.
+// and returns the key as the server reads it. A key the caller set under
+// another spelling of the field's name is moved to the canonical one, and
+// one set twice is sent once; a field that holds two different keys is
+// refused.
 func (s *transportSettings) setKey(out *http.Request) (string, error) {
-	if values := out.Header.Values(s.header); len(values) > 0 {
-		if key, err := parseKey(values); err == nil {
-			return key, nil
+	values, others := fieldValues(out.Header, s.header)
+	for _, name := range others {
+		delete(out.Header, name)
+	}
+	if len(values) > 0 {
+		key := callersKey(values[0])
+		for _, v := range values[1:] {
+			if callersKey(v) != key {
+				return "", fmt.Errorf("idemhttp: Transport: the request's %s header field holds two different keys (under the names %q): "+
+					"a request is one operation, with one key: %w", s.header, append([]string{s.header}, others...), idem.ErrInvalidKey)
+			}
 		}
-		return values[0], nil // the server will say what is wrong with it
+		out.Header[s.header] = values[:1]
+		return key, nil
 	}
 	switch out.Method {
 	case "", http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace: // "" is GET to net/http
@@ -293,6 +310,16 @@ func (s *transportSettings) setKey(out *http.Request) (string, error) {
 	}
 	out.Header.Set(s.header, sfString(key))
 	return key, nil
+}
+
+// callersKey is the key that a value of the key's field holds, unquoted,
+// or the value as it is when it holds no valid key: the server will say
+// what is wrong with it.
+func callersKey(value string) string {
+	if key, err := parseKey([]string{value}); err == nil {
+		return key
+	}
+	return value
 }
 
 // checkNewKey says what is wrong with a key from NewKey, or "".

@@ -238,6 +238,97 @@ func TestTransportKeepsTheCallersKey(t *testing.T) {
 	})
 }
 
+// TestTransportFindsTheCallersKeyWhateverTheCaseOfItsName sets the key
+// in the header map directly, under names spelled in other cases, as
+// http.Header allows: the Transport keeps the caller's key, sends it once
+// under the canonical name, and refuses two different keys before
+// anything is sent.
+func TestTransportFindsTheCallersKeyWhateverTheCaseOfItsName(t *testing.T) {
+	_, pool, tenant := setup(t)
+	// spellings is a Base that records, for each attempt, every entry of
+	// the key's field, under whatever spelling of its name.
+	type spellings struct {
+		mu       sync.Mutex
+		attempts []http.Header
+	}
+	record := func(sp *spellings, base http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			fields := http.Header{}
+			for name, values := range r.Header {
+				if strings.EqualFold(name, idemhttp.DefaultHeader) {
+					fields[name] = values
+				}
+			}
+			sp.mu.Lock()
+			sp.attempts = append(sp.attempts, fields)
+			sp.mu.Unlock()
+			return base.RoundTrip(r)
+		})
+	}
+
+	for name, set := range map[string]func(http.Header, string){
+		"in lower case": func(h http.Header, key string) { h["idempotency-key"] = []string{key} },
+		"in upper case": func(h http.Header, key string) { h["IDEMPOTENCY-KEY"] = []string{key} },
+		"twice, in two cases": func(h http.Header, key string) {
+			h.Set(idemhttp.DefaultHeader, key)
+			h["idempotency-key"] = []string{`"` + key + `"`}
+		},
+		"beside an empty entry": func(h http.Header, key string) { h[idemhttp.DefaultHeader] = nil; h["idempotency-key"] = []string{key} },
+		"twice, in the one name": func(h http.Header, key string) {
+			h.Add(idemhttp.DefaultHeader, key)
+			h.Add(idemhttp.DefaultHeader, key)
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			h := failFirst(1)
+			srv := serve(t, pool, idemhttp.Config{Required: true}, h)
+			sp := &spellings{}
+			client := transportClient(&idemhttp.Transport{BaseDelay: -1}, record(sp, newWire(t)))
+			key := testdb.Name("order")
+			req := newPost(t, srv, "/payments", tenant, noKey, `{}`)
+			set(req.Header, key)
+			before := req.Header.Clone()
+			res, got, attempts := roundTrip(t, client, req)
+			if res.status != http.StatusCreated || got != key || attempts != 2 {
+				t.Fatalf("got %d %s, Attempts = %q, %d; want 201, %q, 2", res.status, res.body, got, attempts, key)
+			}
+			for i, fields := range sp.attempts {
+				if len(fields) != 1 || len(fields[idemhttp.DefaultHeader]) != 1 {
+					t.Fatalf("attempt %d sent the key's field as %q, want one value under %s", i+1, fields, idemhttp.DefaultHeader)
+				}
+			}
+			if keys, _ := h.runs(); len(keys) != 2 || keys[0] != key || keys[1] != key {
+				t.Fatalf("the handler saw the keys %q, want the caller's %q twice", keys, key)
+			}
+			if fmt.Sprint(req.Header) != fmt.Sprint(before) {
+				t.Fatalf("the caller's header became %q, was %q", req.Header, before)
+			}
+		})
+	}
+
+	for name, set := range map[string]func(http.Header){
+		"in two cases":    func(h http.Header) { h.Set(idemhttp.DefaultHeader, "a"); h["idempotency-key"] = []string{"b"} },
+		"in the one name": func(h http.Header) { h.Add(idemhttp.DefaultHeader, "a"); h.Add(idemhttp.DefaultHeader, "b") },
+		"quoted and bare": func(h http.Header) { h["idempotency-key"] = []string{`"a"`}; h["IDEMPOTENCY-KEY"] = []string{"b"} },
+	} {
+		t.Run("two different keys "+name, func(t *testing.T) {
+			t.Parallel()
+			sp := &spellings{}
+			client := transportClient(&idemhttp.Transport{}, record(sp, newWire(t)))
+			req, err := http.NewRequest(http.MethodPost, "http://127.0.0.1:1/payments", strings.NewReader(`{}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			set(req.Header)
+			_, err = client.Do(req)
+			if !errors.Is(err, idem.ErrInvalidKey) || !strings.Contains(err.Error(), "two different keys") || len(sp.attempts) != 0 {
+				t.Fatalf("got %v after %d attempts; want an error wrapping idem.ErrInvalidKey, before any attempt", err, len(sp.attempts))
+			}
+		})
+	}
+}
+
 // roundTripFunc is a function as an http.RoundTripper.
 type roundTripFunc func(*http.Request) (*http.Response, error)
 

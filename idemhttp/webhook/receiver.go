@@ -284,6 +284,14 @@ func (rc *Receiver) fail(w http.ResponseWriter, r *http.Request, ev Event, err e
 		w.Header().Set("Retry-After", httpedge.UnavailableRetryAfter)
 		rc.writeProblem(w, http.StatusServiceUnavailable, idemhttp.ProblemDatabaseUnavailable,
 			"The event could not be applied: the database is unavailable. Delivering it again later is safe.")
+	case !isHandler && errors.Is(err, idem.ErrInvalidScope):
+		// Config.Scope gave a scope idem refuses: the server's bug, which
+		// every delivery meets until it is fixed; the sender's retries
+		// then get through.
+		rc.metrics.delivery(ctx, outcomeFailed, reasonError, true)
+		rc.logger.LogAttrs(ctx, slog.LevelError, "webhook: Config.Scope gave a scope idem refuses; nothing was written", append(attrs, slog.Any("error", err))...)
+		rc.writeProblem(w, http.StatusInternalServerError, idemhttp.ProblemRequestFailed,
+			"The event could not be applied because of an error of the receiver's, which its operators are told of. Nothing of it was kept.")
 	default:
 		reason := reasonError
 		if isHandler {

@@ -51,6 +51,7 @@ var titles = map[string]string{
 	"request-invalid":      "Request invalid",
 	"operation-incomplete": "Operation not completed yet",
 	"operation-stopped":    "Operation stopped",
+	"input-not-storable":   "Operation input cannot be stored",
 
 	"webhook-unsigned":          "Webhook not signed",
 	"webhook-malformed":         "Webhook signature malformed",

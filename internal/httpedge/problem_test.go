@@ -20,6 +20,7 @@ func TestEveryCodeHasATitle(t *testing.T) {
 		idemhttp.ProblemKeyReused, idemhttp.ProblemKeyInProgress, idemhttp.ProblemResponseNotStored,
 		idemhttp.ProblemRequestFailed, idemhttp.ProblemDatabaseUnavailable,
 		idemhttp.ProblemRequestInvalid, idemhttp.ProblemOperationIncomplete, idemhttp.ProblemOperationStopped,
+		idemhttp.ProblemInputNotStorable,
 		webhook.ProblemUnsigned, webhook.ProblemMalformed, webhook.ProblemSignatureInvalid,
 		webhook.ProblemStale, webhook.ProblemIDReused,
 	} {

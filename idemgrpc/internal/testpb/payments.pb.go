@@ -182,10 +182,11 @@ const file_payments_proto_rawDesc = "" +
 	"\x06labels\x18\x04 \x03(\v2%.idemgrpc.test.v1.Payment.LabelsEntryR\x06labels\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\x8e\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\xd3\x01\n" +
 	"\bPayments\x12>\n" +
 	"\x03Pay\x12\x1c.idemgrpc.test.v1.PayRequest\x1a\x19.idemgrpc.test.v1.Payment\x12B\n" +
-	"\x05Watch\x12\x1c.idemgrpc.test.v1.PayRequest\x1a\x19.idemgrpc.test.v1.Payment0\x01B1Z/github.com/pgidem/idem/idemgrpc/internal/testpbb\x06proto3"
+	"\x05Watch\x12\x1c.idemgrpc.test.v1.PayRequest\x1a\x19.idemgrpc.test.v1.Payment0\x01\x12C\n" +
+	"\x03Get\x12\x1c.idemgrpc.test.v1.PayRequest\x1a\x19.idemgrpc.test.v1.Payment\"\x03\x90\x02\x01B1Z/github.com/pgidem/idem/idemgrpc/internal/testpbb\x06proto3"
 
 var (
 	file_payments_proto_rawDescOnce sync.Once
@@ -211,10 +212,12 @@ var file_payments_proto_depIdxs = []int32{
 	3, // 1: idemgrpc.test.v1.Payment.labels:type_name -> idemgrpc.test.v1.Payment.LabelsEntry
 	0, // 2: idemgrpc.test.v1.Payments.Pay:input_type -> idemgrpc.test.v1.PayRequest
 	0, // 3: idemgrpc.test.v1.Payments.Watch:input_type -> idemgrpc.test.v1.PayRequest
-	1, // 4: idemgrpc.test.v1.Payments.Pay:output_type -> idemgrpc.test.v1.Payment
-	1, // 5: idemgrpc.test.v1.Payments.Watch:output_type -> idemgrpc.test.v1.Payment
-	4, // [4:6] is the sub-list for method output_type
-	2, // [2:4] is the sub-list for method input_type
+	0, // 4: idemgrpc.test.v1.Payments.Get:input_type -> idemgrpc.test.v1.PayRequest
+	1, // 5: idemgrpc.test.v1.Payments.Pay:output_type -> idemgrpc.test.v1.Payment
+	1, // 6: idemgrpc.test.v1.Payments.Watch:output_type -> idemgrpc.test.v1.Payment
+	1, // 7: idemgrpc.test.v1.Payments.Get:output_type -> idemgrpc.test.v1.Payment
+	5, // [5:8] is the sub-list for method output_type
+	2, // [2:5] is the sub-list for method input_type
 	2, // [2:2] is the sub-list for extension type_name
 	2, // [2:2] is the sub-list for extension extendee
 	0, // [0:2] is the sub-list for field type_name

@@ -4,6 +4,8 @@ import (
 	"context"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // Written by hand, as protoc-gen-go-grpc would write it, shorter: the
@@ -13,13 +15,15 @@ import (
 const (
 	PaymentsPay   = "/idemgrpc.test.v1.Payments/Pay"
 	PaymentsWatch = "/idemgrpc.test.v1.Payments/Watch"
+	PaymentsGet   = "/idemgrpc.test.v1.Payments/Get"
 )
 
 // PaymentsServer is the server side of the Payments service. Its functions
-// may be nil: a nil Watch is not called.
+// may be nil: a nil Watch is not called, a nil Get answers UNIMPLEMENTED.
 type PaymentsServer struct {
 	Pay   func(ctx context.Context, req *PayRequest) (*Payment, error)
 	Watch func(req *PayRequest, stream grpc.ServerStreamingServer[Payment]) error
+	Get   func(ctx context.Context, req *PayRequest) (*Payment, error)
 }
 
 // Register registers srv on s.
@@ -27,20 +31,10 @@ func (srv *PaymentsServer) Register(s grpc.ServiceRegistrar) {
 	s.RegisterService(&grpc.ServiceDesc{
 		ServiceName: "idemgrpc.test.v1.Payments",
 		HandlerType: (*any)(nil),
-		Methods: []grpc.MethodDesc{{
-			MethodName: "Pay",
-			Handler: func(_ any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
-				in := new(PayRequest)
-				if err := dec(in); err != nil {
-					return nil, err
-				}
-				handler := func(ctx context.Context, req any) (any, error) { return srv.Pay(ctx, req.(*PayRequest)) }
-				if interceptor == nil {
-					return handler(ctx, in)
-				}
-				return interceptor(ctx, in, &grpc.UnaryServerInfo{Server: srv, FullMethod: PaymentsPay}, handler)
-			},
-		}},
+		Methods: []grpc.MethodDesc{
+			srv.unary("Pay", PaymentsPay, &srv.Pay),
+			srv.unary("Get", PaymentsGet, &srv.Get),
+		},
 		Streams: []grpc.StreamDesc{{
 			StreamName:    "Watch",
 			ServerStreams: true,
@@ -56,6 +50,30 @@ func (srv *PaymentsServer) Register(s grpc.ServiceRegistrar) {
 	}, srv)
 }
 
+// unary is the description of the unary method name, served by the
+// function *fn holds when it is called.
+func (srv *PaymentsServer) unary(name, fullMethod string, fn *func(context.Context, *PayRequest) (*Payment, error)) grpc.MethodDesc {
+	return grpc.MethodDesc{
+		MethodName: name,
+		Handler: func(_ any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
+			in := new(PayRequest)
+			if err := dec(in); err != nil {
+				return nil, err
+			}
+			handler := func(ctx context.Context, req any) (any, error) {
+				if *fn != nil {
+					return (*fn)(ctx, req.(*PayRequest))
+				}
+				return nil, status.Error(codes.Unimplemented, name+" is not implemented")
+			}
+			if interceptor == nil {
+				return handler(ctx, in)
+			}
+			return interceptor(ctx, in, &grpc.UnaryServerInfo{Server: srv, FullMethod: fullMethod}, handler)
+		},
+	}
+}
+
 // PaymentsClient is the client side of the Payments service.
 type PaymentsClient struct{ cc grpc.ClientConnInterface }
 
@@ -66,6 +84,15 @@ func NewPaymentsClient(cc grpc.ClientConnInterface) PaymentsClient { return Paym
 func (c PaymentsClient) Pay(ctx context.Context, in *PayRequest, opts ...grpc.CallOption) (*Payment, error) {
 	out := new(Payment)
 	if err := c.cc.Invoke(ctx, PaymentsPay, in, out, opts...); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// Get calls Payments.Get.
+func (c PaymentsClient) Get(ctx context.Context, in *PayRequest, opts ...grpc.CallOption) (*Payment, error) {
+	out := new(Payment)
+	if err := c.cc.Invoke(ctx, PaymentsGet, in, out, opts...); err != nil {
 		return nil, err
 	}
 	return out, nil
