@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/faultproxy"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
@@ -21,11 +22,9 @@ import (
 // forwarding, without closing anything: to the client, a connection whose
 // server (or network) stopped answering.
 type freezer struct {
-	ln     net.Listener
+	proxy  *faultproxy.Proxy
 	frozen chan struct{}
 	once   sync.Once
-	mu     sync.Mutex
-	conns  []net.Conn
 }
 
 // setupFrozen returns a pool whose only connection runs through a freezer,
@@ -42,14 +41,17 @@ func setupFrozen(t *testing.T) (context.Context, *pgxpool.Pool, string, *freezer
 		// (see docs/pgbouncer.md, "What to configure").
 		cfg = env.DirectPool(t).Config()
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	f := &freezer{frozen: make(chan struct{})}
+	network, address := faultproxy.PostgresAddress(cfg.ConnConfig.Host, cfg.ConnConfig.Port)
+	f.proxy, err = faultproxy.Start(faultproxy.Config{
+		Network: network,
+		Address: address,
+		Pipes:   func() (faultproxy.Pipe, faultproxy.Pipe) { return f.pipe, f.pipe },
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	f := &freezer{ln: ln, frozen: make(chan struct{})}
-	target := net.JoinHostPort(cfg.ConnConfig.Host, itoa(int(cfg.ConnConfig.Port)))
-	go f.serve(target)
-	addr := ln.Addr().(*net.TCPAddr)
+	addr := f.proxy.Addr()
 	cfg.ConnConfig.Host, cfg.ConnConfig.Port = addr.IP.String(), uint16(addr.Port)
 	cfg.ConnConfig.Fallbacks = nil
 	cfg.MaxConns = 1
@@ -64,27 +66,8 @@ func setupFrozen(t *testing.T) (context.Context, *pgxpool.Pool, string, *freezer
 	return ctx, pool, scope, f
 }
 
-func (f *freezer) serve(target string) {
-	for {
-		client, err := f.ln.Accept()
-		if err != nil {
-			return
-		}
-		server, err := net.Dial("tcp", target)
-		if err != nil {
-			client.Close()
-			continue
-		}
-		f.mu.Lock()
-		f.conns = append(f.conns, client, server)
-		f.mu.Unlock()
-		go f.pipe(client, server)
-		go f.pipe(server, client)
-	}
-}
-
 // pipe forwards from src to dst until frozen, then holds what it reads.
-func (f *freezer) pipe(src, dst net.Conn) {
+func (f *freezer) pipe(dst, src net.Conn) {
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
@@ -109,21 +92,7 @@ func (f *freezer) freeze() { f.once.Do(func() { close(f.frozen) }) }
 
 func (f *freezer) close() {
 	f.freeze()
-	f.ln.Close()
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	for _, c := range f.conns {
-		c.Close()
-	}
-}
-
-func itoa(n int) string { return string(appendInt(nil, n)) }
-
-func appendInt(b []byte, n int) []byte {
-	if n >= 10 {
-		b = appendInt(b, n/10)
-	}
-	return append(b, byte('0'+n%10))
+	f.proxy.Close()
 }
 
 // cleanupBound is how long a call may outlive its context, as WithTx

@@ -123,7 +123,7 @@ for applications that run goose themselves. [Purge] and [StartPurger]
 delete expired records in small batches, to keep the table small.
 [WithObserver] records metrics, spans and log lines through OpenTelemetry's
 API and log/slog; [WithCodec] seals stored responses, to encrypt or redact
-them. The idem command (cmd/idem) migrates, purges, inspects and measures.
+them. The idem command (cmd/idem) migrates, purges and inspects.
 
 A key's advisory lock has a bigint id with 0x1de0 in its top 16 bits and a
 48-bit hash of scope and key below: the ids 0x1de0000000000000 to

@@ -290,3 +290,49 @@ func TestLinkAnchorsAreSpeltAsGitHubDoes(t *testing.T) {
 		t.Error("headingAnchors took a line of a code block for a heading")
 	}
 }
+
+// TestDocsRunOnlyPackagesAndCommandsThatExist checks the go commands of
+// the README and docs/*.md: every ./path they name (go run, go test, go
+// vet, go build) is a directory of the repository, and every "go run
+// ./lab X" or "go run ./cmd/idem X" names a command of that program.
+func TestDocsRunOnlyPackagesAndCommandsThatExist(t *testing.T) {
+	t.Parallel()
+	goCommand := regexp.MustCompile(`\bgo (?:run|test|vet|build)\b[^` + "`" + `\n]*`)
+	path := regexp.MustCompile(`(?:^|\s)(\./[\w./-]*)`)
+	subcommand := regexp.MustCompile(`\bgo run \./(lab|cmd/idem) (\w[\w-]*)`)
+	mains := map[string]string{}
+	checked := 0
+	for _, doc := range documents(t) {
+		src, err := os.ReadFile(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, line := range strings.Split(string(src), "\n") {
+			for _, cmd := range goCommand.FindAllString(line, -1) {
+				for _, m := range path.FindAllStringSubmatch(cmd, -1) {
+					dir := strings.TrimSuffix(strings.TrimSuffix(m[1], "..."), "/")
+					if info, err := os.Stat(dir); err != nil || !info.IsDir() {
+						t.Errorf("%s:%d: %q names %s, which is no directory of the repository", doc, i+1, cmd, m[1])
+					}
+					checked++
+				}
+			}
+			for _, m := range subcommand.FindAllStringSubmatch(line, -1) {
+				program, name := m[1], m[2]
+				if _, ok := mains[program]; !ok {
+					src, err := os.ReadFile(filepath.Join(program, "main.go"))
+					if err != nil {
+						t.Fatal(err)
+					}
+					mains[program] = string(src)
+				}
+				if !strings.Contains(mains[program], `{"`+name+`", `) {
+					t.Errorf("%s:%d: go run ./%s %s: no such command in %s/main.go", doc, i+1, program, name, program)
+				}
+			}
+		}
+	}
+	if checked < 10 {
+		t.Fatalf("checked %d paths: the documents' commands were not found", checked)
+	}
+}

@@ -252,6 +252,12 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			obs.claimDone(outcomeMismatch)
 			return nil, nil, ErrFingerprintMismatch
 		case rec.State == flowDone:
+			// The claim's batch committed before it answered: under
+			// synchronous replication, once the standby had the answer
+			// (FlowGet's standby_wait, syncrep.go).
+			if err := replayConfirmed(ctx); err != nil {
+				return nil, nil, err
+			}
 			obs.claimDone(outcomeReplayed)
 			return nil, rec.Output, nil
 		case rec.State == flowAttention:

@@ -38,7 +38,9 @@ type Result[T any] struct {
 // Do claims the key in tx, runs fn with tx, and records the key with fn's
 // value (as JSON) in tx, so that fn's writes and the record commit together
 // or not at all. A call for a key whose operation already committed does not
-// run fn: it returns the stored value with Replayed set. Scopes are separate
+// run fn: it returns the stored value with Replayed set; under synchronous
+// replication, tx's COMMIT then waits until the standby has the record
+// (docs/failover.md), so answer once tx committed. Scopes are separate
 // namespaces: pass the tenant or client identity, so that two tenants using
 // the same key never see each other's records.
 //

@@ -15,7 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/idemtest/pgtemp"
+	"github.com/pgidem/idem/internal/pgtemp"
 	"github.com/pgidem/idem/internal/testdb"
 )
 

@@ -19,7 +19,10 @@ import (
 // has no transaction of its own. Like [WithTx], it retries the whole
 // transaction on serialization failures and deadlocks, so that under
 // SERIALIZABLE a duplicate that loses the race sees a replay, not an error.
-// A replay rolls its transaction back: it wrote nothing.
+// A replay commits its transaction, in which it wrote nothing, unless the
+// server waits for a synchronous standby: then the replay answers once the
+// standby has the record (docs/failover.md). A call whose context ends
+// before its COMMIT returns gets the context's error, not the answer.
 //
 // The transaction is READ COMMITTED unless [WithTxOptions] says otherwise.
 // Given a *pgxpool.Pool, *pgxpool.Conn or *pgx.Conn, Run sends BEGIN in the
@@ -77,6 +80,10 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 		}
 		if found {
 			obs.claimDone(outcomeReplayed)
+			// The lookup's statement committed before it answered.
+			if err := replayConfirmed(ctx); err != nil {
+				return Result[T]{}, err
+			}
 			return replayed[T](stored, k.scope, o)
 		}
 	}
@@ -109,7 +116,11 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 		return Result[T]{}, err
 	}
 	if c.outcome == outcomeReplayed {
-		return replayed[T](c.stored, k.scope, o) // the deferred rollback ends tx
+		if err := commitReplay(ctx, tx); err != nil {
+			return Result[T]{}, err
+		}
+		finished = true
+		return replayed[T](c.stored, k.scope, o)
 	}
 
 	res, s, err := execute(ctx, tx, k, c, fn, o)
@@ -119,6 +130,9 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 	finished = true
 	// A CommitQuery of the caller's must run as given, outside the pipeline.
 	if err := commitWith(ctx, tx, conn != nil && o.txOptions.CommitQuery == "", s); err != nil {
+		return Result[T]{}, err
+	}
+	if err := commitConfirmed(ctx); err != nil {
 		return Result[T]{}, err
 	}
 	return res, nil

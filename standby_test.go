@@ -5,7 +5,6 @@ import (
 	"errors"
 	"strings"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -84,78 +83,5 @@ func TestRunOnAStandbyIsErrReadOnly(t *testing.T) {
 	}
 	if calls.Load() != 1 {
 		t.Errorf("fn ran %d times on the standby", calls.Load()-1)
-	}
-}
-
-// TestAReplayDoesNotWaitForTheSynchronousStandby shows the gap in what
-// synchronous replication promises that docs/failover.md describes. The
-// standby is synchronous, then stops; a call's COMMIT waits for it until
-// the client's deadline, when pgx closes the connection and sends a
-// cancel request. PostgreSQL then stops waiting and keeps the commit on
-// the primary alone, and the retry replays it, answered though the
-// standby never had it: a failover to that standby would lose it.
-// statement_timeout does not end the wait.
-func TestAReplayDoesNotWaitForTheSynchronousStandby(t *testing.T) {
-	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	pair := testdb.StartPair(t, ctx)
-	// The pair's servers do not wait for a flush on commit (Fast); this
-	// pool's sessions do, and so wait for the synchronous standby.
-	cfg, err := pgxpool.ParseConfig(pair.Primary.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	for _, stmt := range []string{`ALTER SYSTEM SET synchronous_standby_names = '*'`, `SELECT pg_reload_conf()`} {
-		if _, err := pool.Exec(ctx, stmt); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for {
-		var sync bool
-		if err := pool.QueryRow(ctx, `SELECT count(*) > 0 FROM pg_stat_replication WHERE sync_state = 'sync'`).Scan(&sync); err != nil {
-			t.Fatal(err)
-		}
-		if sync {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if err := pair.Standby.Kill(syscall.SIGQUIT); err != nil {
-		t.Fatal(err)
-	}
-
-	scope := testdb.Name("sync")
-	var calls atomic.Int64
-	callWithin := func(pool *pgxpool.Pool, key string, d time.Duration) error {
-		deadline, cancel := context.WithTimeout(ctx, d)
-		defer cancel()
-		_, err := idem.Run(deadline, pool, scope, key, fpA, pay(scope, key, 100, &calls))
-		return err
-	}
-	if err := callWithin(pool, "k", time.Second); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("a call whose COMMIT waits for a stopped standby got %v, want its deadline", err)
-	}
-	retry, err := idem.Run(ctx, pool, scope, "k", fpA, pay(scope, "k", 100, &calls), idem.WithWait(30*time.Second))
-	if err != nil || !retry.Replayed || calls.Load() != 1 {
-		t.Fatalf("the retry got %+v, %v (fn ran %d times); want a replay of the commit the standby never had", retry, err, calls.Load())
-	}
-
-	// statement_timeout, unlike a cancel request, does not end the wait:
-	// the call still runs into its deadline.
-	cfg.ConnConfig.RuntimeParams["statement_timeout"] = "1s"
-	timed, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer timed.Close()
-	if err := callWithin(timed, "timed", 3*time.Second); !errors.Is(err, context.DeadlineExceeded) {
-		t.Errorf("with statement_timeout = 1s, a call whose COMMIT waits for a stopped standby got %v, want its deadline", err)
 	}
 }

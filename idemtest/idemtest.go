@@ -1,6 +1,15 @@
 // Package idemtest gives an application's tests PostgreSQL databases of
 // their own, each with idem's migrations applied.
 //
+// What idem promises rests on the server: a unique constraint arbitrates
+// each key, and the claim commits or rolls back with the application's own
+// write. A test of code built on idem proves something only against a real
+// PostgreSQL, so idemtest offers the one idem's own tests use: found or
+// started by the same code, a fresh database for every test (tests run in
+// parallel and share nothing), and nothing to set up on a developer's
+// machine or in CI beyond a PostgreSQL installation, Docker, or
+// TEST_DATABASE_URL.
+//
 // Call [Main] from the package's TestMain, and [Pool] in each test that
 // needs a database:
 //
@@ -24,10 +33,10 @@
 //  2. a postgres container started with testcontainers-go, where Docker
 //     runs;
 //  3. a throwaway server started from a PostgreSQL installation on the
-//     machine (see [github.com/pgidem/idem/idemtest/pgtemp]), as an
-//     unprivileged user when the tests run as root.
+//     machine (initdb and postgres on PATH or in the usual install
+//     directories), in a temporary directory, listening on 127.0.0.1
+//     only, as an unprivileged user when the tests run as root.
 //
-// These are the servers idem's own tests run on, found by the same code.
 // When none of them works, Main fails the test binary before any test
 // runs, saying what it tried and how to fix each: the tests never skip
 // for want of a database. Only under -short does Pool skip its test, and

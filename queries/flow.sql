@@ -99,7 +99,18 @@ RETURNING f.operation, f.epoch;
 -- skipped its row): neither to replay nor to judge.
 SELECT name, fingerprint, state, output, last_error,
        coalesce(leased_until > clock_timestamp(), false)::bool AS leased,
-       coalesce(expires_at <= now(), false)::bool AS expired
+       coalesce(expires_at <= now(), false)::bool AS expired,
+       -- As KeyGet's standby_wait: a completed flow's answer is replayed
+       -- once a synchronous standby has it.
+       CASE
+           WHEN state = 'done'
+            AND expires_at > now()
+            AND current_setting('synchronous_standby_names') <> ''
+            AND current_setting('synchronous_commit') IN ('on', 'remote_write', 'remote_apply')
+            AND NOT pg_is_in_recovery()
+           THEN pg_logical_emit_message(true, 'idem'::text, ''::text) IS NOT NULL
+           ELSE false
+       END::bool AS standby_wait
 FROM idem_flow
 WHERE scope = @scope::text
   AND key = @key::text;

@@ -63,7 +63,28 @@ CROSS JOIN waited;
 -- a record committed by the lock's previous holder is seen: one statement
 -- would read with a snapshot taken before its lock. Run's lookup before its
 -- transaction (WithLookupFirst) uses it too.
-SELECT fingerprint, state, response, (expires_at <= now())::bool AS expired
+--
+-- standby_wait: a record to replay (live, completed) may have been
+-- committed on the primary alone, if its COMMIT's wait for a synchronous
+-- standby was cut short; a replay must answer only once the standby has it.
+-- PostgreSQL makes a COMMIT wait for the synchronous standby only when its
+-- transaction has a transaction id and wrote WAL, so when the session's
+-- COMMITs wait for one (synchronous_standby_names set, synchronous_commit
+-- on, remote_write or remote_apply, a primary), KeyGet writes a
+-- transactional logical message (prefix 'idem', empty; with its commit
+-- record, two WAL records of 89 bytes) and reports true: the COMMIT of its
+-- transaction then waits until the standby has the WAL up to it, the
+-- record's commit included. Otherwise it writes nothing and reports false.
+SELECT fingerprint, state, response, (expires_at <= now())::bool AS expired,
+       CASE
+           WHEN state = 'done'
+            AND expires_at > now()
+            AND current_setting('synchronous_standby_names') <> ''
+            AND current_setting('synchronous_commit') IN ('on', 'remote_write', 'remote_apply')
+            AND NOT pg_is_in_recovery()
+           THEN pg_logical_emit_message(true, 'idem'::text, ''::text) IS NOT NULL
+           ELSE false
+       END::bool AS standby_wait
 FROM idempotency_key
 WHERE scope = @scope::text
   AND key = @key::text;

@@ -1,4 +1,5 @@
-// Command idem runs idem's migrations and maintenance, and demonstrates it.
+// Command idem is idem's operator command: it runs idem's migrations and
+// maintenance, and shows what its tables hold.
 //
 // Usage:
 //
@@ -6,13 +7,11 @@
 //
 // The server comes from DATABASE_URL, or else from the standard PG*
 // variables (PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, ...). The
-// operator commands (migrate, purge, stats, inspect, flow-end) act on that
-// database and print it before acting; demo, bench, soak and flowsoak never
-// write into a
-// database they did not create: they make one of their own on that server
-// and drop it at the end, or, with nothing configured, start a throwaway
-// server. schema prints idem's tables as SQL and connects to nothing. Run
-// "idem <command> -h" for what a command does and its flags.
+// commands (migrate, purge, stats, inspect, flow-end) act on that database
+// and print it before acting; schema prints idem's tables as SQL and
+// connects to nothing. Run "idem <command> -h" for what a command does and
+// its flags. The demo, the soaks and the benchmarks are not part of it: they
+// live in the repository's lab (go run ./lab, from a checkout).
 package main
 
 import (
@@ -43,10 +42,6 @@ type command struct {
 
 func commands() []command {
 	return []command{
-		{"demo", "fire a retry storm of payments and show that none is lost or doubled", runDemo},
-		{"soak", "inject faults under a payment load and check that nothing is lost or doubled", runSoak},
-		{"flowsoak", "kill the processes running flows that call a provider, and check every effect happened once", runFlowSoak},
-		{"bench", "compare idem.Run with a bare transaction and other designs, side by side", runBench},
 		{"migrate", "apply, roll back or list the embedded migrations: migrate up|down|status", runMigrate},
 		{"purge", "delete expired records in batches", runPurge},
 		{"stats", "show the operations running now, records by state, the table's size, the outbox backlog and the flows", runStats},
@@ -57,8 +52,9 @@ func commands() []command {
 }
 
 func main() {
-	// Output piped into a reader that quits (idem demo | head) must not kill
-	// the command before it drops what it created: writes fail instead.
+	// Output piped into a reader that quits (idem stats | head) must not kill
+	// the command in the middle of a migration or a purge: writes fail
+	// instead.
 	signal.Ignore(syscall.SIGPIPE)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -108,8 +104,7 @@ func usage(w io.Writer, cmds []command) {
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "The server comes from DATABASE_URL, or else the standard PG* variables.")
 	fmt.Fprintln(w, "migrate, purge, stats, inspect and flow-end act on that database, and print")
-	fmt.Fprintln(w, "it first; demo, bench, soak and flowsoak create a database of their own there")
-	fmt.Fprintln(w, "and drop it at the end (with nothing set, they start a throwaway server).")
+	fmt.Fprintln(w, "it first.")
 }
 
 // usageError is a bad command line: exit code 2.

@@ -257,7 +257,6 @@ func TestHelpSaysWhatCommandsDo(t *testing.T) {
 		"stats -h":   {"past expiry", "in progress", "oldest live record", "outbox", "only reads"},
 		"purge -h":   {"past their expiry", "-batch", "2147483647"},
 		"inspect -h": {"-show-response", "before or after SCOPE and KEY"},
-		"demo -h":    {"database of its own", "dropped at the end"},
 	} {
 		code, out := runCommand(t, "", strings.Fields(args)...)
 		if code != exitOK {

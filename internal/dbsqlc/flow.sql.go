@@ -296,7 +296,18 @@ func (q *Queries) FlowEnd(ctx context.Context, arg FlowEndParams) (int64, error)
 const flowGet = `-- name: FlowGet :one
 SELECT name, fingerprint, state, output, last_error,
        coalesce(leased_until > clock_timestamp(), false)::bool AS leased,
-       coalesce(expires_at <= now(), false)::bool AS expired
+       coalesce(expires_at <= now(), false)::bool AS expired,
+       -- As KeyGet's standby_wait: a completed flow's answer is replayed
+       -- once a synchronous standby has it.
+       CASE
+           WHEN state = 'done'
+            AND expires_at > now()
+            AND current_setting('synchronous_standby_names') <> ''
+            AND current_setting('synchronous_commit') IN ('on', 'remote_write', 'remote_apply')
+            AND NOT pg_is_in_recovery()
+           THEN pg_logical_emit_message(true, 'idem'::text, ''::text) IS NOT NULL
+           ELSE false
+       END::bool AS standby_wait
 FROM idem_flow
 WHERE scope = $1::text
   AND key = $2::text
@@ -315,6 +326,7 @@ type FlowGetRow struct {
 	LastError   pgtype.Text
 	Leased      bool
 	Expired     bool
+	StandbyWait bool
 }
 
 // FlowGet reads what a caller who neither started nor took the flow over
@@ -333,6 +345,7 @@ func (q *Queries) FlowGet(ctx context.Context, arg FlowGetParams) (FlowGetRow, e
 		&i.LastError,
 		&i.Leased,
 		&i.Expired,
+		&i.StandbyWait,
 	)
 	return i, err
 }

@@ -55,7 +55,7 @@ func QueueKeyClaimWait(b *pgx.Batch, arg KeyClaimWaitParams, row *KeyClaimWaitRo
 // batch's results are read. No record is not an error.
 func QueueKeyGet(b *pgx.Batch, arg KeyGetParams, row *KeyGetRow, found *bool) {
 	b.Queue(keyGet, arg.Scope, arg.Key).QueryRow(func(r pgx.Row) error {
-		err := r.Scan(&row.Fingerprint, &row.State, &row.Response, &row.Expired)
+		err := r.Scan(&row.Fingerprint, &row.State, &row.Response, &row.Expired, &row.StandbyWait)
 		*found = err == nil
 		if errors.Is(err, pgx.ErrNoRows) {
 			return nil
@@ -138,7 +138,7 @@ func QueueFlowAdopt(b *pgx.Batch, arg FlowAdoptParams, row *FlowAdoptRow, adopte
 // batch's results are read. No flow is not an error.
 func QueueFlowGet(b *pgx.Batch, arg FlowGetParams, row *FlowGetRow, found *bool) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowGet(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return noRow(r.Scan(&row.Name, &row.Fingerprint, &row.State, &row.Output, &row.LastError, &row.Leased, &row.Expired), found)
+		return noRow(r.Scan(&row.Name, &row.Fingerprint, &row.State, &row.Output, &row.LastError, &row.Leased, &row.Expired, &row.StandbyWait), found)
 	})
 }
 

@@ -33,7 +33,7 @@ var wireSQL = [wireStatements]string{keyLock, keyGet, keyInsert, keyReplace, key
 // connection's own statement cache (pgx's) names its statements by a hash
 // of their text, so these cannot collide with them.
 var wireNames = [wireStatements]string{
-	"idem_key_lock_1", "idem_key_get_1", "idem_key_insert_1", "idem_key_replace_1", "idem_key_store_response_1",
+	"idem_key_lock_1", "idem_key_get_2", "idem_key_insert_1", "idem_key_replace_1", "idem_key_store_response_1",
 }
 
 // Formats: every argument and every result column is sent in binary, but
@@ -353,9 +353,9 @@ func decodeTimestamptz(v []byte) pgtype.Timestamptz {
 }
 
 // KeyGet's row: fingerprint bytea, state text, response jsonb (binary:
-// a version byte, then the text), expired bool.
+// a version byte, then the text), expired bool, standby_wait bool.
 func decodeKeyGet(v [][]byte, row *KeyGetRow) error {
-	if len(v) != 4 || v[0] == nil || v[1] == nil || len(v[3]) != 1 {
+	if len(v) != 5 || v[0] == nil || v[1] == nil || len(v[3]) != 1 || len(v[4]) != 1 {
 		return errWireColumns
 	}
 	row.Fingerprint = append(row.Fingerprint[:0], v[0]...)
@@ -368,6 +368,7 @@ func decodeKeyGet(v [][]byte, row *KeyGetRow) error {
 		row.Response = append([]byte(nil), v[2][1:]...)
 	}
 	row.Expired = v[3][0] != 0
+	row.StandbyWait = v[4][0] != 0
 	return nil
 }
 

@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/idemtest/pgtemp"
+	"github.com/pgidem/idem/internal/pgtemp"
 )
 
 // Pair is a throwaway primary and a streaming standby of it, of one test:

@@ -5,7 +5,7 @@
 // the same code (internal/testserver): TEST_DATABASE_URL when set; a
 // postgres container started with testcontainers-go where Docker runs;
 // otherwise a throwaway server started from a PostgreSQL installation on
-// the machine (see idemtest/pgtemp), as an unprivileged user when the tests
+// the machine (see internal/pgtemp), as an unprivileged user when the tests
 // run as root. When none of them works the test binary fails before
 // running anything, saying what it tried and how to fix it: database tests
 // never skip, except under -short, which skips them and says so.

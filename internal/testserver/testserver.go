@@ -5,7 +5,7 @@
 // The server is, in this order: the one TEST_DATABASE_URL names; a
 // postgres container started with testcontainers-go where Docker runs;
 // otherwise a throwaway server started from a PostgreSQL installation on
-// the machine (see idemtest/pgtemp). When none of them works the test
+// the machine (see internal/pgtemp). When none of them works the test
 // binary fails before running anything, saying what it tried and how to
 // fix it: database tests never skip, except under -short.
 package testserver
@@ -29,7 +29,7 @@ import (
 	"github.com/testcontainers/testcontainers-go"
 	"github.com/testcontainers/testcontainers-go/modules/postgres"
 
-	"github.com/pgidem/idem/idemtest/pgtemp"
+	"github.com/pgidem/idem/internal/pgtemp"
 )
 
 // Server is the server of one test binary.

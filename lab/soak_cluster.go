@@ -11,7 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/pgidem/idem/idemtest/pgtemp"
+	"github.com/pgidem/idem/internal/pgtemp"
 )
 
 // The failover soak's servers: a throwaway primary and a streaming standby

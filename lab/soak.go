@@ -136,7 +136,7 @@ type soakConfig struct {
 	noFsync bool
 }
 
-// defaultSoakConfig returns the configuration of "idem soak" without flags:
+// defaultSoakConfig returns the configuration of "go run ./lab soak" without flags:
 // sized to finish in about a minute on two cores.
 func defaultSoakConfig() soakConfig {
 	return soakConfig{
@@ -338,13 +338,13 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 	run.appName = appName
 
 	adminConn := admin.Config().ConnConfig
-	proxy, err := newChaosProxy(dialerFor(adminConn.Host, adminConn.Port), cfg.CutBeforeCommit, cfg.CutAfterCommit, cfg.startupDelay)
+	proxy, err := newChaosProxy(adminConn.Host, adminConn.Port, cfg.CutBeforeCommit, cfg.CutAfterCommit, cfg.startupDelay)
 	if err != nil {
 		return nil, err
 	}
-	defer proxy.close()
+	defer proxy.Close()
 	run.proxy = proxy
-	run.pool, err = proxiedPool(ctx, admin, proxy.addr().Port, appName, cfg.Clients)
+	run.pool, err = proxiedPool(ctx, admin, proxy.Addr().Port, appName, cfg.Clients)
 	if err != nil {
 		return nil, err
 	}
@@ -355,7 +355,7 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 	} else {
 		fmt.Fprintf(stdout, "idem soak: %d payments from %d clients, scope %s\n", cfg.Payments, cfg.Clients, run.scope)
 	}
-	fmt.Fprintf(stdout, "  through a cutting proxy on %s\n", proxy.addr())
+	fmt.Fprintf(stdout, "  through a cutting proxy on %s\n", proxy.Addr())
 	fmt.Fprintf(stdout, "  faults: %s\n", describeFaults(cfg))
 
 	chaosCtx, stopChaos := context.WithCancel(ctx)
@@ -406,7 +406,7 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 			CutInWrite:        run.cutInWrite.Load(),
 			Restarts:          restarts.Load(),
 		},
-		Connections: proxy.accepted.Load(),
+		Connections: proxy.Accepted(),
 		Elapsed:     elapsed,
 		LongestLate: time.Duration(run.longestLate.Load()),
 	}

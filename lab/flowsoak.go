@@ -16,7 +16,7 @@ import (
 	"github.com/pgidem/idem"
 )
 
-// idem flowsoak: flows (a local reserve, a call to a payment provider, a
+// go run ./lab flowsoak: flows (a local reserve, a call to a payment provider, a
 // local record) run by worker processes that are killed at every point of
 // a flow, against a fake provider that honours idempotency keys and counts
 // what it applied, with provider calls that fail, time out or lose their
@@ -104,7 +104,7 @@ type flowSoakConfig struct {
 	Verbose bool
 }
 
-// defaultFlowSoakConfig is the configuration of "idem flowsoak" without
+// defaultFlowSoakConfig is the configuration of "go run ./lab flowsoak" without
 // flags.
 func defaultFlowSoakConfig() flowSoakConfig {
 	return flowSoakConfig{

@@ -14,7 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/cmd/idem/internal/bench"
+	"github.com/pgidem/idem/lab/bench"
 )
 
 func runBench(ctx context.Context, args []string, stdout io.Writer) error {
@@ -30,7 +30,7 @@ the end.
 The first execution against bare and against the floor at 32 clients with
 a 1 ms round trip, in one line:
 
-  idem bench -delay 1ms -clients 32 -storm-keys 0`)
+  go run ./lab bench -delay 1ms -clients 32 -storm-keys 0`)
 	clientList := fs.String("clients", "1,8,32", "comma-separated client counts to measure at")
 	rounds := fs.Int("rounds", 5, "interleaved rounds of every phase")
 	ops := fs.Int("ops", 300, "operations per phase per round")

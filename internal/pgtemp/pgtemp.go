@@ -16,10 +16,10 @@
 // for tests of what a client sees when its primary fails over.
 //
 // It is the last of the servers [github.com/pgidem/idem/idemtest] tries,
-// and the one the idem command's demo, bench and soak start when no
-// database is configured. It needs nothing but the standard library, pgx
-// and idem, so that a program using it links neither the testing package
-// nor testcontainers-go.
+// and the one the lab's demo, bench and soaks start when no database is
+// configured. It needs nothing but the standard library, pgx and idem, so
+// that a program using it links neither the testing package nor
+// testcontainers-go.
 package pgtemp
 
 import (

@@ -17,7 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgidem/idem/idemtest/pgtemp"
+	"github.com/pgidem/idem/internal/pgtemp"
 )
 
 // connVars are the environment variables that say which server to use.
@@ -58,19 +58,6 @@ func parseConfig(connString string) (*pgxpool.Config, error) {
 		return nil, usageError{fmt.Errorf("parse the connection settings: %w", err)}
 	}
 	return cfg, nil
-}
-
-// connect opens a pool on DATABASE_URL, or on the PG* variables when it is
-// unset, after saying on stdout what it connects to, and checks that the
-// server answers. It is for the operator commands, which act on the
-// database they are given.
-func connect(ctx context.Context, stdout io.Writer, command string, maxConns int32) (*pgxpool.Pool, error) {
-	cfg, err := parseConfig(os.Getenv("DATABASE_URL"))
-	if err != nil {
-		return nil, err
-	}
-	fmt.Fprintf(stdout, "idem %s: %s\n", command, where(cfg.ConnConfig))
-	return openPool(ctx, cfg, maxConns)
 }
 
 // connectTo opens a pool on connString and checks that the server answers.

@@ -2,7 +2,6 @@ package bench_test
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"io"
 	"net"
@@ -12,12 +11,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pgidem/idem/cmd/idem/internal/bench"
+	"github.com/pgidem/idem/lab/bench"
 )
 
 // echoServer listens on 127.0.0.1 and sends back what it reads, until the
-// test ends.
-func echoServer(t *testing.T) func(ctx context.Context) (net.Conn, error) {
+// test ends. It returns its address.
+func echoServer(t *testing.T) string {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -37,8 +36,7 @@ func echoServer(t *testing.T) func(ctx context.Context) (net.Conn, error) {
 			wg.Go(func() { _, _ = io.Copy(c, c); _ = c.Close() })
 		}
 	})
-	var d net.Dialer
-	return func(ctx context.Context) (net.Conn, error) { return d.DialContext(ctx, "tcp", l.Addr().String()) }
+	return l.Addr().String()
 }
 
 func dialProxy(t *testing.T, p *bench.DelayProxy) net.Conn {
@@ -53,7 +51,7 @@ func dialProxy(t *testing.T, p *bench.DelayProxy) net.Conn {
 
 func TestDelayProxyAddsTheRoundTripAndKeepsTheOrder(t *testing.T) {
 	const delay = 30 * time.Millisecond
-	p, err := bench.NewDelayProxy(echoServer(t), delay)
+	p, err := bench.NewDelayProxy("tcp", echoServer(t), delay)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,7 +107,7 @@ func TestDelayProxyAddsTheRoundTripAndKeepsTheOrder(t *testing.T) {
 }
 
 func TestDelayProxyAllocatesNothingPerMessage(t *testing.T) {
-	p, err := bench.NewDelayProxy(echoServer(t), 100*time.Microsecond)
+	p, err := bench.NewDelayProxy("tcp", echoServer(t), 100*time.Microsecond)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,7 +138,7 @@ func TestDelayProxyAllocatesNothingPerMessage(t *testing.T) {
 }
 
 func TestDelayProxyCloseEndsItsConnections(t *testing.T) {
-	p, err := bench.NewDelayProxy(echoServer(t), time.Millisecond)
+	p, err := bench.NewDelayProxy("tcp", echoServer(t), time.Millisecond)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,8 +14,8 @@ import (
 	tracenoop "go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/cmd/idem/internal/bench"
 	"github.com/pgidem/idem/internal/testdb"
+	"github.com/pgidem/idem/lab/bench"
 )
 
 var env *testdb.Env
@@ -66,9 +66,9 @@ func BenchmarkRunVsBare(b *testing.B) {
 // against bare and against the floor, the floor's against bare, and the
 // heap allocations and round trips of each phase per operation. The
 // 32-client ratios, in
-// one line (idem bench -delay 1ms prints them for every phase):
+// one line (go run ./lab bench -delay 1ms prints them for every phase):
 //
-//	go test -run '^$' -bench 'RunVsFloorDelayed/clients=32$' -benchtime 5x ./cmd/idem/internal/bench
+//	go test -run '^$' -bench 'RunVsFloorDelayed/clients=32$' -benchtime 5x ./lab/bench
 func BenchmarkRunVsFloorDelayed(b *testing.B) {
 	const roundTrip = time.Millisecond
 	direct := env.Pool(b)
@@ -294,7 +294,7 @@ func BenchmarkObserverCost(b *testing.B) {
 // records. It reports the purge rate over the windows with a purger, and
 // the load's p50 and p99 latency and throughput with a purger against
 // without, over all windows of each kind. It takes about a minute; run it
-// alone: go test -run '^$' -bench PurgerMillion -benchtime 1x ./cmd/idem/internal/bench
+// alone: go test -run '^$' -bench PurgerMillion -benchtime 1x ./lab/bench
 func BenchmarkPurgerMillionRows(b *testing.B) {
 	pool := env.Pool(b)
 	ctx := context.Background()

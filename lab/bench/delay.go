@@ -2,16 +2,16 @@ package bench
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem/internal/faultproxy"
 )
 
 // DelayProxy is a TCP proxy on 127.0.0.1 that puts a round trip's delay
@@ -29,7 +29,7 @@ import (
 // make two milliseconds. The round trip added is still somewhat longer
 // than the delay asked for: the timer's lateness, and the proxy's own
 // hops, 0.2 to 0.5 ms in all for 1 ms on a busy 2-core machine.
-// [PingTime] measures it, and idem bench prints it.
+// [PingTime] measures it, and go run ./lab bench prints it.
 //
 // Each connection has a goroutine per direction, and one more to write
 // back what was held; once a connection's buffers exist, passing messages
@@ -38,51 +38,37 @@ import (
 // what it passes: TLS goes through it. It counts round trips, as the times
 // a client sent something after the proxy had passed it a reply.
 type DelayProxy struct {
-	listener net.Listener
-	dial     func(ctx context.Context) (net.Conn, error)
-	delay    time.Duration
-
-	mu     sync.Mutex
-	conns  map[*delayedConn]struct{}
-	closed bool
-	wg     sync.WaitGroup
+	proxy *faultproxy.Proxy
+	delay time.Duration
 
 	roundTrips atomic.Int64
 }
 
-// delayedConn is one client connection and its connection to the server.
+// delayedConn is the state one connection's two directions share.
 type delayedConn struct {
-	client, server net.Conn
-	closeOnce      sync.Once
 	// replied is set when the client was passed something from the server,
 	// and cleared when the client next sends: each clearing is a round trip.
 	replied atomic.Bool
 }
 
-func (c *delayedConn) close() {
-	c.closeOnce.Do(func() {
-		_ = c.client.Close()
-		_ = c.server.Close()
-	})
-}
-
 // NewDelayProxy starts a proxy on 127.0.0.1 that forwards every connection
-// to the server that dial reaches, adding roundTrip to each round trip.
-func NewDelayProxy(dial func(ctx context.Context) (net.Conn, error), roundTrip time.Duration) (*DelayProxy, error) {
+// to the server at network and address (as net.Dial takes them), adding
+// roundTrip to each round trip.
+func NewDelayProxy(network, address string, roundTrip time.Duration) (*DelayProxy, error) {
 	if roundTrip < 0 {
 		return nil, fmt.Errorf("delay proxy: negative delay %v", roundTrip)
 	}
-	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	p := &DelayProxy{delay: roundTrip}
+	proxy, err := faultproxy.Start(faultproxy.Config{Network: network, Address: address, Pipes: p.pipes})
 	if err != nil {
-		return nil, fmt.Errorf("delay proxy: listen: %w", err)
+		return nil, fmt.Errorf("delay proxy: %w", err)
 	}
-	p := &DelayProxy{listener: listener, dial: dial, delay: roundTrip, conns: make(map[*delayedConn]struct{})}
-	p.wg.Go(p.accept)
+	p.proxy = proxy
 	return p, nil
 }
 
 // Addr returns the address the proxy listens on.
-func (p *DelayProxy) Addr() *net.TCPAddr { return p.listener.Addr().(*net.TCPAddr) }
+func (p *DelayProxy) Addr() *net.TCPAddr { return p.proxy.Addr() }
 
 // RoundTrips returns how many round trips the proxy's connections made so
 // far: the times a client sent something after it had been passed a reply.
@@ -93,59 +79,14 @@ func (p *DelayProxy) RoundTrips() int64 { return p.roundTrips.Load() }
 
 // Close stops accepting, closes every connection and waits for the proxy's
 // goroutines to end.
-func (p *DelayProxy) Close() {
-	_ = p.listener.Close()
-	p.mu.Lock()
-	p.closed = true
-	for c := range p.conns {
-		c.close()
-	}
-	p.mu.Unlock()
-	p.wg.Wait()
-}
+func (p *DelayProxy) Close() { p.proxy.Close() }
 
-func (p *DelayProxy) accept() {
-	for {
-		client, err := p.listener.Accept()
-		if errors.Is(err, net.ErrClosed) {
-			return
-		}
-		if err != nil {
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		p.wg.Go(func() { p.serve(client) })
-	}
-}
-
-func (p *DelayProxy) serve(client net.Conn) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	server, err := p.dial(ctx)
-	cancel()
-	if err != nil {
-		_ = client.Close()
-		return
-	}
-	c := &delayedConn{client: client, server: server}
+// pipes returns a new connection's two directions: what the client sends
+// goes on at once; what the server sends is held.
+func (p *DelayProxy) pipes() (toServer, toClient faultproxy.Pipe) {
+	c := new(delayedConn)
 	c.replied.Store(true) // the startup message opens the first round trip
-	p.mu.Lock()
-	if p.closed {
-		p.mu.Unlock()
-		c.close()
-		return
-	}
-	p.conns[c] = struct{}{}
-	p.mu.Unlock()
-	defer func() {
-		c.close()
-		p.mu.Lock()
-		delete(p.conns, c)
-		p.mu.Unlock()
-	}()
-	var pumps sync.WaitGroup
-	// What the client sends goes on at once; when the client is gone, so
-	// is the connection.
-	pumps.Go(func() {
+	toServer = func(server, client net.Conn) {
 		buf := make([]byte, 32<<10)
 		for {
 			n, err := client.Read(buf)
@@ -154,19 +95,18 @@ func (p *DelayProxy) serve(client net.Conn) {
 					p.roundTrips.Add(1)
 				}
 				if _, werr := server.Write(buf[:n]); werr != nil {
-					break
+					return
 				}
 			}
 			if err != nil {
-				break
+				return
 			}
 		}
-		c.close()
-	})
-	// What the server sends is held; when the server ends the connection,
-	// what it sent before still reaches the client, late like the rest.
-	pumps.Go(func() { p.hold(c); c.close() })
-	pumps.Wait()
+	}
+	// When the server ends the connection, what it sent before still
+	// reaches the client, late like the rest.
+	toClient = func(client, server net.Conn) { p.hold(c, client, server) }
+	return toServer, toClient
 }
 
 // chunk is what one read from the server returned, and when it is due.
@@ -182,8 +122,7 @@ const maxHeld = 64
 // hold copies the server's side of c to the client's, each chunk read
 // written delay later, in order. Buffers go back to a free list, so that a
 // steady stream allocates none.
-func (p *DelayProxy) hold(c *delayedConn) {
-	src, dst := c.server, c.client
+func (p *DelayProxy) hold(c *delayedConn, dst, src net.Conn) {
 	queue := make(chan chunk, maxHeld)
 	free := make(chan []byte, maxHeld+2)
 	var writer sync.WaitGroup
@@ -237,14 +176,8 @@ func (p *DelayProxy) hold(c *delayedConn) {
 func DelayedPool(ctx context.Context, cfg *pgxpool.Config, roundTrip time.Duration, maxConns int32) (*pgxpool.Pool, *DelayProxy, error) {
 	cfg = cfg.Copy()
 	cc := cfg.ConnConfig
-	network, address := "tcp", net.JoinHostPort(cc.Host, fmt.Sprint(cc.Port))
-	if strings.HasPrefix(cc.Host, "/") {
-		network, address = "unix", fmt.Sprintf("%s/.s.PGSQL.%d", cc.Host, cc.Port)
-	}
-	var d net.Dialer
-	proxy, err := NewDelayProxy(func(ctx context.Context) (net.Conn, error) {
-		return d.DialContext(ctx, network, address)
-	}, roundTrip)
+	network, address := faultproxy.PostgresAddress(cc.Host, cc.Port)
+	proxy, err := NewDelayProxy(network, address, roundTrip)
 	if err != nil {
 		return nil, nil, err
 	}

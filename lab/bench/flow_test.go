@@ -8,8 +8,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgidem/idem/cmd/idem/internal/bench"
 	"github.com/pgidem/idem/internal/testdb"
+	"github.com/pgidem/idem/lab/bench"
 )
 
 // flowBenchConns is the pool size of the flow comparison: a service's
@@ -28,7 +28,7 @@ const flowBenchConns = 10
 // the most connections its pool had handed out at once and the mean over
 // the phase's time, and the time an operation waited for a connection.
 //
-//	go test -run '^$' -bench FlowVsTxHeldAcrossCall -benchtime 3x ./cmd/idem/internal/bench
+//	go test -run '^$' -bench FlowVsTxHeldAcrossCall -benchtime 3x ./lab/bench
 func BenchmarkFlowVsTxHeldAcrossCall(b *testing.B) {
 	direct := env.Pool(b)
 	ctx := context.Background()
@@ -89,7 +89,7 @@ func BenchmarkFlowVsTxHeldAcrossCall(b *testing.B) {
 // allocations, and the WAL bytes written (bench.DatabaseWAL, full-page
 // images left out). -v logs where the bytes go.
 //
-//	go test -run '^$' -bench FlowPerOperation -benchtime 1x -v ./cmd/idem/internal/bench
+//	go test -run '^$' -bench FlowPerOperation -benchtime 1x -v ./lab/bench
 func BenchmarkFlowPerOperation(b *testing.B) {
 	direct := env.Pool(b)
 	ctx := context.Background()

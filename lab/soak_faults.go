@@ -79,7 +79,7 @@ func (r *soakRun) inject(ctx context.Context, tx pgx.Tx, fault soakFault) bool {
 		}
 		r.terminatesDue.Add(1)
 	case cutFault:
-		if r.proxy.cutClient(conn.Conn().LocalAddr()) {
+		if r.proxy.CutClient(conn.Conn().LocalAddr()) {
 			r.cutInWrite.Add(1)
 			return true
 		}

@@ -3,17 +3,16 @@ package main
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/pgidem/idem/internal/faultproxy"
 )
 
 // chaosProxy is a TCP proxy between the soak's pool and PostgreSQL that
@@ -30,8 +29,7 @@ import (
 // The proxied connections must not use TLS: the proxy could not read the
 // protocol through it.
 type chaosProxy struct {
-	listener net.Listener
-	dial     func(ctx context.Context) (net.Conn, error)
+	*faultproxy.Proxy
 
 	// cutBeforeCommit and cutAfterCommit are the chances that a COMMIT
 	// seen in one direction or the other gets its connection cut.
@@ -41,158 +39,46 @@ type chaosProxy struct {
 	// connection, as a busy machine makes connecting slow. Tests set it.
 	startupDelay time.Duration
 
-	mu     sync.Mutex
-	conns  map[*proxiedConn]struct{}
-	closed bool
-	wg     sync.WaitGroup
-
-	accepted         atomic.Int64
 	cutsBeforeCommit atomic.Int64
 	cutsAfterCommit  atomic.Int64
 	cutsRandom       atomic.Int64
 }
 
-// proxiedConn is one client connection and its connection to the server.
-type proxiedConn struct {
-	client, server net.Conn
-	closeOnce      sync.Once
-}
-
-// close closes both sides, and reports whether they were still open. A cut
-// is nothing more: each side sees its peer vanish without a goodbye.
-func (c *proxiedConn) close() bool {
-	closed := false
-	c.closeOnce.Do(func() {
-		_ = c.client.Close()
-		_ = c.server.Close()
-		closed = true
-	})
-	return closed
-}
-
 // newChaosProxy starts a proxy on 127.0.0.1 that forwards every connection
-// to the server that dial reaches, each startupDelay slower to start.
-func newChaosProxy(dial func(ctx context.Context) (net.Conn, error), cutBeforeCommit, cutAfterCommit float64, startupDelay time.Duration) (*chaosProxy, error) {
-	listener, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, fmt.Errorf("proxy: listen: %w", err)
-	}
+// to the server at host and port, as libpq reads them, each startupDelay
+// slower to start.
+func newChaosProxy(host string, port uint16, cutBeforeCommit, cutAfterCommit float64, startupDelay time.Duration) (*chaosProxy, error) {
 	p := &chaosProxy{
-		listener:        listener,
-		dial:            dial,
 		cutBeforeCommit: cutBeforeCommit,
 		cutAfterCommit:  cutAfterCommit,
 		startupDelay:    startupDelay,
-		conns:           make(map[*proxiedConn]struct{}),
 	}
-	p.wg.Go(p.accept)
+	network, address := faultproxy.PostgresAddress(host, port)
+	proxy, err := faultproxy.Start(faultproxy.Config{
+		Network: network,
+		Address: address,
+		Pipes:   func() (faultproxy.Pipe, faultproxy.Pipe) { return p.pumpFrontend, p.pumpBackend },
+	})
+	if err != nil {
+		return nil, err
+	}
+	p.Proxy = proxy
 	return p, nil
-}
-
-// addr returns the address the proxy listens on.
-func (p *chaosProxy) addr() *net.TCPAddr { return p.listener.Addr().(*net.TCPAddr) }
-
-// close stops accepting, cuts every connection and waits for the proxy's
-// goroutines to end.
-func (p *chaosProxy) close() {
-	_ = p.listener.Close()
-	p.mu.Lock()
-	p.closed = true
-	for c := range p.conns {
-		c.close()
-	}
-	p.mu.Unlock()
-	p.wg.Wait()
 }
 
 // cutRandom cuts one connection chosen at random, whatever it is doing, and
 // reports whether there was one to cut.
 func (p *chaosProxy) cutRandom() bool {
-	p.mu.Lock()
-	var victim *proxiedConn
-	if n := len(p.conns); n > 0 {
-		skip := rand.IntN(n)
-		for c := range p.conns {
-			if skip == 0 {
-				victim = c
-				break
-			}
-			skip--
-		}
-	}
-	p.mu.Unlock()
-	if victim == nil || !victim.close() {
+	if !p.CutRandom() {
 		return false
 	}
 	p.cutsRandom.Add(1)
 	return true
 }
 
-// cutClient cuts the connection whose client end is at addr, and reports
-// whether it was open.
-func (p *chaosProxy) cutClient(addr net.Addr) bool {
-	p.mu.Lock()
-	var victim *proxiedConn
-	for c := range p.conns {
-		if c.client.RemoteAddr().String() == addr.String() {
-			victim = c
-			break
-		}
-	}
-	p.mu.Unlock()
-	return victim != nil && victim.close()
-}
-
-func (p *chaosProxy) accept() {
-	for {
-		client, err := p.listener.Accept()
-		if errors.Is(err, net.ErrClosed) {
-			return
-		}
-		if err != nil {
-			// Out of file descriptors, say: the clients' connects fail
-			// meanwhile, and they retry.
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		p.accepted.Add(1)
-		p.wg.Go(func() { p.serve(client) })
-	}
-}
-
 // proxyDialTimeout bounds the connection to the server, so that a server
 // that is down (restarting) fails the client's connect instead of hanging.
-const proxyDialTimeout = 5 * time.Second
-
-func (p *chaosProxy) serve(client net.Conn) {
-	ctx, cancel := context.WithTimeout(context.Background(), proxyDialTimeout)
-	server, err := p.dial(ctx)
-	cancel()
-	if err != nil {
-		_ = client.Close()
-		return
-	}
-	c := &proxiedConn{client: client, server: server}
-	p.mu.Lock()
-	if p.closed {
-		p.mu.Unlock()
-		c.close()
-		return
-	}
-	p.conns[c] = struct{}{}
-	p.mu.Unlock()
-	defer func() {
-		c.close()
-		p.mu.Lock()
-		delete(p.conns, c)
-		p.mu.Unlock()
-	}()
-
-	var pumps sync.WaitGroup
-	pumps.Go(func() { p.pumpFrontend(c); c.close() })
-	pumps.Go(func() { p.pumpBackend(c); c.close() })
-	pumps.Wait()
-}
+const proxyDialTimeout = faultproxy.DialTimeout
 
 // maxMessageLength bounds the length field the proxy trusts. Nothing the
 // soak sends or receives comes near it; a larger value means the stream is
@@ -245,9 +131,9 @@ func grow(b []byte, n int) []byte {
 // connection instead of forwarding a COMMIT when the dice say so. The
 // server then sees the transaction's statements but never its COMMIT, and
 // rolls it back when it sees the connection gone.
-func (p *chaosProxy) pumpFrontend(c *proxiedConn) {
-	in := &messageReader{r: bufio.NewReaderSize(c.client, 32<<10), untyped: true}
-	out := bufio.NewWriterSize(c.server, 32<<10)
+func (p *chaosProxy) pumpFrontend(server, client net.Conn) {
+	in := &messageReader{r: bufio.NewReaderSize(client, 32<<10), untyped: true}
+	out := bufio.NewWriterSize(server, 32<<10)
 	// commitStatements holds the names of the prepared statements that are
 	// a COMMIT, since a prepared COMMIT runs by name, without its text.
 	commitStatements := make(map[string]bool)
@@ -276,9 +162,9 @@ func (p *chaosProxy) pumpFrontend(c *proxiedConn) {
 // pumpBackend forwards server messages to the client, and cuts the
 // connection instead of forwarding the completion of a COMMIT when the dice
 // say so. The server has committed by then; the client never learns it.
-func (p *chaosProxy) pumpBackend(c *proxiedConn) {
-	in := &messageReader{r: bufio.NewReaderSize(c.server, 32<<10)}
-	out := bufio.NewWriterSize(c.client, 32<<10)
+func (p *chaosProxy) pumpBackend(client, server net.Conn) {
+	in := &messageReader{r: bufio.NewReaderSize(server, 32<<10)}
+	out := bufio.NewWriterSize(client, 32<<10)
 	started := false
 	for {
 		msg, err := in.next()
@@ -356,21 +242,4 @@ func cstring(b []byte) []byte {
 		return b[:i]
 	}
 	return b
-}
-
-// dialerFor returns how the proxy reaches the server at host and port: a
-// Unix socket when host is a directory, as libpq reads it, or else TCP.
-func dialerFor(host string, port uint16) func(ctx context.Context) (net.Conn, error) {
-	network, address := "tcp", net.JoinHostPort(host, fmt.Sprint(port))
-	if strings.HasPrefix(host, "/") {
-		network, address = "unix", fmt.Sprintf("%s/.s.PGSQL.%d", host, port)
-	}
-	var d net.Dialer
-	return func(ctx context.Context) (net.Conn, error) {
-		conn, err := d.DialContext(ctx, network, address)
-		if err != nil {
-			return nil, fmt.Errorf("proxy: dial %s: %w", address, err)
-		}
-		return conn, nil
-	}
 }

@@ -1,0 +1,56 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+)
+
+// runCommand runs the command line args against databaseURL and returns
+// its exit code and output. It sets DATABASE_URL, so its tests are not
+// parallel.
+func runCommand(t *testing.T, databaseURL string, args ...string) (int, string) {
+	t.Helper()
+	t.Setenv("DATABASE_URL", databaseURL)
+	t.Setenv("PGCONNECT_TIMEOUT", "5")
+	var out bytes.Buffer
+	code := run(context.Background(), args, &out, &out)
+	return code, out.String()
+}
+
+// TestLabCommandLine checks the lab's usage, its exit codes for a bad
+// command line, and that each command's -h says what it does.
+func TestLabCommandLine(t *testing.T) {
+	code, out := runCommand(t, "")
+	if code != exitUsage || !strings.Contains(out, "Usage: go run ./lab <command>") {
+		t.Errorf("no command: exit %d, want %d and the usage\n%s", code, exitUsage, out)
+	}
+	for _, c := range commands() {
+		if !strings.Contains(out, "\n  "+c.name+" ") {
+			t.Errorf("the usage does not list %s:\n%s", c.name, out)
+		}
+	}
+	if code, out := runCommand(t, "", "migrate"); code != exitUsage || !strings.Contains(out, `unknown command "migrate"`) {
+		t.Errorf("the operator's command: exit %d, want %d\n%s", code, exitUsage, out)
+	}
+	if code, out := runCommand(t, "", "demo", "-payments", "0"); code != exitUsage {
+		t.Errorf("demo -payments 0: exit %d, want %d\n%s", code, exitUsage, out)
+	}
+	for args, want := range map[string][]string{
+		"demo -h":     {"Usage: go run ./lab demo", "database of its own", "dropped at the end"},
+		"soak -h":     {"Usage: go run ./lab soak", "-failover"},
+		"flowsoak -h": {"Usage: go run ./lab flowsoak", "-ops"},
+		"bench -h":    {"Usage: go run ./lab bench", "-delay"},
+	} {
+		code, out := runCommand(t, "", strings.Fields(args)...)
+		if code != exitOK {
+			t.Errorf("%s: exit %d", args, code)
+		}
+		for _, w := range want {
+			if !strings.Contains(out, w) {
+				t.Errorf("%s does not say %q:\n%s", args, w, out)
+			}
+		}
+	}
+}
