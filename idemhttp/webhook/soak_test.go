@@ -22,6 +22,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp/webhook"
+	"github.com/pgidem/idem/internal/faultproxy"
 	"github.com/pgidem/idem/internal/otelrec"
 	"github.com/pgidem/idem/internal/testserver"
 	"github.com/pgidem/idem/outbox"
@@ -120,8 +121,18 @@ func TestWebhookSoak(t *testing.T) {
 		recv.ServeHTTP(w, r)
 	}))
 	defer srv.Close()
-	proxy := newSoakProxy(t, srv.Listener.Addr().String(), 0.1, 0.1)
-	url := "http://" + proxy.addr() + "/webhooks"
+	var cutBefore, cutAfter atomic.Int64
+	proxy, err := faultproxy.Start(faultproxy.Config{
+		Address: srv.Listener.Addr().String(),
+		Pipes: func() (toServer, toClient faultproxy.Pipe) {
+			return cutFirst(0.1, &cutBefore), cutFirst(0.1, &cutAfter)
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer proxy.Close()
+	url := "http://" + proxy.Addr().String() + "/webhooks"
 
 	// The events, and their messages in the outbox.
 	dest := "soak-" + run
@@ -240,7 +251,7 @@ func TestWebhookSoak(t *testing.T) {
 	relays.Wait()
 	stopFaults()
 	faults.Wait()
-	proxy.close()
+	proxy.Close()
 
 	var rows, distinct, doubled, wrongState int
 	if err := pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id) FROM `+effects).Scan(&rows, &distinct); err != nil {
@@ -256,7 +267,7 @@ func TestWebhookSoak(t *testing.T) {
 	t.Logf("events: %d (%d entities × %d versions), delivered by the relays and by a sender of twins and redeliveries, out of order", len(events), *soakEntities, *soakVersions)
 	t.Logf("deliveries sent: %d; acknowledged %d (%d as redeliveries); cut by the proxy %d (before the receiver got them %d, after it answered %d); 409 %d; 503 %d; other 5xx %d",
 		tally.deliveries.Load(), tally.acknowledged.Load(), tally.replayed.Load(), tally.cut.Load(),
-		proxy.cutBefore.Load(), proxy.cutAfter.Load(), tally.inProgress.Load(), tally.unavailable.Load(), tally.failed.Load())
+		cutBefore.Load(), cutAfter.Load(), tally.inProgress.Load(), tally.unavailable.Load(), tally.failed.Load())
 	t.Logf("receiver's connections terminated: %d; receiver counted %v", kills.Load(), counts)
 	t.Logf("effects: %d for %d events (%d distinct); doubled: %d; valid deliveries refused: %d; entities not at their newest version: %d",
 		rows, len(events), distinct, doubled, tally.refused.Load(), wrongState)
@@ -275,9 +286,9 @@ func TestWebhookSoak(t *testing.T) {
 	if wrongState != 0 {
 		t.Errorf("%d entities not at their newest version", wrongState)
 	}
-	if proxy.cutAfter.Load() == 0 || proxy.cutBefore.Load() == 0 || tally.replayed.Load() == 0 {
+	if cutAfter.Load() == 0 || cutBefore.Load() == 0 || tally.replayed.Load() == 0 {
 		t.Errorf("the soak injected too little: %d cuts after, %d before, %d redeliveries acknowledged",
-			proxy.cutAfter.Load(), proxy.cutBefore.Load(), tally.replayed.Load())
+			cutAfter.Load(), cutBefore.Load(), tally.replayed.Load())
 	}
 }
 
@@ -366,84 +377,27 @@ func slicesChunk[T any](s []T, n int) func(func([]T) bool) {
 	}
 }
 
-// soakProxy is the smallest connection-cutting proxy this soak needs, kept
-// here until the repository's shared fault-injecting proxy lands (the
-// lab's move out of cmd/idem makes one): a TCP proxy for connections that
-// each carry one HTTP request (the senders disable keep-alive), which cuts
-// a connection, with the given chances, when its request's first bytes
-// arrive, before forwarding them (the receiver never gets the delivery),
-// or when the answer's first bytes arrive, before forwarding them (the
-// receiver answers only after its commit: the delivery was applied, and
-// the sender cannot know). It listens on 127.0.0.1 only.
-type soakProxy struct {
-	listener            net.Listener
-	target              string
-	before, after       float64
-	cutBefore, cutAfter atomic.Int64
-	wg                  sync.WaitGroup
-}
-
-func newSoakProxy(t *testing.T, target string, before, after float64) *soakProxy {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &soakProxy{listener: l, target: target, before: before, after: after}
-	p.wg.Go(func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			p.wg.Go(func() { p.serve(c) })
-		}
-	})
-	t.Cleanup(p.close)
-	return p
-}
-
-func (p *soakProxy) addr() string { return p.listener.Addr().String() }
-
-func (p *soakProxy) close() {
-	_ = p.listener.Close()
-	p.wg.Wait()
-}
-
-func (p *soakProxy) serve(client net.Conn) {
-	defer client.Close()
-	server, err := net.Dial("tcp", p.target)
-	if err != nil {
-		return
-	}
-	defer server.Close()
-	var pumps sync.WaitGroup
-	pumps.Go(func() { p.pump(server, client, p.before, &p.cutBefore) })
-	pumps.Go(func() { p.pump(client, server, p.after, &p.cutAfter) })
-	pumps.Wait()
-}
-
-// pump copies from src to dst, and with the chance cut closes both ends
-// when the first bytes arrive, instead of forwarding them.
-func (p *soakProxy) pump(dst, src net.Conn, cut float64, cuts *atomic.Int64) {
-	defer dst.Close()
-	defer src.Close()
-	buf := make([]byte, 32<<10)
-	first := true
-	for {
+// cutFirst is a faultproxy.Pipe for connections that each carry one HTTP
+// request (the senders disable keep-alive): with the given chance, it cuts
+// the connection when its first bytes arrive, before forwarding them, and
+// counts the cut. Toward the receiver that is before it gets the delivery;
+// toward the sender, since the receiver answers only after its commit,
+// after the delivery was applied, which the sender cannot know.
+func cutFirst(chance float64, cuts *atomic.Int64) faultproxy.Pipe {
+	return func(dst, src net.Conn) {
+		buf := make([]byte, 32<<10)
 		n, err := src.Read(buf)
+		if n > 0 && rand.Float64() < chance {
+			cuts.Add(1)
+			return // the proxy closes both ends
+		}
 		if n > 0 {
-			if first && rand.Float64() < cut {
-				cuts.Add(1)
-				return
-			}
-			first = false
-			if _, werr := dst.Write(buf[:n]); werr != nil {
+			if _, err := dst.Write(buf[:n]); err != nil {
 				return
 			}
 		}
-		if err != nil {
-			return // the peer closed (io.EOF), or the connection broke
+		if err == nil {
+			faultproxy.Copy(dst, src)
 		}
 	}
 }
