@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/httpedge"
 )
 
 // Default values of the configuration.
@@ -361,7 +362,7 @@ func newSettings(cfg Config) (settings, error) {
 		s.store = StoreBelow500
 	}
 	if cfg.ProblemTypeBase != "" {
-		if problem := checkProblemTypeBase(cfg.ProblemTypeBase); problem != "" {
+		if problem := httpedge.CheckTypeBase(cfg.ProblemTypeBase); problem != "" {
 			return settings{}, invalidField("Config.ProblemTypeBase", "%q %s", cfg.ProblemTypeBase, problem)
 		}
 	}

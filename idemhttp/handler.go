@@ -7,13 +7,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"math"
 	"net/http"
 	"runtime/debug"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/httpedge"
 )
 
 // handler is the middleware around one handler.
@@ -73,29 +73,11 @@ func (h *handler) readKeyed(w http.ResponseWriter, r *http.Request) (scope strin
 // readBody reads the whole request body, or answers the request itself and
 // reports false.
 func (h *handler) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
-	tooLarge := func() {
+	body, err := httpedge.ReadBody(r, h.maxBodyBytes)
+	switch {
+	case errors.Is(err, httpedge.ErrBodyTooLarge):
 		h.writeProblem(w, http.StatusRequestEntityTooLarge, ProblemBodyTooLarge,
 			fmt.Sprintf("The request body is larger than %d bytes.", h.maxBodyBytes))
-	}
-	if r.ContentLength > h.maxBodyBytes {
-		tooLarge()
-		return nil, false
-	}
-	if r.Body == nil || r.Body == http.NoBody {
-		return nil, true
-	}
-	// One byte past the limit tells a body over it from one at it; at
-	// math.MaxInt64 that byte would wrap the limit negative and read nothing,
-	// and no body can be longer anyway.
-	limit := h.maxBodyBytes
-	if limit < math.MaxInt64 {
-		limit++
-	}
-	body, err := io.ReadAll(io.LimitReader(r.Body, limit))
-	var maxBytesErr *http.MaxBytesError
-	switch {
-	case errors.As(err, &maxBytesErr) || int64(len(body)) > h.maxBodyBytes:
-		tooLarge()
 		return nil, false
 	case err != nil:
 		h.writeProblem(w, http.StatusBadRequest, ProblemBodyUnreadable, "The request body could not be read.")

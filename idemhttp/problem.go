@@ -1,19 +1,12 @@
 package idemhttp
 
 import (
-	"encoding/json"
 	"errors"
-	"fmt"
-	"io"
 	"log/slog"
-	"net"
 	"net/http"
-	"net/url"
-	"strings"
-
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/httpedge"
 )
 
 // DefaultProblemTypeBase is the start of every problem's type URI unless
@@ -117,52 +110,8 @@ const (
 	ProblemOperationStopped = "operation-stopped"
 )
 
-// problemTitles are the problems' titles: like their types, they never
-// change from one occurrence to the next, as RFC 9457 asks.
-var problemTitles = map[string]string{
-	ProblemKeyMissing:          "Idempotency key missing",
-	ProblemKeyInvalid:          "Idempotency key invalid",
-	ProblemScopeUnknown:        "Caller unknown",
-	ProblemFingerprintFailed:   "Request cannot be fingerprinted",
-	ProblemBodyUnreadable:      "Request body unreadable",
-	ProblemBodyTooLarge:        "Request body too large",
-	ProblemKeyReused:           "Idempotency key reused",
-	ProblemKeyInProgress:       "Request with this idempotency key in progress",
-	ProblemResponseNotStored:   "Response too large to replay",
-	ProblemRequestFailed:       "Request not completed",
-	ProblemDatabaseUnavailable: "Database unavailable",
-	ProblemRequestInvalid:      "Request invalid",
-	ProblemOperationIncomplete: "Operation not completed yet",
-	ProblemOperationStopped:    "Operation stopped",
-	ProblemInputNotStorable:    "Operation input cannot be stored",
-}
-
 // problem is an RFC 9457 problem details object with a code member.
-type problem struct {
-	Type   string `json:"type"`
-	Title  string `json:"title"`
-	Status int    `json:"status"`
-	Detail string `json:"detail"`
-	Code   string `json:"code"`
-	// OriginalStatus is the status of an answer too large to store.
-	OriginalStatus int `json:"original_status,omitempty"`
-}
-
-// checkProblemTypeBase says what is wrong with a base that would not give
-// absolute type URIs, or that could not be sent in a Link header as it is;
-// "" when nothing is.
-func checkProblemTypeBase(base string) string {
-	u, err := url.Parse(base)
-	switch {
-	case err != nil:
-		return fmt.Sprintf("is not a URI: %v", err)
-	case !u.IsAbs():
-		return "is not an absolute URI"
-	case strings.ContainsFunc(base, func(r rune) bool { return r <= ' ' || r >= 0x7f || strings.ContainsRune(`<>"`, r) }):
-		return "holds a character that a URI must escape"
-	}
-	return ""
-}
+type problem = httpedge.Details
 
 // WriteError answers a request for which [Middleware.ParseKey], [idem.Run]
 // or [idem.Do] returned err, as the middleware answers its own requests:
@@ -235,9 +184,9 @@ func (m *Middleware) WriteError(w http.ResponseWriter, r *http.Request, err erro
 func (m *Middleware) writeFailed(w http.ResponseWriter, r *http.Request, err error, keyed bool) {
 	status, code, detail := http.StatusInternalServerError, ProblemRequestFailed, "The request could not be completed."
 	switch {
-	case databaseUnavailable(err):
+	case httpedge.DatabaseUnavailable(err):
 		status, code, detail = http.StatusServiceUnavailable, ProblemDatabaseUnavailable, "The request could not be completed: the database is unavailable."
-		w.Header().Set("Retry-After", unavailableRetryAfter)
+		w.Header().Set("Retry-After", httpedge.UnavailableRetryAfter)
 	case errors.Is(err, idem.ErrInvalidScope), errors.Is(err, idem.ErrResponseTooLarge), errors.Is(err, idem.ErrResponseNotStorable):
 		// The server's own misconfiguration or bug, which the same request
 		// meets again: safe to retry, since nothing was kept, but no use.
@@ -266,41 +215,6 @@ func (m *Middleware) failedDetail(detail string, keyed bool) string {
 	return detail
 }
 
-// SQLSTATE codes with which PostgreSQL ends a session it will not serve.
-const (
-	sqlstateAdminShutdown    = "57P01"
-	sqlstateCrashShutdown    = "57P02"
-	sqlstateCannotConnectNow = "57P03"
-)
-
-// unavailableRetryAfter is the Retry-After of a 503, in seconds: when the
-// database will be back is unknown (a restart takes seconds, a failover
-// seconds to a minute), so it is the least wait, from which clients back
-// off.
-const unavailableRetryAfter = "1"
-
-// databaseUnavailable reports whether err says that the database could not
-// be reached, that the connection to it broke, or that it reached a
-// standby (idem.ErrReadOnly: the middleware never asks for a read-only
-// transaction), rather than that a statement failed.
-func databaseUnavailable(err error) bool {
-	var connectErr *pgconn.ConnectError
-	var opErr *net.OpError
-	var pgErr *pgconn.PgError
-	switch {
-	case errors.As(err, &connectErr), errors.Is(err, pgconn.ErrConnClosed),
-		errors.As(err, &opErr), errors.Is(err, io.ErrUnexpectedEOF),
-		errors.Is(err, idem.ErrReadOnly):
-		return true
-	case errors.As(err, &pgErr):
-		switch pgErr.Code {
-		case sqlstateAdminShutdown, sqlstateCrashShutdown, sqlstateCannotConnectNow:
-			return true
-		}
-	}
-	return false
-}
-
 // writeProblem answers with the problem code, its status and detail. Its
 // type URI is also its documentation link: the IETF draft asks for one on
 // its error answers, in the body or in a Link header with rel="describedby".
@@ -309,13 +223,6 @@ func (s *settings) writeProblem(w http.ResponseWriter, status int, code, detail 
 }
 
 func (s *settings) writeProblemOf(w http.ResponseWriter, p problem) {
-	p.Type = s.problemTypeBase + p.Code
-	p.Title = problemTitles[p.Code]
-	body, _ := json.Marshal(p) // strings and ints always encode
-	h := w.Header()
-	h.Set("Content-Type", "application/problem+json")
-	h.Set("Content-Language", "en") // of the title and detail
-	h.Set("Cache-Control", "no-store")
-	h.Set("Link", "<"+p.Type+`>; rel="describedby"`)
-	writeResponse(w, nil, p.Status, body, false)
+	p.Title = httpedge.Title(p.Code)
+	httpedge.Write(w, s.problemTypeBase, p)
 }

@@ -155,6 +155,10 @@ func (r *Relay) classify(ctx context.Context, msg Message, cause error, latency 
 	default:
 		res.outcome = outcomeRetried
 		res.delay = backoff.Jitter(msg.Attempt, r.config.RetryDelay, r.config.MaxRetryDelay)
+		var after *retryAfterError
+		if errors.As(cause, &after) {
+			res.delay = max(res.delay, min(after.after, r.config.MaxRetryDelay))
+		}
 		r.logger.WarnContext(ctx, "outbox: delivery failed; will retry", append(attrs, "retry_in", res.delay)...)
 	}
 	return res

@@ -59,7 +59,8 @@
 // A handler that needs longer than the lease calls [ExtendLease].
 //
 // A failed delivery is retried after a delay that doubles with each attempt
-// up to a cap ([Config.RetryDelay], [Config.MaxRetryDelay]). After
+// up to a cap ([Config.RetryDelay], [Config.MaxRetryDelay]), and no sooner
+// than a handler that wraps its error with [RetryAfter] asks. After
 // [Config.MaxAttempts] attempts, or at once when the handler wraps its
 // error with [Park], the message is parked: it stays in the table with state
 // 'parked' and its last error, and is never delivered or purged without
@@ -87,6 +88,16 @@
 // says so once in its log and its metrics, polls, and tries again every
 // minute. Behind such a pooler, give relays a direct connection to listen
 // on with [Config.ListenConnConfig].
+//
+// # Sending webhooks
+//
+// [NewWebhookHandler] is a ready Handler that POSTs each message to a URL
+// as a signed Standard Webhooks delivery (webhook-id, webhook-timestamp,
+// webhook-signature), its id the message's idempotency key, and reads the
+// answer as the specification describes: 2xx delivered, 5xx, 429 and
+// timeouts retried (honouring Retry-After), other 4xx parked. The
+// receiving end, idem's or anyone's, deduplicates on webhook-id; idem's
+// is idemhttp/webhook.
 //
 // # Database handles
 //

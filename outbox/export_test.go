@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"time"
 )
 
@@ -17,4 +18,15 @@ func SetIntervals(r *Relay, maintain, probeWait, reprobe time.Duration) {
 // that arrive while its batch-mates' handlers still run.
 func RecordDelivered(ctx context.Context, r *Relay, id int64, attempt int) {
 	r.record(ctx, []result{{msg: Message{ID: id, Attempt: attempt}, outcome: outcomeDelivered}})
+}
+
+// Classified says what a relay makes of a handler's error: whether it
+// parks the message, and the Retry-After it honours (0 for none).
+func Classified(err error) (park bool, after time.Duration) {
+	var p *parkError
+	var ra *retryAfterError
+	if errors.As(err, &ra) {
+		after = ra.after
+	}
+	return errors.As(err, &p), after
 }

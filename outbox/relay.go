@@ -50,6 +50,29 @@ type parkError struct{ err error }
 func (e *parkError) Error() string { return "park: " + e.err.Error() }
 func (e *parkError) Unwrap() error { return e.err }
 
+// RetryAfter wraps err so that the relay retries the message no sooner
+// than d from now, as a destination's Retry-After asks: the delay before
+// the next attempt is the longer of d and the relay's own backoff, capped,
+// as every delay is, at [Config.MaxRetryDelay]. The attempt counts as a
+// failed one. A nil err gives nil; a d that is not positive leaves the
+// relay's backoff as it is. [Park] wins over it.
+func RetryAfter(err error, d time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	return &retryAfterError{err: err, after: d}
+}
+
+type retryAfterError struct {
+	err   error
+	after time.Duration
+}
+
+func (e *retryAfterError) Error() string {
+	return e.err.Error() + " (retry after " + e.after.String() + ")"
+}
+func (e *retryAfterError) Unwrap() error { return e.err }
+
 // Relay delivers the outbox's messages to a [Handler], at least once each.
 // Run as many relays as needed, in one process or many: they share the
 // work through leases and never wait for one another.

@@ -1,6 +1,8 @@
 // Package otelrec records what idem's code sends through the OpenTelemetry
 // API, for tests: the counters' sums, by idem.outcome (or, for a counter
-// of events, idem.event), and the ended spans.
+// of events, idem.event; for the webhook receiver's, idem.webhook.outcome,
+// followed by ":" and idem.webhook.reason when it has one), and the ended
+// spans.
 package otelrec
 
 import (
@@ -48,12 +50,19 @@ func (r *Recorder) add(instrument string, v float64, set attribute.Set) {
 	if !ok {
 		outcome, _ = set.Value("idem.event")
 	}
+	key := outcome.AsString()
+	if webhook, ok := set.Value("idem.webhook.outcome"); ok {
+		key = webhook.AsString()
+		if reason, ok := set.Value("idem.webhook.reason"); ok {
+			key += ":" + reason.AsString()
+		}
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.counts[instrument] == nil {
 		r.counts[instrument] = map[string]float64{}
 	}
-	r.counts[instrument][outcome.AsString()] += v
+	r.counts[instrument][key] += v
 }
 
 // Count returns the sum recorded on instrument, by outcome.
