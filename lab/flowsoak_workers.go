@@ -188,6 +188,8 @@ func (ws *flowSoakWorkers) run(ctx context.Context, slot *flowSoakSlot, gen int,
 	close(exited)
 	ws.notify()
 	switch {
+	case startErr != nil && ws.stopping:
+		return nil // stopped while it was starting: its input was closed
 	case startErr != nil:
 		return fail(fmt.Errorf("%w (%v)\n%s", startErr, waitErr, slot.logs))
 	case slot.killing != "":
