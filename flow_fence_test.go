@@ -345,7 +345,12 @@ func TestFlowExpiredFlowBeingRestartedIsNotReplayed(t *testing.T) {
 	// from a goroutine: until that lands, its session still waits for the
 	// row, and would restart the flow the moment the row is released (seen
 	// on PostgreSQL 14 under load). Release it once nothing waits on it.
-	holderPID := holder.Conn().PgConn().PID()
+	// The server's own pid: through PgBouncer, PgConn().PID() is the
+	// pooler's made-up one.
+	var holderPID int32
+	if err := holder.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&holderPID); err != nil {
+		t.Fatal(err)
+	}
 	for {
 		var waiting bool
 		if err := pool.QueryRow(ctx,
