@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -178,6 +179,9 @@ type claimed struct {
 	// early: the transaction is not READ COMMITTED, so the claim wrote a
 	// record in progress before fn (KeyClaim), to be completed after it.
 	early bool
+	// waited is how long the claim waited for the key's lock: the record's
+	// statement waits under what is left of the budget.
+	waited time.Duration
 }
 
 // claim takes the key's lock (KeyLock) and reads its record (KeyGet), two
@@ -244,6 +248,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		return claimed{outcome: outcomeFailed}, tx, translate("idem: claim key", err)
 	}
 	lock, rec, found := got.Lock, &got.Rec, &got.Found
+	var waited time.Duration
 	get := dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}
 	held.count(lock)
 	if lock.ReadOnly {
@@ -263,10 +268,13 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		c, err := claimRow(ctx, tx, k, o, *found)
 		return c, tx, err
 	case lockBusy:
+		started := time.Now()
 		wait := &pgx.Batch{}
 		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: millis(o.wait), LockID: k.lockID})
 		dbsqlc.QueueKeyGet(wait, get, rec, found)
-		if err := tx.SendBatch(ctx, wait).Close(); err != nil {
+		err := tx.SendBatch(ctx, wait).Close()
+		waited = time.Since(started)
+		if err != nil {
 			return claimed{outcome: outcomeFailed}, tx, translate("idem: wait for key", err)
 		}
 		if done() {
@@ -275,7 +283,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		}
 	}
 
-	c := claimed{outcome: outcomeClaimed, expired: *found}
+	c := claimed{outcome: outcomeClaimed, expired: *found, waited: waited}
 	if *found {
 		c.outcome = outcomeReclaimed
 	}
@@ -390,7 +398,7 @@ func execute[T any](ctx context.Context, tx pgx.Tx, k keyRef, c claimed,
 	if err != nil {
 		return res, s, c.releaseOnFailure(ctx, tx, k, o, fmt.Errorf("idem: %w", err))
 	}
-	s = store{k: k, c: c, retention: o.retentionInterval()}
+	s = store{k: k, c: c, retention: o.retentionInterval(), lockTimeout: millis(max(o.wait-c.waited, 0))}
 	// Once stores no response: a SQL NULL, the zero pgtype.Text.
 	if !o.noResponse {
 		encoded, err := encodeResponse(value, k.scope, o)
@@ -409,6 +417,10 @@ type store struct {
 	c         claimed
 	response  pgtype.Text
 	retention pgtype.Interval
+	// lockTimeout is what is left of the wait budget once the claim has
+	// waited: KeyInsert and KeyReplace wait under it for a transaction
+	// that holds the key without its lock (see KeyInsert).
+	lockTimeout string
 }
 
 // queue runs, or with a queue as q's DBTX queues, the statement that records
@@ -421,11 +433,11 @@ func (s store) queue(ctx context.Context, q *dbsqlc.Queries) error {
 		return q.KeyStoreResponse(ctx, dbsqlc.KeyStoreResponseParams{Scope: s.k.scope, Key: s.k.key, Response: s.response})
 	case s.c.expired:
 		return q.KeyReplace(ctx, dbsqlc.KeyReplaceParams{
-			Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
+			LockTimeout: s.lockTimeout, Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
 		})
 	}
 	return q.KeyInsert(ctx, dbsqlc.KeyInsertParams{
-		Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
+		LockTimeout: s.lockTimeout, Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
 	})
 }
 
@@ -471,7 +483,7 @@ func (s store) kind() dbsqlc.StoreKind {
 
 func (s store) params() dbsqlc.KeyInsertParams {
 	return dbsqlc.KeyInsertParams{
-		Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
+		LockTimeout: s.lockTimeout, Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
 	}
 }
 
