@@ -67,9 +67,12 @@ type Result[T any] struct {
 // [MaxKeyLocks] keys, and beyond that on a record in progress; replays and
 // mismatches hold nothing. The one case where a duplicate learns of the
 // holder only when it stores its own record is a key held by a record in
-// progress and claimed by a transaction on its lock: it then fails with
-// [ErrSerialization] after fn, which rolls fn's writes back, and [Run]
-// and [WithTx] retry it into a replay. Under
+// progress (past the holder's MaxKeyLocks, or by an [OnceEach] batch) and
+// claimed by a transaction on its lock: fn runs, then the record's INSERT
+// waits for the holder under what is left of the wait budget, and the
+// duplicate fails with [ErrInProgress] if the holder is still open then,
+// or with [ErrSerialization] if it committed, which [Run] and [WithTx]
+// retry into a replay; either way fn's writes roll back with tx. Under
 // REPEATABLE READ or SERIALIZABLE, a key completed after tx's snapshot gives
 // [ErrSerialization]: retry the whole transaction, or use [Run], which does.
 //
@@ -206,6 +209,13 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	held := heldLocks(conn)
 	lockArg := dbsqlc.KeyLockParams{FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID}
 	var got dbsqlc.Claim
+	// A caller's transaction whose count of key locks is full claims the
+	// key by its record in progress in the claim's own round trip
+	// (KeyClaimIfFull), then reads the record again (again, foundAgain).
+	full := tx != nil && held.n >= MaxKeyLocks
+	var ifFull dbsqlc.KeyClaimIfFullRow
+	var again dbsqlc.KeyGetRow
+	var foundAgain bool
 	var w *dbsqlc.Wire
 	var wired bool
 	var err error
@@ -217,7 +227,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	if err != nil {
 		return claimed{outcome: outcomeFailed}, tx, translate("idem: prepare the claim", err)
 	}
-	if wired && o.idleTimeout == 0 && (begin == nil || begin.CommitQuery == "") {
+	if wired && !full && o.idleTimeout == 0 && (begin == nil || begin.CommitQuery == "") {
 		first := ""
 		if tx == nil {
 			first = beginSQL(*begin)
@@ -236,6 +246,13 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		}
 		dbsqlc.QueueKeyLock(b, lockArg, &got.Lock)
 		dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &got.Rec, &got.Found)
+		if full {
+			dbsqlc.QueueKeyClaimIfFull(b, dbsqlc.KeyClaimIfFullParams{
+				LockTimeout: millis(o.wait), FullSince: lockArg.FullSince,
+				Scope: k.scope, Key: k.key, Fingerprint: k.fp, Retention: o.retentionInterval(),
+			}, &ifFull)
+			dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &again, &foundAgain)
+		}
 		if tx == nil {
 			results := conn.SendBatch(ctx, b)
 			tx = results.Tx()
@@ -262,6 +279,17 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	if done() {
 		c, err := replayOrMismatch(rec.Fingerprint, rec.Response, k.fp)
 		return c, tx, err
+	}
+	if full && lock.Lock == lockSkipped {
+		if ifFull.Attempted {
+			c, err := claimedRow(ifFull.Claimed, *found, &again, foundAgain, k)
+			return c, tx, err
+		}
+		// A record completed since KeyLock read none.
+		if foundAgain && !again.Expired && again.State == stateDone {
+			c, err := replayOrMismatch(again.Fingerprint, again.Response, k.fp)
+			return c, tx, err
+		}
 	}
 	switch lock.Lock {
 	case lockSkipped:
@@ -343,7 +371,14 @@ func claimRow(ctx context.Context, tx pgx.Tx, k keyRef, o *options, expired bool
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return claimed{outcome: outcomeFailed}, translate("idem: claim key", err)
 	}
-	if row.Claimed {
+	return claimedRow(row.Claimed, expired, &rec, found, k)
+}
+
+// claimedRow decides what a claim by the key's record in progress got:
+// the key, when it wrote the record; else the record it then read, to
+// replay.
+func claimedRow(written, expired bool, rec *dbsqlc.KeyGetRow, found bool, k keyRef) (claimed, error) {
+	if written {
 		c := claimed{outcome: outcomeClaimed, early: true}
 		if expired {
 			c.outcome = outcomeReclaimed

@@ -133,6 +133,82 @@ func (q *Queries) KeyClaimBatch(ctx context.Context, arg KeyClaimBatchParams) ([
 	return items, nil
 }
 
+const keyClaimIfFull = `-- name: KeyClaimIfFull :one
+WITH budget AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', $1::text, true) AS applied
+    WHERE now() = $2::timestamptz
+      AND NOT current_setting('transaction_read_only')::bool
+      AND NOT EXISTS (
+          SELECT FROM idempotency_key
+          WHERE scope = $3::text
+            AND key = $4::text
+            AND expires_at > now()
+            AND state = 'done'
+      )
+),
+claimed AS (
+    INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, expires_at)
+    SELECT $3::text, $4::text, $5::bytea, 'in_progress',
+           now() + $6::interval
+    FROM budget
+    WHERE budget.applied IS NOT NULL
+    ON CONFLICT (scope, key) DO UPDATE
+    SET fingerprint = excluded.fingerprint,
+        state = excluded.state,
+        response = NULL,
+        created_at = excluded.created_at,
+        expires_at = excluded.expires_at
+    WHERE existing.expires_at <= now()
+       OR existing.state = 'in_progress'
+    RETURNING 1
+),
+counted AS MATERIALIZED (
+    SELECT count(*) AS n FROM claimed
+)
+SELECT EXISTS (SELECT FROM budget)::bool AS attempted,
+       (counted.n > 0)::bool AS claimed,
+       COALESCE((SELECT set_config('lock_timeout', budget.saved, counted.n >= 0) FROM budget), '')::text AS restored
+FROM counted
+`
+
+type KeyClaimIfFullParams struct {
+	LockTimeout string
+	FullSince   pgtype.Timestamptz
+	Scope       string
+	Key         string
+	Fingerprint []byte
+	Retention   pgtype.Interval
+}
+
+type KeyClaimIfFullRow struct {
+	Attempted bool
+	Claimed   bool
+	Restored  string
+}
+
+// KeyClaimIfFull is KeyClaimWait sent in the claim's own round trip, behind
+// KeyLock and KeyGet, by a caller whose count of key locks is full: it
+// writes the record in progress only when KeyLock did not try the lock for
+// that reason (now() is @full_since, as in KeyLock), the transaction is
+// read-write, and no live completed record is in the way (a replay needs
+// no claim); attempted says whether it did. Otherwise it does nothing,
+// and the claim goes on from KeyLock's and KeyGet's answers. A key past a
+// transaction's MaxKeyLocks then costs the claim one round trip, not two.
+func (q *Queries) KeyClaimIfFull(ctx context.Context, arg KeyClaimIfFullParams) (KeyClaimIfFullRow, error) {
+	row := q.db.QueryRow(ctx, keyClaimIfFull,
+		arg.LockTimeout,
+		arg.FullSince,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.Retention,
+	)
+	var i KeyClaimIfFullRow
+	err := row.Scan(&i.Attempted, &i.Claimed, &i.Restored)
+	return i, err
+}
+
 const keyClaimWait = `-- name: KeyClaimWait :one
 WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
