@@ -128,6 +128,9 @@ func do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	if err != nil {
 		return Result[T]{}, err
 	}
+	if c.complete {
+		return res, nil
+	}
 	// A failed statement aborts tx: nothing of it can commit.
 	if err := s.send(ctx, tx); err != nil {
 		return Result[T]{}, translateStore(c, err)
@@ -185,6 +188,10 @@ type claimed struct {
 	// waited is how long the claim waited for the key's lock: the record's
 	// statement waits under what is left of the budget.
 	waited time.Duration
+	// complete: the claim wrote the record completed, with no answer, for
+	// a call that stores none (Once past MaxKeyLocks, KeyClaimIfFull):
+	// nothing is stored after fn.
+	complete bool
 }
 
 // claim takes the key's lock (KeyLock) and reads its record (KeyGet), two
@@ -247,9 +254,15 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		dbsqlc.QueueKeyLock(b, lockArg, &got.Lock)
 		dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &got.Rec, &got.Found)
 		if full {
+			// A call that stores no answer (Once) writes its record
+			// complete: nothing is left to store after fn.
+			state := "in_progress"
+			if o.noResponse {
+				state = stateDone
+			}
 			dbsqlc.QueueKeyClaimIfFull(b, dbsqlc.KeyClaimIfFullParams{
 				LockTimeout: millis(o.wait), FullSince: lockArg.FullSince,
-				Scope: k.scope, Key: k.key, Fingerprint: k.fp, Retention: o.retentionInterval(),
+				Scope: k.scope, Key: k.key, Fingerprint: k.fp, State: state, Retention: o.retentionInterval(),
 			}, &ifFull)
 			dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &again, &foundAgain)
 		}
@@ -283,6 +296,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	if full && lock.Lock == lockSkipped {
 		if ifFull.Attempted {
 			c, err := claimedRow(ifFull.Claimed, *found, &again, foundAgain, k)
+			c.complete = ifFull.Claimed && o.noResponse
 			return c, tx, err
 		}
 		// A record completed since KeyLock read none.
@@ -565,7 +579,14 @@ func (c claimed) releaseOnFailure(ctx context.Context, tx pgx.Tx, k keyRef, o *o
 	}
 	ctx, cancel := cleanupContext(ctx)
 	defer cancel()
-	err := dbsqlc.New(tx).KeyRelease(ctx, dbsqlc.KeyReleaseParams{Scope: k.scope, Key: k.key})
+	var err error
+	if c.complete {
+		// Written complete by this transaction, which holds it: removed
+		// whatever its state.
+		err = dbsqlc.New(tx).KeyReleaseBatch(ctx, dbsqlc.KeyReleaseBatchParams{Scope: k.scope, Keys: []string{k.key}})
+	} else {
+		err = dbsqlc.New(tx).KeyRelease(ctx, dbsqlc.KeyReleaseParams{Scope: k.scope, Key: k.key})
+	}
 	// A connection closed by a cancelled context still reports 'T', but its
 	// transaction is gone with it: nothing can commit, nothing to report.
 	if err != nil && tx.Conn() != nil && !tx.Conn().IsClosed() && tx.Conn().PgConn().TxStatus() == 'T' {

@@ -248,7 +248,7 @@ func TestOnceEachOverlapsAnotherConsumersOpenBatch(t *testing.T) {
 					ran, calls, err := applyBatch(ctx, pool, scope, ids, idem.WithWait(time.Minute))
 					done <- result{ran, calls, err}
 				}()
-				waitForLockWaiters(t, ctx, pool, 1)
+				waitForLockWaiters(t, ctx, pool)
 				end(commit)
 				r := <-done
 				if r.err != nil {
@@ -263,22 +263,29 @@ func TestOnceEachOverlapsAnotherConsumersOpenBatch(t *testing.T) {
 	}
 }
 
-// waitForLockWaiters waits until n batch claims in the test database wait
+// waitForLockWaiters waits until a batch claim in the test database wait
 // for a lock: progress, not a clock, says that a call is waiting.
-func waitForLockWaiters(t *testing.T, ctx context.Context, pool *pgxpool.Pool, n int) {
+func waitForLockWaiters(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
+	t.Helper()
+	waitForStatementToWait(t, ctx, pool, "-- name: KeyClaimBatch%")
+}
+
+// waitForStatementToWait waits until a session of the test database whose
+// statement is like query waits for a lock.
+func waitForStatementToWait(t *testing.T, ctx context.Context, pool *pgxpool.Pool, query string) {
 	t.Helper()
 	for {
 		var waiting int
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-			WHERE NOT l.granted AND a.datname = current_database() AND a.query LIKE '-- name: KeyClaimBatch%'`).Scan(&waiting); err != nil {
+			WHERE NOT l.granted AND a.datname = current_database() AND a.query LIKE $1`, query).Scan(&waiting); err != nil {
 			t.Fatal(err)
 		}
-		if waiting >= n {
+		if waiting > 0 {
 			return
 		}
 		select {
 		case <-ctx.Done():
-			t.Fatalf("no session waits for a lock: %v", ctx.Err())
+			t.Fatalf("no session waits for a lock in %s: %v", query, ctx.Err())
 		case <-time.After(10 * time.Millisecond):
 		}
 	}

@@ -137,3 +137,55 @@ func TestOnceStoreRestoresTheCallersLockTimeout(t *testing.T) {
 		}
 	}
 }
+
+// TestOncePastTheLockBoundFailsCleanlyAndReplays covers a message claimed
+// past a transaction's idem.MaxKeyLocks, whose record Once writes
+// complete before fn: when fn fails and the caller commits anyway, no
+// record of it is committed; and a duplicate past its own bound waits for
+// the holder's record and, once the holder commits, reports it handled.
+func TestOncePastTheLockBoundFailsCleanlyAndReplays(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	errPoison := errors.New("cannot apply")
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := onceEach(ctx, tx, scope, "fill", idem.MaxKeyLocks); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idem.Once(ctx, tx, scope, "poison", func(context.Context, pgx.Tx) error { return errPoison }); !errors.Is(err, errPoison) {
+		t.Fatalf("Once: %v, want errPoison", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := countRecords(t, pool, scope); n != idem.MaxKeyLocks {
+		t.Fatalf("%d records, want the %d that ran", n, idem.MaxKeyLocks)
+	}
+
+	_, end := holdBatch(t, ctx, pool, scope+"-held", idem.MaxKeyLocks+1)
+	last := fmt.Sprintf("m-%d", idem.MaxKeyLocks)
+	done := make(chan error, 1)
+	var effects atomic.Int64
+	go func() {
+		done <- idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := onceEach(ctx, tx, scope+"-held", "other", idem.MaxKeyLocks); err != nil {
+				return err
+			}
+			ran, err := idem.Once(ctx, tx, scope+"-held", last, func(context.Context, pgx.Tx) error {
+				effects.Add(1)
+				return nil
+			}, idem.WithWait(time.Minute))
+			if err == nil && ran {
+				return errors.New("the duplicate ran")
+			}
+			return err
+		})
+	}()
+	waitForStatementToWait(t, ctx, pool, "-- name: KeyClaimIfFull%")
+	end(true)
+	if err := <-done; err != nil || effects.Load() != 0 {
+		t.Fatalf("duplicate: %v, %d effects", err, effects.Load())
+	}
+}

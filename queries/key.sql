@@ -234,6 +234,9 @@ CROSS JOIN counted;
 -- no claim); attempted says whether it did. Otherwise it does nothing,
 -- and the claim goes on from KeyLock's and KeyGet's answers. A key past a
 -- transaction's MaxKeyLocks then costs the claim one round trip, not two.
+-- @state is 'in_progress', or 'done' for a call that stores no answer
+-- (Once): its record is then complete once written, and a duplicate that
+-- waited for it replays it once it commits, as it would the completed one.
 WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
            set_config('lock_timeout', @lock_timeout::text, true) AS applied
@@ -249,7 +252,7 @@ WITH budget AS MATERIALIZED (
 ),
 claimed AS (
     INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, expires_at)
-    SELECT @scope::text, @key::text, @fingerprint::bytea, 'in_progress',
+    SELECT @scope::text, @key::text, @fingerprint::bytea, @state::text,
            now() + @retention::interval
     FROM budget
     WHERE budget.applied IS NOT NULL
@@ -465,8 +468,8 @@ WHERE restored.setting IS NOT NULL;
 
 -- name: KeyReleaseBatch :exec
 -- KeyReleaseBatch removes the records that KeyClaimBatch or
--- KeyReclaimBatch wrote in this transaction for keys whose functions did
--- not run or failed, so that a caller who commits anyway never commits a
+-- KeyReclaimBatch (or KeyClaimIfFull, completed) wrote in this transaction
+-- for keys whose functions did not run or failed, so that a caller who commits anyway never commits a
 -- key as handled that was not. Only this transaction can have written
 -- them, and no one else can change them before it ends.
 DELETE FROM idempotency_key

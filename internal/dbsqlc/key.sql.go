@@ -149,8 +149,8 @@ WITH budget AS MATERIALIZED (
 ),
 claimed AS (
     INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, expires_at)
-    SELECT $3::text, $4::text, $5::bytea, 'in_progress',
-           now() + $6::interval
+    SELECT $3::text, $4::text, $5::bytea, $6::text,
+           now() + $7::interval
     FROM budget
     WHERE budget.applied IS NOT NULL
     ON CONFLICT (scope, key) DO UPDATE
@@ -178,6 +178,7 @@ type KeyClaimIfFullParams struct {
 	Scope       string
 	Key         string
 	Fingerprint []byte
+	State       string
 	Retention   pgtype.Interval
 }
 
@@ -195,6 +196,9 @@ type KeyClaimIfFullRow struct {
 // no claim); attempted says whether it did. Otherwise it does nothing,
 // and the claim goes on from KeyLock's and KeyGet's answers. A key past a
 // transaction's MaxKeyLocks then costs the claim one round trip, not two.
+// @state is 'in_progress', or 'done' for a call that stores no answer
+// (Once): its record is then complete once written, and a duplicate that
+// waited for it replays it once it commits, as it would the completed one.
 func (q *Queries) KeyClaimIfFull(ctx context.Context, arg KeyClaimIfFullParams) (KeyClaimIfFullRow, error) {
 	row := q.db.QueryRow(ctx, keyClaimIfFull,
 		arg.LockTimeout,
@@ -202,6 +206,7 @@ func (q *Queries) KeyClaimIfFull(ctx context.Context, arg KeyClaimIfFullParams) 
 		arg.Scope,
 		arg.Key,
 		arg.Fingerprint,
+		arg.State,
 		arg.Retention,
 	)
 	var i KeyClaimIfFullRow
@@ -783,8 +788,8 @@ type KeyReleaseBatchParams struct {
 }
 
 // KeyReleaseBatch removes the records that KeyClaimBatch or
-// KeyReclaimBatch wrote in this transaction for keys whose functions did
-// not run or failed, so that a caller who commits anyway never commits a
+// KeyReclaimBatch (or KeyClaimIfFull, completed) wrote in this transaction
+// for keys whose functions did not run or failed, so that a caller who commits anyway never commits a
 // key as handled that was not. Only this transaction can have written
 // them, and no one else can change them before it ends.
 func (q *Queries) KeyReleaseBatch(ctx context.Context, arg KeyReleaseBatchParams) error {

@@ -54,7 +54,7 @@ func QueueKeyClaimWait(b *pgx.Batch, arg KeyClaimWaitParams, row *KeyClaimWaitRo
 // QueueKeyClaimIfFull queues KeyClaimIfFull on b; row is filled in when
 // the batch's results are read.
 func QueueKeyClaimIfFull(b *pgx.Batch, arg KeyClaimIfFullParams, row *KeyClaimIfFullRow) {
-	b.Queue(keyClaimIfFull, arg.LockTimeout, arg.FullSince, arg.Scope, arg.Key, arg.Fingerprint, arg.Retention).QueryRow(func(r pgx.Row) error {
+	b.Queue(keyClaimIfFull, arg.LockTimeout, arg.FullSince, arg.Scope, arg.Key, arg.Fingerprint, arg.State, arg.Retention).QueryRow(func(r pgx.Row) error {
 		return r.Scan(&row.Attempted, &row.Claimed, &row.Restored)
 	})
 }
