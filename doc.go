@@ -71,7 +71,9 @@ what exactly it guarantees.
 # Consumers and other boundaries
 
 [Once] is Do for a message consumer: it records a message's identity beside
-the consumer's own write, so a redelivered message is a no-op. [Advance]
+the consumer's own write, so a redelivered message is a no-op; [OnceEach]
+does it for a batch of messages in one transaction, claiming the batch in
+one statement, at about the cost of the batch's own writes. [Advance]
 guards updates that carry an entity's version: it applies a version only if
 it is newer than the last one applied, so redelivered and reordered
 messages are skipped.

@@ -32,7 +32,10 @@ var ErrFingerprintMismatch = errors.New("idem: key reused with a different reque
 
 // ErrInProgress is returned when another transaction holds the key and did
 // not finish within the wait budget (see [WithWait]). The function is not
-// run.
+// run, but in one case: a key that the other transaction holds by a record
+// in progress (past its [MaxKeyLocks], or in an [OnceEach] batch), which
+// the duplicate meets only when it stores its own record, after fn (see
+// [Do]); fn's writes then roll back with the transaction.
 //
 // After a wait that ran out, the caller's transaction is aborted, because
 // the statement that waited failed inside it: roll it back. The client

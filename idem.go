@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -66,9 +67,12 @@ type Result[T any] struct {
 // [MaxKeyLocks] keys, and beyond that on a record in progress; replays and
 // mismatches hold nothing. The one case where a duplicate learns of the
 // holder only when it stores its own record is a key held by a record in
-// progress and claimed by a transaction on its lock: it then fails with
-// [ErrSerialization] after fn, which rolls fn's writes back, and [Run]
-// and [WithTx] retry it into a replay. Under
+// progress (past the holder's MaxKeyLocks, or by an [OnceEach] batch) and
+// claimed by a transaction on its lock: fn runs, then the record's INSERT
+// waits for the holder under what is left of the wait budget, and the
+// duplicate fails with [ErrInProgress] if the holder is still open then,
+// or with [ErrSerialization] if it committed, which [Run] and [WithTx]
+// retry into a replay; either way fn's writes roll back with tx. Under
 // REPEATABLE READ or SERIALIZABLE, a key completed after tx's snapshot gives
 // [ErrSerialization]: retry the whole transaction, or use [Run], which does.
 //
@@ -124,6 +128,9 @@ func do[T any](ctx context.Context, tx pgx.Tx, scope, key string, fp []byte,
 	if err != nil {
 		return Result[T]{}, err
 	}
+	if c.complete {
+		return res, nil
+	}
 	// A failed statement aborts tx: nothing of it can commit.
 	if err := s.send(ctx, tx); err != nil {
 		return Result[T]{}, translateStore(c, err)
@@ -178,6 +185,13 @@ type claimed struct {
 	// early: the transaction is not READ COMMITTED, so the claim wrote a
 	// record in progress before fn (KeyClaim), to be completed after it.
 	early bool
+	// waited is how long the claim waited for the key's lock: the record's
+	// statement waits under what is left of the budget.
+	waited time.Duration
+	// complete: the claim wrote the record completed, with no answer, for
+	// a call that stores none (Once past MaxKeyLocks, KeyClaimIfFull):
+	// nothing is stored after fn.
+	complete bool
 }
 
 // claim takes the key's lock (KeyLock) and reads its record (KeyGet), two
@@ -202,6 +216,13 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	held := heldLocks(conn)
 	lockArg := dbsqlc.KeyLockParams{FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID}
 	var got dbsqlc.Claim
+	// A caller's transaction whose count of key locks is full claims the
+	// key by its record in progress in the claim's own round trip
+	// (KeyClaimIfFull), then reads the record again (again, foundAgain).
+	full := tx != nil && held.n >= MaxKeyLocks
+	var ifFull dbsqlc.KeyClaimIfFullRow
+	var again dbsqlc.KeyGetRow
+	var foundAgain bool
 	var w *dbsqlc.Wire
 	var wired bool
 	var err error
@@ -213,7 +234,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	if err != nil {
 		return claimed{outcome: outcomeFailed}, tx, translate("idem: prepare the claim", err)
 	}
-	if wired && o.idleTimeout == 0 && (begin == nil || begin.CommitQuery == "") {
+	if wired && !full && o.idleTimeout == 0 && (begin == nil || begin.CommitQuery == "") {
 		first := ""
 		if tx == nil {
 			first = beginSQL(*begin)
@@ -232,6 +253,19 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		}
 		dbsqlc.QueueKeyLock(b, lockArg, &got.Lock)
 		dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &got.Rec, &got.Found)
+		if full {
+			// A call that stores no answer (Once) writes its record
+			// complete: nothing is left to store after fn.
+			state := "in_progress"
+			if o.noResponse {
+				state = stateDone
+			}
+			dbsqlc.QueueKeyClaimIfFull(b, dbsqlc.KeyClaimIfFullParams{
+				LockTimeout: millis(o.wait), FullSince: lockArg.FullSince,
+				Scope: k.scope, Key: k.key, Fingerprint: k.fp, State: state, Retention: o.retentionInterval(),
+			}, &ifFull)
+			dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &again, &foundAgain)
+		}
 		if tx == nil {
 			results := conn.SendBatch(ctx, b)
 			tx = results.Tx()
@@ -244,6 +278,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		return claimed{outcome: outcomeFailed}, tx, translate("idem: claim key", err)
 	}
 	lock, rec, found := got.Lock, &got.Rec, &got.Found
+	var waited time.Duration
 	get := dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}
 	held.count(lock)
 	if lock.ReadOnly {
@@ -258,15 +293,30 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		c, err := replayOrMismatch(rec.Fingerprint, rec.Response, k.fp)
 		return c, tx, err
 	}
+	if full && lock.Lock == lockSkipped {
+		if ifFull.Attempted {
+			c, err := claimedRow(ifFull.Claimed, *found, &again, foundAgain, k)
+			c.complete = ifFull.Claimed && o.noResponse
+			return c, tx, err
+		}
+		// A record completed since KeyLock read none.
+		if foundAgain && !again.Expired && again.State == stateDone {
+			c, err := replayOrMismatch(again.Fingerprint, again.Response, k.fp)
+			return c, tx, err
+		}
+	}
 	switch lock.Lock {
 	case lockSkipped:
 		c, err := claimRow(ctx, tx, k, o, *found)
 		return c, tx, err
 	case lockBusy:
+		started := time.Now()
 		wait := &pgx.Batch{}
 		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: millis(o.wait), LockID: k.lockID})
 		dbsqlc.QueueKeyGet(wait, get, rec, found)
-		if err := tx.SendBatch(ctx, wait).Close(); err != nil {
+		err := tx.SendBatch(ctx, wait).Close()
+		waited = time.Since(started)
+		if err != nil {
 			return claimed{outcome: outcomeFailed}, tx, translate("idem: wait for key", err)
 		}
 		if done() {
@@ -275,7 +325,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		}
 	}
 
-	c := claimed{outcome: outcomeClaimed, expired: *found}
+	c := claimed{outcome: outcomeClaimed, expired: *found, waited: waited}
 	if *found {
 		c.outcome = outcomeReclaimed
 	}
@@ -335,7 +385,14 @@ func claimRow(ctx context.Context, tx pgx.Tx, k keyRef, o *options, expired bool
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return claimed{outcome: outcomeFailed}, translate("idem: claim key", err)
 	}
-	if row.Claimed {
+	return claimedRow(row.Claimed, expired, &rec, found, k)
+}
+
+// claimedRow decides what a claim by the key's record in progress got:
+// the key, when it wrote the record; else the record it then read, to
+// replay.
+func claimedRow(written, expired bool, rec *dbsqlc.KeyGetRow, found bool, k keyRef) (claimed, error) {
+	if written {
 		c := claimed{outcome: outcomeClaimed, early: true}
 		if expired {
 			c.outcome = outcomeReclaimed
@@ -390,7 +447,7 @@ func execute[T any](ctx context.Context, tx pgx.Tx, k keyRef, c claimed,
 	if err != nil {
 		return res, s, c.releaseOnFailure(ctx, tx, k, o, fmt.Errorf("idem: %w", err))
 	}
-	s = store{k: k, c: c, retention: o.retentionInterval()}
+	s = store{k: k, c: c, retention: o.retentionInterval(), lockTimeout: millis(max(o.wait-c.waited, 0))}
 	// Once stores no response: a SQL NULL, the zero pgtype.Text.
 	if !o.noResponse {
 		encoded, err := encodeResponse(value, k.scope, o)
@@ -409,6 +466,10 @@ type store struct {
 	c         claimed
 	response  pgtype.Text
 	retention pgtype.Interval
+	// lockTimeout is what is left of the wait budget once the claim has
+	// waited: KeyInsert and KeyReplace wait under it for a transaction
+	// that holds the key without its lock (see KeyInsert).
+	lockTimeout string
 }
 
 // queue runs, or with a queue as q's DBTX queues, the statement that records
@@ -421,11 +482,11 @@ func (s store) queue(ctx context.Context, q *dbsqlc.Queries) error {
 		return q.KeyStoreResponse(ctx, dbsqlc.KeyStoreResponseParams{Scope: s.k.scope, Key: s.k.key, Response: s.response})
 	case s.c.expired:
 		return q.KeyReplace(ctx, dbsqlc.KeyReplaceParams{
-			Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
+			LockTimeout: s.lockTimeout, Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
 		})
 	}
 	return q.KeyInsert(ctx, dbsqlc.KeyInsertParams{
-		Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
+		LockTimeout: s.lockTimeout, Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
 	})
 }
 
@@ -471,7 +532,7 @@ func (s store) kind() dbsqlc.StoreKind {
 
 func (s store) params() dbsqlc.KeyInsertParams {
 	return dbsqlc.KeyInsertParams{
-		Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
+		LockTimeout: s.lockTimeout, Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
 	}
 }
 
@@ -518,7 +579,14 @@ func (c claimed) releaseOnFailure(ctx context.Context, tx pgx.Tx, k keyRef, o *o
 	}
 	ctx, cancel := cleanupContext(ctx)
 	defer cancel()
-	err := dbsqlc.New(tx).KeyRelease(ctx, dbsqlc.KeyReleaseParams{Scope: k.scope, Key: k.key})
+	var err error
+	if c.complete {
+		// Written complete by this transaction, which holds it: removed
+		// whatever its state.
+		err = dbsqlc.New(tx).KeyReleaseBatch(ctx, dbsqlc.KeyReleaseBatchParams{Scope: k.scope, Keys: []string{k.key}})
+	} else {
+		err = dbsqlc.New(tx).KeyRelease(ctx, dbsqlc.KeyReleaseParams{Scope: k.scope, Key: k.key})
+	}
 	// A connection closed by a cancelled context still reports 'T', but its
 	// transaction is gone with it: nothing can commit, nothing to report.
 	if err != nil && tx.Conn() != nil && !tx.Conn().IsClosed() && tx.Conn().PgConn().TxStatus() == 'T' {

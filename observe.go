@@ -154,7 +154,7 @@ func (obs *observation) end(ctx context.Context, scope, key string, err error) {
 	}
 	outcome := obs.outcome
 	switch {
-	case errors.Is(err, ErrInvalidKey), errors.Is(err, ErrInvalidScope), errors.Is(err, ErrInvalidOption),
+	case errors.Is(err, ErrInvalidKey), errors.Is(err, ErrInvalidScope), errors.Is(err, ErrInvalidOption), errors.Is(err, ErrInvalidBatch),
 		errors.Is(err, ErrConnInTransaction):
 		outcome = outcomeInvalid
 	case errors.Is(err, ErrFingerprintMismatch):

@@ -124,8 +124,10 @@ func WithRetention(d time.Duration) Option {
 // once (PostgreSQL's own lock_timeout of 0 would wait forever, so no wait
 // is sent as the server's smallest budget, one millisecond). Values beyond
 // lock_timeout's range (about 24 days) are rejected. The budget covers
-// only the wait for the key: the function and the rest of the transaction
-// keep the caller's own lock_timeout. A caller's statement_timeout shorter
+// only the waits for the key, the wait for its lock and, for a key another
+// transaction holds by a record in progress, the wait of the statement that
+// stores the record, under what the first left (see [Do]): the function
+// and the rest of the transaction keep the caller's own lock_timeout. A caller's statement_timeout shorter
 // than the budget cuts the wait short with the driver's own error.
 // Defaults to 5s.
 func WithWait(d time.Duration) Option {

@@ -93,25 +93,53 @@ WHERE scope = @scope::text
 -- KeyInsert writes the record of a completed operation, once, with its
 -- answer, in the transaction that ran it: one heap tuple and its index
 -- entries, nothing updated. Its transaction holds the key's lock, so a
--- conflict means a writer that did not take it (an older idem during a
--- rolling upgrade, or a hand-written statement): the unique violation aborts
--- the transaction, fn's writes with it, and Run retries into a replay.
-INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
-VALUES (@scope::text, @key::text, @fingerprint::bytea, 'done',
-        -- Sent as text: pgx sends a []byte as bytea under the simple
-        -- protocol (PgBouncer set-ups), which jsonb would reject.
-        sqlc.narg(response)::text::jsonb,
-        now() + @retention::interval);
+-- conflict means a writer that did not take it: a transaction that holds
+-- the key by a record in progress (past MaxKeyLocks, see KeyClaimWait) or by
+-- a batch's record (KeyClaimBatch), an older idem during a rolling upgrade,
+-- or a hand-written statement. The INSERT waits for such a holder's
+-- uncommitted record under what is left of the wait budget, @lock_timeout
+-- (lock_not_available past it); a committed one gives a unique violation,
+-- which aborts the transaction, fn's writes with it, and Run retries into a
+-- replay. The caller's lock_timeout is restored once the INSERT is done, as
+-- in KeyLockWait.
+WITH budget AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', @lock_timeout::text, true) AS applied
+),
+stored AS (
+    INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
+    SELECT @scope::text, @key::text, @fingerprint::bytea, 'done',
+           -- Sent as text: pgx sends a []byte as bytea under the simple
+           -- protocol (PgBouncer set-ups), which jsonb would reject.
+           sqlc.narg(response)::text::jsonb,
+           now() + @retention::interval
+    FROM budget
+    WHERE budget.applied IS NOT NULL
+    RETURNING 1
+),
+counted AS MATERIALIZED (
+    SELECT count(*) AS n FROM stored
+)
+SELECT set_config('lock_timeout', budget.saved, counted.n >= 0)
+FROM budget
+CROSS JOIN counted;
 
 -- name: KeyReplace :exec
 -- KeyReplace is KeyInsert for a key whose record has expired: it takes the
--- expired record over. When the record is live again (a writer that did not
--- take the key's lock), it fails with division_by_zero instead of
+-- expired record over, waiting as KeyInsert does under @lock_timeout for a
+-- transaction that holds it. When the record is live again (a writer that
+-- did not take the key's lock), it fails with division_by_zero instead of
 -- succeeding quietly, so that a COMMIT pipelined behind it keeps nothing.
-WITH stored AS (
+WITH budget AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', @lock_timeout::text, true) AS applied
+),
+stored AS (
     INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, response, expires_at)
-    VALUES (@scope::text, @key::text, @fingerprint::bytea, 'done',
-            sqlc.narg(response)::text::jsonb, now() + @retention::interval)
+    SELECT @scope::text, @key::text, @fingerprint::bytea, 'done',
+           sqlc.narg(response)::text::jsonb, now() + @retention::interval
+    FROM budget
+    WHERE budget.applied IS NOT NULL
     ON CONFLICT (scope, key) DO UPDATE
     SET fingerprint = excluded.fingerprint,
         state = excluded.state,
@@ -123,8 +151,13 @@ WITH stored AS (
     WHERE existing.expires_at <= now()
        OR existing.state = 'in_progress'
     RETURNING 1
+),
+counted AS MATERIALIZED (
+    SELECT 1 / count(*) AS n FROM stored
 )
-SELECT 1 / count(*) FROM stored;
+SELECT set_config('lock_timeout', budget.saved, counted.n >= 0)
+FROM budget
+CROSS JOIN counted;
 
 -- name: KeyClaim :one
 -- KeyClaim writes a claim in progress before fn runs, for transactions at
@@ -191,6 +224,55 @@ SELECT (counted.n > 0)::bool AS claimed,
        (set_config('lock_timeout', budget.saved, counted.n >= 0) IS NOT NULL)::bool AS restored
 FROM budget
 CROSS JOIN counted;
+
+-- name: KeyClaimIfFull :one
+-- KeyClaimIfFull is KeyClaimWait sent in the claim's own round trip, behind
+-- KeyLock and KeyGet, by a caller whose count of key locks is full: it
+-- writes the record in progress only when KeyLock did not try the lock for
+-- that reason (now() is @full_since, as in KeyLock), the transaction is
+-- read-write, and no live completed record is in the way (a replay needs
+-- no claim); attempted says whether it did. Otherwise it does nothing,
+-- and the claim goes on from KeyLock's and KeyGet's answers. A key past a
+-- transaction's MaxKeyLocks then costs the claim one round trip, not two.
+-- @state is 'in_progress', or 'done' for a call that stores no answer
+-- (Once): its record is then complete once written, and a duplicate that
+-- waited for it replays it once it commits, as it would the completed one.
+WITH budget AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', @lock_timeout::text, true) AS applied
+    WHERE now() = @full_since::timestamptz
+      AND NOT current_setting('transaction_read_only')::bool
+      AND NOT EXISTS (
+          SELECT FROM idempotency_key
+          WHERE scope = @scope::text
+            AND key = @key::text
+            AND expires_at > now()
+            AND state = 'done'
+      )
+),
+claimed AS (
+    INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, expires_at)
+    SELECT @scope::text, @key::text, @fingerprint::bytea, @state::text,
+           now() + @retention::interval
+    FROM budget
+    WHERE budget.applied IS NOT NULL
+    ON CONFLICT (scope, key) DO UPDATE
+    SET fingerprint = excluded.fingerprint,
+        state = excluded.state,
+        response = NULL,
+        created_at = excluded.created_at,
+        expires_at = excluded.expires_at
+    WHERE existing.expires_at <= now()
+       OR existing.state = 'in_progress'
+    RETURNING 1
+),
+counted AS MATERIALIZED (
+    SELECT count(*) AS n FROM claimed
+)
+SELECT EXISTS (SELECT FROM budget)::bool AS attempted,
+       (counted.n > 0)::bool AS claimed,
+       COALESCE((SELECT set_config('lock_timeout', budget.saved, counted.n >= 0) FROM budget), '')::text AS restored
+FROM counted;
 
 -- name: KeyStoreResponse :exec
 -- KeyStoreResponse completes a claim that KeyClaim wrote in the same
@@ -280,3 +362,116 @@ SELECT count(*) FILTER (WHERE l.granted) AS running,
        min(l.xact_start) FILTER (WHERE l.granted)::timestamptz AS oldest_start
 FROM idem_key_lock(@lock_tag::bigint) AS l
 WHERE @lock_id::bigint IN (0, l.lock_id);
+
+-- name: KeyClaimBatch :many
+-- KeyClaimBatch claims a batch of keys of one scope for OnceEach in one
+-- statement: it writes each key's record, completed and without an answer
+-- (what Once records), before the batch's functions run, and returns the
+-- keys it wrote, the new ones, whose functions are then to run. A key
+-- with a record, live or not, committed or not, is skipped: DO NOTHING
+-- takes no row lock, so a redelivered batch writes nothing. The INSERT
+-- waits for a transaction that holds a key's uncommitted record (another
+-- consumer's open batch, or a claim past MaxKeyLocks) under the wait
+-- budget, @lock_timeout (lock_not_available past it): when it commits,
+-- the key is skipped; when it rolls back, the key is written. The caller
+-- sends @keys without repeats and sorted, so that two batches that share
+-- keys wait for each other in one order, never in a cycle. Under
+-- REPEATABLE READ, a record committed after the snapshot gives a
+-- serialization failure. The caller's lock_timeout is restored once the
+-- INSERT is done, as in KeyLockWait. No advisory lock is taken: however
+-- large the batch, it takes no entry per key in the lock table.
+WITH budget AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', @lock_timeout::text, true) AS applied
+),
+claimed AS (
+    INSERT INTO idempotency_key (scope, key, fingerprint, state, expires_at)
+    SELECT @scope::text, ids.key, @fingerprint::bytea, 'done', now() + @retention::interval
+    FROM budget
+    CROSS JOIN unnest(@keys::text[]) AS ids(key)
+    WHERE budget.applied IS NOT NULL
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING key
+),
+restored AS MATERIALIZED (
+    SELECT set_config('lock_timeout', budget.saved, (SELECT count(*) FROM claimed) >= 0) AS setting
+    FROM budget
+)
+SELECT claimed.key::text AS key
+FROM claimed
+CROSS JOIN restored
+WHERE restored.setting IS NOT NULL;
+
+-- name: KeyGetBatch :many
+-- KeyGetBatch reads the records of the keys of a batch that KeyClaimBatch
+-- skipped, sent after it as a statement of its own, so that at READ
+-- COMMITTED it sees what the holders it waited for committed. As KeyGet
+-- does, when the session's COMMITs wait for a synchronous standby and a
+-- record is to be replayed, it writes one transactional logical message,
+-- so that the batch's COMMIT waits until the standby has the records that
+-- made it skip keys.
+WITH found AS MATERIALIZED (
+    SELECT key, fingerprint, state, (expires_at <= now())::bool AS expired
+    FROM idempotency_key
+    WHERE scope = @scope::text
+      AND key = ANY(@keys::text[])
+),
+standby AS MATERIALIZED (
+    SELECT CASE
+               WHEN EXISTS (SELECT FROM found WHERE found.state = 'done' AND NOT found.expired)
+                AND current_setting('synchronous_standby_names') <> ''
+                AND current_setting('synchronous_commit') IN ('on', 'remote_write', 'remote_apply')
+                AND NOT pg_is_in_recovery()
+               THEN pg_logical_emit_message(true, 'idem'::text, ''::text) IS NOT NULL
+               ELSE false
+           END::bool AS standby_wait
+)
+SELECT found.key::text AS key, found.fingerprint::bytea AS fingerprint, found.state::text AS state,
+       found.expired::bool AS expired, standby.standby_wait::bool AS standby_wait
+FROM found
+CROSS JOIN standby;
+
+-- name: KeyReclaimBatch :many
+-- KeyReclaimBatch is KeyClaimBatch for the keys of a batch whose records
+-- KeyGetBatch found expired, or committed in progress (which idem never
+-- commits, see KeyClaim), or gone: it takes those records over, and
+-- returns the keys it wrote. A key whose record is live and completed
+-- again (another batch claimed it since) is skipped.
+WITH budget AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS saved,
+           set_config('lock_timeout', @lock_timeout::text, true) AS applied
+),
+claimed AS (
+    INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, expires_at)
+    SELECT @scope::text, ids.key, @fingerprint::bytea, 'done', now() + @retention::interval
+    FROM budget
+    CROSS JOIN unnest(@keys::text[]) AS ids(key)
+    WHERE budget.applied IS NOT NULL
+    ON CONFLICT (scope, key) DO UPDATE
+    SET fingerprint = excluded.fingerprint,
+        state = excluded.state,
+        response = NULL,
+        created_at = excluded.created_at,
+        expires_at = excluded.expires_at
+    WHERE existing.expires_at <= now()
+       OR existing.state = 'in_progress'
+    RETURNING existing.key
+),
+restored AS MATERIALIZED (
+    SELECT set_config('lock_timeout', budget.saved, (SELECT count(*) FROM claimed) >= 0) AS setting
+    FROM budget
+)
+SELECT claimed.key::text AS key
+FROM claimed
+CROSS JOIN restored
+WHERE restored.setting IS NOT NULL;
+
+-- name: KeyReleaseBatch :exec
+-- KeyReleaseBatch removes the records that KeyClaimBatch or
+-- KeyReclaimBatch (or KeyClaimIfFull, completed) wrote in this transaction
+-- for keys whose functions did not run or failed, so that a caller who commits anyway never commits a
+-- key as handled that was not. Only this transaction can have written
+-- them, and no one else can change them before it ends.
+DELETE FROM idempotency_key
+WHERE scope = @scope::text
+  AND key = ANY(@keys::text[]);

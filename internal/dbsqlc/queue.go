@@ -51,6 +51,14 @@ func QueueKeyClaimWait(b *pgx.Batch, arg KeyClaimWaitParams, row *KeyClaimWaitRo
 	})
 }
 
+// QueueKeyClaimIfFull queues KeyClaimIfFull on b; row is filled in when
+// the batch's results are read.
+func QueueKeyClaimIfFull(b *pgx.Batch, arg KeyClaimIfFullParams, row *KeyClaimIfFullRow) {
+	b.Queue(keyClaimIfFull, arg.LockTimeout, arg.FullSince, arg.Scope, arg.Key, arg.Fingerprint, arg.State, arg.Retention).QueryRow(func(r pgx.Row) error {
+		return r.Scan(&row.Attempted, &row.Claimed, &row.Restored)
+	})
+}
+
 // QueueKeyGet queues KeyGet on b; row is filled in and found set when the
 // batch's results are read. No record is not an error.
 func QueueKeyGet(b *pgx.Batch, arg KeyGetParams, row *KeyGetRow, found *bool) {

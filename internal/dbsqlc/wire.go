@@ -33,7 +33,7 @@ var wireSQL = [wireStatements]string{keyLock, keyGet, keyInsert, keyReplace, key
 // connection's own statement cache (pgx's) names its statements by a hash
 // of their text, so these cannot collide with them.
 var wireNames = [wireStatements]string{
-	"idem_key_lock_1", "idem_key_get_2", "idem_key_insert_1", "idem_key_replace_1", "idem_key_store_response_1",
+	"idem_key_lock_1", "idem_key_get_2", "idem_key_insert_2", "idem_key_replace_2", "idem_key_store_response_1",
 }
 
 // Formats: every argument and every result column is sent in binary, but
@@ -44,9 +44,9 @@ var (
 	formatsKeyLock = []int16{1, 0, 0, 1}
 	// KeyGet: scope, key.
 	formatsKeyGet = []int16{0, 0}
-	// KeyInsert, KeyReplace: scope, key, fingerprint bytea, response text,
-	// retention interval.
-	formatsKeyInsert = []int16{0, 0, 1, 0, 1}
+	// KeyInsert, KeyReplace: lock_timeout text, scope, key, fingerprint
+	// bytea, response text, retention interval.
+	formatsKeyInsert = []int16{0, 0, 0, 1, 0, 1}
 	// KeyStoreResponse: response, scope, key.
 	formatsKeyStore = []int16{0, 0, 0}
 )
@@ -279,6 +279,7 @@ func (w *Wire) Store(ctx context.Context, st StoreKind, arg KeyInsertParams, com
 		w.args = w.a.values(w.args)
 		b.ExecStatement(w.sd[wireKeyStoreResponse], w.args, formatsKeyStore, formatsBinary)
 	} else {
+		w.a.text(arg.LockTimeout)
 		w.a.text(arg.Scope)
 		w.a.text(arg.Key)
 		w.a.bytea(arg.Fingerprint)
