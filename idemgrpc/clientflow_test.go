@@ -117,11 +117,10 @@ func TestClientRefusesAFlowCallThatCarriesAnotherKey(t *testing.T) {
 	attempts := &attemptKeys{}
 	conn := serveClient(t, pool, idemgrpc.Config{Required: true}, k.server(), attempts.intercept,
 		grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor(idemgrpc.WithProviderKey())))
-	// The first run sets a key of its own; the next one the call's own,
-	// which is kept.
+	// The first run sets a key of its own; the next one none, and gets the
+	// call's.
 	var run atomic.Int64
-	var flow *idem.Flow[int64, int64]
-	flow = payFlow("other-"+tenant, conn, tenant, func() []string {
+	flow := payFlow("other-"+tenant, conn, tenant, func() []string {
 		if run.Add(1) == 1 {
 			return []string{idemgrpc.DefaultMetadata, "a-key-of-its-own"}
 		}
