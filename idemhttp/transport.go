@@ -159,7 +159,9 @@ type Transport struct {
 	Base http.RoundTripper
 
 	// Header is the name of the header field that carries the key, an HTTP
-	// token, the server's [Config.Header]. Defaults to [DefaultHeader].
+	// token: the server's [Config.Header], or the field a provider reads
+	// keys from (with UseProviderKey, say "PayPal-Request-Id"). Defaults
+	// to [DefaultHeader].
 	Header string
 
 	// NewKey returns the key of a request that has none; it is called
@@ -197,10 +199,10 @@ type Transport struct {
 	// like any other error, within MaxAttempts and the request's context,
 	// and the answer returned to the caller must be read within it too.
 	// Negative means none: only the request's context bounds an attempt.
-	// Defaults to 30s, well past the answers of payment APIs (their
-	// slowest endpoints answer within seconds), and within idem's
-	// [idem.DefaultCallTimeout] of one minute, so that a flow's call that
-	// hung once is tried again before the flow's own bound ends it.
+	// Defaults to 30s ([DefaultAttemptTimeout]): room for a slow answer,
+	// and half of idem's [idem.DefaultCallTimeout], so that a flow's call
+	// whose first attempt hung is tried again before the call's own bound
+	// ends it.
 	AttemptTimeout time.Duration
 
 	// UseProviderKey makes the Transport send, on a request made from a
