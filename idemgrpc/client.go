@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"strings"
 
@@ -63,11 +64,39 @@ func WithKeyField(name string) ClientOption {
 	}
 }
 
+// WithProviderKey makes the interceptor send, on a call made from a flow's
+// call (whose context carries the call's provider key,
+// [idem.ProviderKeyFromContext]), that key instead of a fresh one, in the
+// metadata or the request's key field (see [WithKeyField]), so that every
+// attempt of the flow's call, in every process, reaches the other system
+// with the same key without the call's function naming it. A call that
+// carries the same key already is sent as it is; one that carries another
+// (in the metadata or the key field) is refused before anything is sent,
+// with an error that wraps [ErrKeyConflict] and whose status is
+// INVALID_ARGUMENT. A call whose context carries no provider key gets a
+// fresh key as without the option. Defaults to off.
+func WithProviderKey() ClientOption {
+	return func(s *clientSettings) error {
+		s.useProviderKey = true
+		return nil
+	}
+}
+
+// ErrKeyConflict is in the chain of the error the client interceptor
+// returns, with [WithProviderKey], before anything is sent, for a call
+// made from a flow's call that already carries a key other than the
+// call's provider key: sent, it would reach the server under a key that
+// the call's next attempt, after a crash, would not send again. The error
+// wraps [idem.ErrInvalidKey] and [idem.ErrNotSent] too, and its status is
+// INVALID_ARGUMENT.
+var ErrKeyConflict = errors.New("idemgrpc: the call carries a key other than its flow call's provider key")
+
 // clientSettings are the client interceptor's options, applied.
 type clientSettings struct {
-	newKey   func() string
-	metadata string
-	keyField protoreflect.Name
+	newKey         func() string
+	metadata       string
+	keyField       protoreflect.Name
+	useProviderKey bool
 }
 
 // retryAttemptMetadata is the metadata key that go-grpc-middleware's retry
@@ -101,6 +130,12 @@ const retryAttemptMetadata = "x-retry-attempt"
 // interceptor without a key therefore fails with INTERNAL instead of being
 // sent with a fresh key.
 //
+// In a flow's call, [WithProviderKey] sends the call's provider key
+// instead of a fresh one, the same in every attempt and every process.
+// With [SendTracker] given to the connection, the error of a call that
+// surely never left the client wraps [idem.ErrNotSent]; every other error
+// is returned as the call got it.
+//
 // Each key is generated once per call, so calls that do not change
 // anything cost only the key. An option that cannot work makes
 // NewClientInterceptor panic, with an error that wraps
@@ -119,10 +154,25 @@ func NewClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
 func (s *clientSettings) intercept(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn,
 	invoker grpc.UnaryInvoker, opts ...grpc.CallOption,
 ) error {
-	md, _ := metadata.FromOutgoingContext(ctx)
-	if len(md.Get(s.metadata)) > 0 || hasNoSideEffects(method) {
-		return invoker(ctx, method, req, reply, cc, opts...)
+	ctx, req, err := s.withKey(ctx, method, req)
+	if err != nil {
+		return err
 	}
+	ctx, sends := trackSends(ctx)
+	err = invoker(ctx, method, req, reply, cc, opts...)
+	if err != nil && sends.noneSent() {
+		return &notSentError{err: err}
+	}
+	return err
+}
+
+// withKey returns the context and request to send for a call of method
+// with req: with the call's key, the caller's, or none.
+func (s *clientSettings) withKey(ctx context.Context, method string, req any) (context.Context, any, error) {
+	if hasNoSideEffects(method) {
+		return ctx, req, nil
+	}
+	md, _ := metadata.FromOutgoingContext(ctx)
 	msg, _ := req.(proto.Message)
 	var field protoreflect.FieldDescriptor
 	if msg != nil && s.keyField != "" {
@@ -131,20 +181,65 @@ func (s *clientSettings) intercept(ctx context.Context, method string, req, repl
 			field = nil
 		}
 	}
-	if field != nil && msg.ProtoReflect().Get(field).String() != "" {
-		return invoker(ctx, method, req, reply, cc, opts...)
+	inField := ""
+	if field != nil {
+		inField = msg.ProtoReflect().Get(field).String()
 	}
-	if len(md.Get(retryAttemptMetadata)) > 0 {
-		return status.Error(codes.Internal, "idemgrpc: the client interceptor runs beneath a retry interceptor, "+
-			"so that each attempt would get a key of its own: chain idemgrpc.NewClientInterceptor() before the retry interceptor")
+	key := ""
+	if providerKey, ok := idem.ProviderKeyFromContext(ctx); ok && s.useProviderKey {
+		if err := s.checkCallersKeys(method, providerKey, md.Get(s.metadata), inField); err != nil {
+			return ctx, req, err
+		}
+		key = providerKey
 	}
-	key := s.newKey()
+	if len(md.Get(s.metadata)) > 0 || inField != "" {
+		return ctx, req, nil
+	}
+	if key == "" {
+		if len(md.Get(retryAttemptMetadata)) > 0 {
+			return ctx, req, status.Error(codes.Internal, "idemgrpc: the client interceptor runs beneath a retry interceptor, "+
+				"so that each attempt would get a key of its own: chain idemgrpc.NewClientInterceptor() before the retry interceptor")
+		}
+		key = s.newKey()
+	}
 	if field != nil {
 		withKey := proto.Clone(msg)
 		withKey.ProtoReflect().Set(field, protoreflect.ValueOfString(key))
-		return invoker(ctx, method, withKey, reply, cc, opts...)
+		return ctx, withKey, nil
 	}
-	return invoker(metadata.AppendToOutgoingContext(ctx, s.metadata, key), method, req, reply, cc, opts...)
+	return metadata.AppendToOutgoingContext(ctx, s.metadata, key), req, nil
+}
+
+// checkCallersKeys refuses a call whose keys, those of its metadata and
+// the one in its key field, are not all the call's provider key.
+func (s *clientSettings) checkCallersKeys(method, providerKey string, inMetadata []string, inField string) error {
+	where, other := "", ""
+	for _, v := range inMetadata {
+		if v != providerKey {
+			where, other = "metadata "+s.metadata, v
+		}
+	}
+	if inField != "" && inField != providerKey {
+		where, other = "field "+string(s.keyField), inField
+	}
+	if where == "" {
+		return nil
+	}
+	return &keyConflictError{msg: fmt.Sprintf("idemgrpc: %s: the call's %s holds %q, and its flow call's provider key is %q: "+
+		"leave the key to the interceptor, or set it to the call's provider key", method, where, other, providerKey)}
+}
+
+// keyConflictError is a call refused by [WithProviderKey].
+type keyConflictError struct{ msg string }
+
+func (e *keyConflictError) Error() string { return e.msg }
+
+func (e *keyConflictError) Unwrap() []error {
+	return []error{ErrKeyConflict, idem.ErrInvalidKey, idem.ErrNotSent}
+}
+
+func (e *keyConflictError) GRPCStatus() *status.Status {
+	return status.New(codes.InvalidArgument, e.msg)
 }
 
 // newUUID returns a random UUID, version 4 (RFC 9562).

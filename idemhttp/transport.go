@@ -61,6 +61,8 @@ import (
 // while it waits ends the wait at once. So the request's context bounds
 // the whole call, every attempt and every wait; give it a deadline
 // (context.WithTimeout, or [http.Client.Timeout]).
+// [Transport.AttemptTimeout] bounds each attempt (30s by default), so
+// that one that hangs is given up and retried rather than waited for.
 //
 // # The key
 //
@@ -78,6 +80,41 @@ import (
 // Each request the Transport is given is one logical operation: an
 // [http.Client] that follows a redirect sends a new request, which gets a
 // key of its own.
+//
+// # Flows
+//
+// With [Transport.UseProviderKey], a request made from a flow's call
+// ([idem.Call]: the context its function gets, or one derived from it,
+// carries the call's provider key) is sent with that key, as it is,
+// unquoted, under Header (say "Cko-Idempotency-Key" or "PayPal-Request-Id"
+// for the provider that expects it), instead of one from NewKey: so the
+// call's function need not copy the key into the request, and cannot
+// forget it. A request that already carries the call's key keeps it; one
+// that carries another is refused before anything is sent, with an error
+// that wraps [ErrKeyConflict]. A request whose context carries no
+// provider key, and one of a safe method, such as a [idem.Reconcile]
+// lookup's GET, are sent as without the option. One call is one provider
+// key: a call whose function sends two requests of side effects through
+// the Transport sends both under its key, which a provider answers as a
+// key reused with another request; give such requests a call each.
+//
+// # Errors that prove a request never left
+//
+// The error the Transport returns wraps [idem.ErrNotSent] when no attempt
+// may have reached the server: every attempt failed before net/http had a
+// connection to write it on (the host's name did not resolve, the
+// connection was refused or timed out, its TLS handshake failed, the
+// context ended while it waited for one), and when the Transport refused
+// the request before sending anything. A flow's call that returns such an
+// error is not counted as one that may have been applied (see
+// [idem.ErrNotSent]), so that an [idem.AtMostOnce] call, or one past its
+// provider window, is made again rather than stopped for a person. Every
+// other error stays uncertain: one after a connection was had (a reset, a
+// timeout while waiting for the answer), one of a request that an earlier
+// attempt sent, and every error of a Base that is not an [http.Transport]
+// and does not report its connections through [net/http/httptrace] (the
+// Transport reads GetConn and GotConn: a connection asked for and never
+// got).
 //
 // # The body
 //
@@ -122,7 +159,9 @@ type Transport struct {
 	Base http.RoundTripper
 
 	// Header is the name of the header field that carries the key, an HTTP
-	// token, the server's [Config.Header]. Defaults to [DefaultHeader].
+	// token: the server's [Config.Header], or the field a provider reads
+	// keys from (with UseProviderKey, say "PayPal-Request-Id"). Defaults
+	// to [DefaultHeader].
 	Header string
 
 	// NewKey returns the key of a request that has none; it is called
@@ -153,6 +192,27 @@ type Transport struct {
 	// the Retry-After that idemhttp answers with its default [Config.Wait].
 	MaxDelay time.Duration
 
+	// AttemptTimeout bounds each attempt: from the moment it is handed to
+	// Base until its answer's body is read to its end or closed, as
+	// [http.Client.Timeout] bounds a whole request. An attempt past it is
+	// given up (its connection closed) and counts as failed: it is retried
+	// like any other error, within MaxAttempts and the request's context,
+	// and the answer returned to the caller must be read within it too.
+	// Negative means none: only the request's context bounds an attempt.
+	// Defaults to 30s ([DefaultAttemptTimeout]): room for a slow answer,
+	// and half of idem's [idem.DefaultCallTimeout], so that a flow's call
+	// whose first attempt hung is tried again before the call's own bound
+	// ends it.
+	AttemptTimeout time.Duration
+
+	// UseProviderKey makes the Transport send, on a request made from a
+	// flow's call (whose context carries the call's provider key,
+	// [idem.ProviderKeyFromContext]), that key under Header instead of one
+	// from NewKey, so that every attempt of the call, in every process,
+	// reaches the provider with the same key without the call's function
+	// naming it. See "Flows" above. Defaults to false.
+	UseProviderKey bool
+
 	// MaxBodyBytes is the largest request body read whole to be sent again,
 	// for a request without GetBody; a larger one is refused before
 	// anything is sent. A request with GetBody is never read ahead.
@@ -160,6 +220,10 @@ type Transport struct {
 	// the largest body that idemhttp accepts by default.
 	MaxBodyBytes int64
 }
+
+// DefaultAttemptTimeout is how long an attempt of a [Transport] may take
+// unless [Transport.AttemptTimeout] says otherwise.
+const DefaultAttemptTimeout = 30 * time.Second
 
 // Defaults of the Transport's fields.
 const (
@@ -187,6 +251,9 @@ type transportSettings struct {
 	maxDelay time.Duration
 	// maxBodyBytes is math.MaxInt64 when there is no limit.
 	maxBodyBytes int64
+	// attemptTimeout is 0 when there is none.
+	attemptTimeout time.Duration
+	useProviderKey bool
 }
 
 func (t *Transport) settings() (transportSettings, error) {
@@ -198,6 +265,9 @@ func (t *Transport) settings() (transportSettings, error) {
 		baseDelay:    cmp.Or(t.BaseDelay, defaultBaseDelay),
 		maxDelay:     cmp.Or(t.MaxDelay, defaultMaxDelay),
 		maxBodyBytes: cmp.Or(t.MaxBodyBytes, DefaultMaxBodyBytes),
+
+		attemptTimeout: max(cmp.Or(t.AttemptTimeout, DefaultAttemptTimeout), 0),
+		useProviderKey: t.UseProviderKey,
 	}
 	if t.Header != "" && !isToken(t.Header) {
 		return s, invalidField("Transport.Header", "%q is not a header field name", t.Header)
@@ -232,7 +302,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	s, err := t.settings()
 	if err != nil {
 		closeBody(req)
-		return nil, err
+		return nil, unsent(err)
 	}
 	out := req.Clone(req.Context())
 	if out.Header == nil {
@@ -241,11 +311,11 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	key, err := s.setKey(out)
 	if err != nil {
 		closeBody(req)
-		return nil, err
+		return nil, unsent(err)
 	}
 	body, err := s.replayable(req, out)
 	if err != nil {
-		return nil, err
+		return nil, unsent(err)
 	}
 	return s.send(out, key, body)
 }
@@ -289,6 +359,9 @@ func (s *transportSettings) setKey(out *http.Request) (string, error) {
 	for _, name := range others {
 		delete(out.Header, name)
 	}
+	if providerKey, ok := s.providerKey(out); ok {
+		return providerKey, s.setProviderKey(out, providerKey, values)
+	}
 	if len(values) > 0 {
 		key := callersKey(values[0])
 		for _, v := range values[1:] {
@@ -300,8 +373,7 @@ func (s *transportSettings) setKey(out *http.Request) (string, error) {
 		out.Header[s.header] = values[:1]
 		return key, nil
 	}
-	switch out.Method {
-	case "", http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace: // "" is GET to net/http
+	if isSafe(out.Method) {
 		return "", nil
 	}
 	key := s.newKey()
@@ -310,6 +382,16 @@ func (s *transportSettings) setKey(out *http.Request) (string, error) {
 	}
 	out.Header.Set(s.header, sfString(key))
 	return key, nil
+}
+
+// isSafe reports whether method is safe by definition, so that its
+// requests get no key.
+func isSafe(method string) bool {
+	switch method {
+	case "", http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace: // "" is GET to net/http
+		return true
+	}
+	return false
 }
 
 // callersKey is the key that a value of the key's field holds, unquoted,
@@ -414,22 +496,31 @@ func (s *transportSettings) replayable(req, out *http.Request) (bodySource, erro
 // send makes the attempts of out.
 func (s *transportSettings) send(out *http.Request, key string, body bodySource) (*http.Response, error) {
 	ctx := out.Context()
+	// unsent stays true while no attempt may have reached the server.
+	unsent := true
 	for n := 1; ; n++ {
-		r := out.WithContext(context.WithValue(ctx, attemptKey{}, attempt{key: key, n: n}))
+		attemptCtx, cancel := s.attemptContext(context.WithValue(ctx, attemptKey{}, attempt{key: key, n: n}))
+		attemptCtx, conns := traceConns(attemptCtx)
+		r := out.WithContext(attemptCtx)
 		var err error
 		if r.Body, err = body(n); err != nil {
-			return nil, &attemptError{key: key, n: n, doing: "getting the body of attempt", err: err}
+			cancel()
+			return nil, &attemptError{key: key, n: n, doing: "getting the body of attempt", err: err, unsent: unsent}
 		}
 		resp, err := s.base.RoundTrip(r)
 		if err == nil {
 			resp.Request = r
+			resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
+		} else {
+			cancel()
 		}
+		unsent = unsent && err != nil && conns.neverGot()
 		retryAfter, retry := retryable(ctx, resp, err)
 		wait := max(backoff.Jitter(n, s.baseDelay, s.maxDelay), retryAfter)
 		deadline, hasDeadline := ctx.Deadline()
 		if !retry || n >= s.maxAttempts || retryAfter > s.maxDelay || hasDeadline && time.Until(deadline) < wait {
 			if err != nil {
-				return nil, &attemptError{key: key, n: n, doing: "attempt", err: err}
+				return nil, &attemptError{key: key, n: n, doing: "attempt", err: err, unsent: unsent}
 			}
 			return resp, nil
 		}
@@ -438,7 +529,7 @@ func (s *transportSettings) send(out *http.Request, key string, body bodySource)
 			_ = resp.Body.Close()
 		}
 		if err := backoff.Sleep(ctx, wait); err != nil {
-			return nil, &attemptError{key: key, n: n, doing: "waiting to retry after attempt", err: err}
+			return nil, &attemptError{key: key, n: n, doing: "waiting to retry after attempt", err: err, unsent: unsent}
 		}
 	}
 }
@@ -502,35 +593,6 @@ func closeBody(req *http.Request) {
 	if req.Body != nil {
 		_ = req.Body.Close()
 	}
-}
-
-// attemptError is the error of the last attempt of a request, or of the
-// wait after it, with the request's key and the number of its attempts.
-type attemptError struct {
-	key   string
-	n     int
-	doing string // such as "attempt", followed by the attempt's number
-	err   error
-}
-
-func (e *attemptError) Error() string {
-	var b strings.Builder
-	fmt.Fprintf(&b, "idemhttp: %s %d", e.doing, e.n)
-	if e.key != "" {
-		fmt.Fprintf(&b, " with key %q", e.key)
-	}
-	b.WriteString(": ")
-	b.WriteString(e.err.Error())
-	return b.String()
-}
-
-func (e *attemptError) Unwrap() error { return e.err }
-
-// Timeout reports whether the error is a timeout, as the error it wraps
-// says, so that url.Error.Timeout still sees through the Transport.
-func (e *attemptError) Timeout() bool {
-	var t interface{ Timeout() bool }
-	return errors.As(e.err, &t) && t.Timeout()
 }
 
 // CloseIdleConnections closes the idle connections of Base, when it has

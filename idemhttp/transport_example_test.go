@@ -93,3 +93,54 @@ func ExampleTransport() {
 	// attempts: 2, with one key of 36 characters
 	// payments recorded: 1 <nil>
 }
+
+// A flow's call charges a provider through a Transport that sends the
+// call's provider key by itself: the call's function never names it, and
+// every attempt, in every process, carries the same key.
+func ExampleTransport_providerKey() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
+		log.Fatal(err)
+	}
+
+	// The provider, which reads its keys from Cko-Idempotency-Key.
+	var got atomic.Value
+	provider := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got.Store(r.Header.Get("Cko-Idempotency-Key"))
+		_, _ = io.WriteString(w, "pay_1")
+	}))
+	defer provider.Close()
+
+	client := &http.Client{Transport: &idemhttp.Transport{UseProviderKey: true, Header: "Cko-Idempotency-Key"}}
+	checkout := idem.NewFlow("example-checkout", func(s *idem.Steps, amount int64) (string, error) {
+		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
+			req, err := http.NewRequestWithContext(ctx, http.MethodPost, provider.URL+"/payments", strings.NewReader(fmt.Sprint(amount)))
+			if err != nil {
+				return "", err
+			}
+			resp, err := client.Do(req)
+			if err != nil {
+				return "", err // wraps idem.ErrNotSent when it surely never left
+			}
+			defer resp.Body.Close()
+			id, err := io.ReadAll(resp.Body)
+			return string(id), err
+		})
+	})
+	key := fmt.Sprint("order-", rand.Int64())
+	res, err := checkout.Run(ctx, pool, "tenant-1", key, nil, 2500)
+	if err != nil {
+		log.Fatal(err)
+	}
+	info, err := idem.InspectFlow(ctx, pool, "tenant-1", key)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(res.Value, got.Load() == info.Steps[0].ProviderKey)
+	// Output: pay_1 true
+}

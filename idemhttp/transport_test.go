@@ -583,6 +583,9 @@ func TestTransportReportsKeyAndAttemptsInItsError(t *testing.T) {
 	if !errors.As(err, &opErr) || !strings.Contains(err.Error(), `idemhttp: attempt 3 with key "order-1": `) || len(w.sent()) != 3 {
 		t.Fatalf("got %v after %d attempts; want the refused connection of attempt 3, with its key", err, len(w.sent()))
 	}
+	if !errors.Is(err, idem.ErrNotSent) || !strings.HasSuffix(err.Error(), "(no attempt was sent)") {
+		t.Fatalf("got %v; want it to wrap idem.ErrNotSent and say so: no attempt was ever connected", err)
+	}
 }
 
 func TestTransportReplaysTheBody(t *testing.T) {

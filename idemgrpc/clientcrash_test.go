@@ -1,0 +1,133 @@
+package idemgrpc_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemgrpc"
+	"github.com/pgidem/idem/idemgrpc/internal/testpb"
+)
+
+// The crash test runs a flow in a child process, this test binary run
+// again with clientCrashEnv set, which kills itself (SIGKILL) once the
+// server answered its call and before the answer is recorded. The server
+// is the parent's, so that what it got outlives the child.
+const clientCrashEnv = "IDEMGRPC_CLIENT_CRASH"
+
+func init() {
+	// Before TestMain, which would start a database of its own.
+	if job := os.Getenv(clientCrashEnv); job != "" {
+		os.Exit(clientCrashChild(job))
+	}
+}
+
+// clientCrashJob is what the child runs, passed as JSON in clientCrashEnv.
+type clientCrashJob struct{ URL, Addr, Flow, Tenant, Key string }
+
+// clientCrashChild runs the job and returns an exit code; it returns only
+// when the flow ended without reaching its crash point.
+func clientCrashChild(job string) int {
+	var j clientCrashJob
+	if err := json.Unmarshal([]byte(job), &j); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, j.URL)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	defer pool.Close()
+	conn, err := grpc.NewClient(j.Addr, append(stampingClient(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	kill := func() {
+		self, _ := os.FindProcess(os.Getpid())
+		_ = self.Kill()
+		select {} // the signal is on its way
+	}
+	_, err = crashPayFlow(j.Flow, conn, j.Tenant, kill).Run(ctx, pool, j.Tenant, j.Key, nil, 2500)
+	fmt.Fprintf(os.Stderr, "the flow ended without a crash: %v\n", err)
+	return 3
+}
+
+// stampingClient is the dial options of a client that sends a flow
+// call's provider key.
+func stampingClient() []grpc.DialOption {
+	return []grpc.DialOption{grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor(idemgrpc.WithProviderKey())),
+		grpc.WithStatsHandler(idemgrpc.SendTracker())}
+}
+
+// crashPayFlow is a flow of one call, Pay over conn, whose function never
+// names the provider key; afterAnswer, when set, runs once the server
+// answered.
+func crashPayFlow(name string, conn *grpc.ClientConn, tenant string, afterAnswer func()) *idem.Flow[int64, int64] {
+	return idem.NewFlow(name, func(s *idem.Steps, amount int64) (int64, error) {
+		return idem.Call(s, "pay", func(ctx context.Context, _ string) (int64, error) {
+			res, err := testpb.NewPaymentsClient(conn).Pay(metadata.AppendToOutgoingContext(ctx, tenantMetadata, tenant),
+				&testpb.PayRequest{AmountCents: amount})
+			if err == nil && afterAnswer != nil {
+				afterAnswer()
+			}
+			return res.GetId(), err
+		})
+	}, idem.WithLease(2*time.Second))
+}
+
+func TestClientSendsAFlowCallsProviderKeyAgainAfterACrash(t *testing.T) {
+	ctx, pool, tenant := setup(t)
+	var k keysSeen
+	attempts := &attemptKeys{}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	startServer(t, pool, idemgrpc.Config{Required: true}, k.server(), lis, attempts.intercept)
+	name := "crash-" + tenant
+
+	job, _ := json.Marshal(clientCrashJob{URL: pool.Config().ConnString(), Addr: lis.Addr().String(), Flow: name, Tenant: tenant, Key: "k"})
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), clientCrashEnv+"="+string(job))
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != -1 {
+		t.Fatalf("the child was not killed: %v\n%s", err, out)
+	}
+	if keys := attempts.seen(); len(keys) != 1 || countPayments(t, pool, tenant) != 1 {
+		t.Fatalf("before the retry the server got the keys %q, %d payments; want one call", keys, countPayments(t, pool, tenant))
+	}
+
+	// The retry waits for the dead executor's lease to run out, and calls
+	// again: the server replays the answer it gave the child.
+	conn := dial(t, lis.Addr().String(), stampingClient()...)
+	res, err := crashPayFlow(name, conn, tenant, nil).Run(ctx, pool, tenant, "k", nil, 2500, idem.WithWait(time.Minute))
+	if err != nil || res.Replayed {
+		t.Fatalf("the retry: %+v, %v; want the flow completed now", res, err)
+	}
+	want := flowCall(t, ctx, pool, tenant, "k", "pay").ProviderKey
+	if keys := attempts.seen(); len(keys) != 2 || keys[0] != want || keys[1] != want {
+		t.Fatalf("the server got the keys %q; want the call's provider key %q from the child and from the retry", keys, want)
+	}
+	if runs := k.seen(); len(runs) != 1 || countPayments(t, pool, tenant) != 1 {
+		t.Fatalf("the handler ran with the keys %q, %d payments; want one run, replayed to the retry", runs, countPayments(t, pool, tenant))
+	}
+	if n := count(t, pool, `SELECT count(*) FROM payment WHERE key = $1 AND id = $2`, want, res.Value); n != 1 {
+		t.Fatalf("the flow's answer %d is not the payment the child's call made", res.Value)
+	}
+}

@@ -1,0 +1,287 @@
+package idemhttp_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemhttp"
+	"github.com/pgidem/idem/internal/testdb"
+)
+
+// The crash test runs a flow in a child process, this test binary run
+// again with transportCrashEnv set, which kills itself (SIGKILL) once the
+// provider answered its call and before the answer is recorded: nothing
+// of it gets to clean up. The provider is an HTTP server of the parent's,
+// so that what it saw outlives the child.
+const transportCrashEnv = "IDEMHTTP_TRANSPORT_CRASH"
+
+func init() {
+	// Before TestMain, which would start a database of its own.
+	if job := os.Getenv(transportCrashEnv); job != "" {
+		os.Exit(transportCrashChild(job))
+	}
+}
+
+// transportCrashJob is what the child runs, passed as JSON in
+// transportCrashEnv.
+type transportCrashJob struct{ URL, Provider, Flow, Scope, Key string }
+
+// transportCrashChild runs the job and returns an exit code; it returns
+// only when the flow ended without reaching its crash point.
+func transportCrashChild(job string) int {
+	var j transportCrashJob
+	if err := json.Unmarshal([]byte(job), &j); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, j.URL)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	defer pool.Close()
+	kill := func() {
+		self, _ := os.FindProcess(os.Getpid())
+		_ = self.Kill()
+		select {} // the signal is on its way
+	}
+	_, err = chargeFlow(j.Flow, j.Provider, kill).Run(ctx, pool, j.Scope, j.Key, nil, 2500)
+	fmt.Fprintf(os.Stderr, "the flow ended without a crash: %v\n", err)
+	return 3
+}
+
+// chargeFlow is a flow of one call, a charge at the provider over a
+// Transport that sends the call's provider key; its function never names
+// the key. afterAnswer, when set, runs once the provider answered.
+func chargeFlow(name, providerURL string, afterAnswer func()) *idem.Flow[int64, string] {
+	client := &http.Client{Transport: &idemhttp.Transport{UseProviderKey: true, BaseDelay: -1}}
+	return idem.NewFlow(name, func(s *idem.Steps, amount int64) (string, error) {
+		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
+			id, err := postCharge(ctx, client, providerURL, amount, nil)
+			if err == nil && afterAnswer != nil {
+				afterAnswer()
+			}
+			return id, err
+		})
+	}, idem.WithLease(2*time.Second))
+}
+
+// postCharge posts a charge of amount to the provider, with the header
+// fields in fields, and returns the charge's id.
+func postCharge(ctx context.Context, client *http.Client, providerURL string, amount int64, fields http.Header) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, providerURL, strings.NewReader(strconv.FormatInt(amount, 10)))
+	if err != nil {
+		return "", err
+	}
+	for name, values := range fields {
+		req.Header[name] = values
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return "", err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return "", fmt.Errorf("the provider answered %d %s", resp.StatusCode, body)
+	}
+	return string(body), nil
+}
+
+// keyedProvider is a provider that honours idempotency keys, under the
+// header field it is given: a request with a key it has seen gets the
+// charge it made for it. It records the key of every request.
+type keyedProvider struct {
+	header string
+	url    string
+
+	mu      sync.Mutex
+	keys    []string
+	charges map[string]string
+}
+
+func newKeyedProvider(t *testing.T, header string) *keyedProvider {
+	p := &keyedProvider{header: header, charges: map[string]string{}}
+	srv := httptest.NewServer(p)
+	t.Cleanup(srv.Close)
+	p.url = srv.URL
+	return p
+}
+
+func (p *keyedProvider) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	key := r.Header.Get(p.header)
+	p.mu.Lock()
+	p.keys = append(p.keys, key)
+	id, ok := p.charges[key]
+	if !ok {
+		id = "ch_" + strconv.Itoa(len(p.charges)+1)
+		p.charges[key] = id
+	}
+	p.mu.Unlock()
+	_, _ = io.WriteString(w, id)
+}
+
+// seen returns the key of every request the provider got, and how many
+// charges it made.
+func (p *keyedProvider) seen() ([]string, int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.keys...), len(p.charges)
+}
+
+// callOf returns the step of the flow (scope, key) named step.
+func callOf(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key, step string) idem.FlowStep {
+	t.Helper()
+	info, err := idem.InspectFlow(ctx, pool, scope, key)
+	if err != nil || !info.Found {
+		t.Fatalf("no flow for %s: %v", key, err)
+	}
+	for _, s := range info.Steps {
+		if s.Name == step {
+			return s
+		}
+	}
+	t.Fatalf("the flow for %s has no step named %s: %+v", key, step, info.Steps)
+	return idem.FlowStep{}
+}
+
+func TestTransportSendsAFlowCallsProviderKeyAgainAfterACrash(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	p := newKeyedProvider(t, idemhttp.DefaultHeader)
+	name := testdb.Name("charge")
+
+	job, _ := json.Marshal(transportCrashJob{URL: env.URL(t), Provider: p.url, Flow: name, Scope: scope, Key: "k"})
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), transportCrashEnv+"="+string(job))
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != -1 {
+		t.Fatalf("the child was not killed: %v\n%s", err, out)
+	}
+	if keys, charges := p.seen(); len(keys) != 1 || charges != 1 {
+		t.Fatalf("before the retry the provider saw the keys %q, made %d charges; want one request", keys, charges)
+	}
+
+	// The retry waits for the dead executor's lease to run out, and
+	// calls again: the provider recognises the key.
+	res, err := chargeFlow(name, p.url, nil).Run(ctx, pool, scope, "k", nil, 2500, idem.WithWait(time.Minute))
+	if err != nil || res.Replayed || res.Value != "ch_1" {
+		t.Fatalf("the retry: %+v, %v; want the flow completed now with the charge the provider made before the crash", res, err)
+	}
+	want := callOf(t, ctx, pool, scope, "k", "charge").ProviderKey
+	keys, charges := p.seen()
+	if len(keys) != 2 || keys[0] != want || keys[1] != want || charges != 1 {
+		t.Fatalf("the provider saw the keys %q and made %d charges; want the call's provider key %q twice, one charge", keys, charges, want)
+	}
+}
+
+func TestTransportSendsTheProviderKeyUnderTheProvidersHeader(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	p := newKeyedProvider(t, "Cko-Idempotency-Key")
+	client := &http.Client{Transport: &idemhttp.Transport{UseProviderKey: true, Header: "Cko-Idempotency-Key"}}
+	var safe *http.Request
+	flow := idem.NewFlow(testdb.Name("cko"), func(s *idem.Steps, amount int64) (string, error) {
+		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
+			id, err := postCharge(ctx, client, p.url, amount, nil)
+			if err != nil {
+				return "", err
+			}
+			// A safe request, such as a lookup's, gets no key.
+			resp, err := (&http.Client{Transport: &idemhttp.Transport{UseProviderKey: true, Header: "Cko-Idempotency-Key",
+				Base: roundTripFunc(func(r *http.Request) (*http.Response, error) {
+					safe = r
+					return http.DefaultTransport.RoundTrip(r)
+				})}}).Get(p.url + "/lookup")
+			if err != nil {
+				return "", err
+			}
+			resp.Body.Close()
+			return id, nil
+		})
+	})
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, 100); err != nil {
+		t.Fatal(err)
+	}
+	want := callOf(t, ctx, pool, scope, "k", "charge").ProviderKey
+	if keys, _ := p.seen(); len(keys) != 2 || keys[0] != want || keys[1] != "" {
+		t.Fatalf("the provider saw Cko-Idempotency-Key %q; want the call's provider key %q, as it is, then none on the GET", keys, want)
+	}
+	if safe == nil || len(safe.Header.Values("Cko-Idempotency-Key")) != 0 {
+		t.Fatal("the GET was not sent, or was sent with a key")
+	}
+}
+
+func TestTransportRefusesAFlowCallsRequestThatCarriesAnotherKey(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	p := newKeyedProvider(t, idemhttp.DefaultHeader)
+	client := &http.Client{Transport: &idemhttp.Transport{UseProviderKey: true}}
+	// The first run sets a key of its own; the next one sets the call's
+	// own, which is kept.
+	var run atomic.Int64
+	flow := idem.NewFlow(testdb.Name("other-key"), func(s *idem.Steps, amount int64) (string, error) {
+		return idem.Call(s, "send", func(ctx context.Context, providerKey string) (string, error) {
+			key := "a-key-of-its-own"
+			if run.Add(1) > 1 {
+				key = providerKey
+			}
+			return postCharge(ctx, client, p.url, amount, http.Header{idemhttp.DefaultHeader: {key}})
+		}, idem.AtMostOnce())
+	})
+	_, err := flow.Run(ctx, pool, scope, "k", nil, 100)
+	for _, want := range []error{idemhttp.ErrKeyConflict, idem.ErrInvalidKey, idem.ErrNotSent, idem.ErrFlowIncomplete} {
+		if !errors.Is(err, want) {
+			t.Fatalf("a request with another key: %v; want an error that wraps %v", err, want)
+		}
+	}
+	if keys, _ := p.seen(); len(keys) != 0 {
+		t.Fatalf("the provider got %q; want nothing sent", keys)
+	}
+	// Refused before it was sent, the at-most-once call is not one that
+	// may have been applied: the next run makes it, rather than stop.
+	if step := callOf(t, ctx, pool, scope, "k", "send"); step.State != "unsent" {
+		t.Fatalf("the call's state is %q after its request was refused; want unsent", step.State)
+	}
+	res, err := flow.Run(ctx, pool, scope, "k", nil, 100)
+	want := callOf(t, ctx, pool, scope, "k", "send").ProviderKey
+	if keys, _ := p.seen(); err != nil || res.Value != "ch_1" || len(keys) != 1 || keys[0] != want {
+		t.Fatalf("the next run: %+v, %v, keys %q; want the call made once, with its key %q", res, err, keys, want)
+	}
+}
+
+func TestTransportWithoutUseProviderKeyGivesAFlowCallAKeyOfItsOwn(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	p := newKeyedProvider(t, idemhttp.DefaultHeader)
+	client := &http.Client{Transport: &idemhttp.Transport{}}
+	flow := idem.NewFlow(testdb.Name("no-stamp"), func(s *idem.Steps, amount int64) (string, error) {
+		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
+			return postCharge(ctx, client, p.url, amount, nil)
+		})
+	})
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, 100); err != nil {
+		t.Fatal(err)
+	}
+	want := callOf(t, ctx, pool, scope, "k", "charge").ProviderKey
+	if keys, _ := p.seen(); len(keys) != 1 || !uuidV4.MatchString(strings.Trim(keys[0], `"`)) || strings.Contains(keys[0], want) {
+		t.Fatalf("the provider saw %q; want a fresh key of the Transport's, not the provider key %q", keys, want)
+	}
+}
