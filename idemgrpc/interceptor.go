@@ -56,6 +56,12 @@ type callKey struct{}
 type callValues struct {
 	tx         pgx.Tx
 	scope, key string
+	// For a method that Config.Flows lists, what RunFlow needs: the
+	// interceptor, whose configuration the flow runs with, and the call.
+	flows  *interceptor
+	fp     []byte
+	method string
+	stream grpc.ServerTransportStream
 }
 
 // Tx returns the transaction the interceptor opened for the call whose
@@ -128,6 +134,9 @@ func (i *interceptor) intercept(ctx context.Context, req any, info *grpc.UnarySe
 	if err != nil {
 		return nil, newStatus(codes.InvalidArgument, ReasonFingerprintFailed,
 			"idemgrpc: the request cannot be fingerprinted to check its idempotency key", nil)
+	}
+	if i.flows[info.FullMethod] {
+		return i.serveFlow(ctx, c, callValues{scope: scope, key: key}, fp)
 	}
 	return i.serveKeyed(ctx, c, callValues{scope: scope, key: key}, fp)
 }
