@@ -400,3 +400,57 @@ func TestConfigFlowsRefusesWhatCannotWork(t *testing.T) {
 		}
 	}
 }
+
+func TestFlowMethodPanicGivesTheLeaseUpAndReachesTheRecoveryInterceptor(t *testing.T) {
+	ctx, pool, tenant := setup(t)
+	recovery := func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (_ any, err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				err = status.Errorf(codes.Internal, "recovered: %v", r)
+			}
+		}()
+		return handler(ctx, req)
+	}
+	// No wait: a retry that found the flow still held would get ABORTED.
+	conn, p := serveFlow(t, pool, idemgrpc.Config{Wait: -1}, recovery)
+	p.hold = func(attempt int64) error {
+		if attempt == 1 {
+			panic("boom, in the provider's client")
+		}
+		return nil
+	}
+	req := &testpb.PayRequest{AmountCents: 2500}
+	if a := pay(ctx, conn, tenant, "k", req); status.Code(a.err) != codes.Internal || !strings.Contains(status.Convert(a.err).Message(), "recovered: boom") {
+		t.Fatalf("a panicking flow: %v, want the recovery interceptor's INTERNAL", a.err)
+	}
+	if b := pay(ctx, conn, tenant, "k", req); b.err != nil || b.replayed() {
+		t.Fatalf("the retry after a panic: %v, replayed %t; want the flow continued at once", b.err, b.replayed())
+	}
+	if keys := p.providerKeys(); len(keys) != 2 || keys[0] != keys[1] || p.charges.Load() != 1 || countPayments(t, pool, tenant) != 1 {
+		t.Fatalf("provider keys %q, %d charges, %d payments; want one key twice, 1, 1", keys, p.charges.Load(), countPayments(t, pool, tenant))
+	}
+}
+
+func TestFlowMethodWhoseStepsChangedIsInternalAndDoesNotInviteARetry(t *testing.T) {
+	ctx, pool, tenant := setup(t)
+	before, p := serveFlow(t, pool, idemgrpc.Config{Logger: discard})
+	p.fail = func(int64) error { return errors.New("timeout") }
+	req := &testpb.PayRequest{AmountCents: 2500}
+	wantReason(t, pay(ctx, before, tenant, "k", req).err, codes.Unavailable, idemgrpc.ReasonOperationIncomplete)
+
+	// A deployment renames the flow's first step while the flow is in
+	// progress.
+	var ran atomic.Bool
+	changed := idem.NewFlow("pay", func(s *idem.Steps, in order) (order, error) {
+		return idem.Local(s, "reserve", func(context.Context, pgx.Tx) (order, error) {
+			ran.Store(true)
+			return in, nil
+		})
+	})
+	after := serve(t, pool, idemgrpc.Config{Flows: []string{testpb.PaymentsPay}, Logger: discard},
+		&testpb.PaymentsServer{Pay: payByFlow(changed)})
+	st := wantReason(t, pay(ctx, after, tenant, "k", req).err, codes.Internal, idemgrpc.ReasonRequestFailed)
+	if strings.Contains(st.Message(), "retrying it with the same") || ran.Load() {
+		t.Fatalf("changed steps: %q, step ran %t; want no retry invited and nothing run", st.Message(), ran.Load())
+	}
+}
