@@ -65,7 +65,8 @@ type callValues struct {
 }
 
 // Tx returns the transaction the interceptor opened for the call whose
-// context is ctx, or nil outside a covered method. The handler does its
+// context is ctx, or nil outside a covered method and in a method that
+// [Config.Flows] lists, for which it opens none. The handler does its
 // writes on it: they commit together with the key's claim and the stored
 // answer, or not at all. The handler must not commit or roll it back.
 func Tx(ctx context.Context) pgx.Tx {
