@@ -15,6 +15,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
@@ -229,22 +230,69 @@ func holdFirstCall(t *testing.T, p *cardProvider) (calling <-chan struct{}, rele
 	return entered, release
 }
 
+// duplicateKey marks the context of the calls that carry the metadata
+// x-duplicate, down to their queries.
+type duplicateKey struct{}
+
+// duplicateTracer reports on looked each query or batch that a call
+// marked by duplicateKey sends.
+type duplicateTracer struct{ looked chan struct{} }
+
+func (d duplicateTracer) seen(ctx context.Context) context.Context {
+	if ctx.Value(duplicateKey{}) != nil {
+		select {
+		case d.looked <- struct{}{}:
+		default:
+		}
+	}
+	return ctx
+}
+
+func (d duplicateTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return d.seen(ctx)
+}
+
+func (d duplicateTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return d.seen(ctx)
+}
+
+func (duplicateTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData)     {}
+func (duplicateTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (duplicateTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
 func TestFlowMethodDuplicateDuringASlowCallWaitsAndReplays(t *testing.T) {
-	ctx, pool, tenant := setup(t)
-	arrived := make(chan struct{}, 2)
+	ctx, shared, tenant := setup(t)
+	// A pool of the test's own, whose tracer sees the duplicate's queries:
+	// once it has looked at the flow, held by the first call, it waits.
+	tracer := duplicateTracer{looked: make(chan struct{}, 1)}
+	cfg, err := pgxpool.ParseConfig(shared.Config().ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.Tracer = tracer
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
 	conn, p := serveFlow(t, pool, idemgrpc.Config{Wait: time.Minute},
 		func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-			arrived <- struct{}{}
+			if md, _ := metadata.FromIncomingContext(ctx); len(md.Get("x-duplicate")) > 0 {
+				ctx = context.WithValue(ctx, duplicateKey{}, true)
+			}
 			return handler(ctx, req)
 		})
 	calling, release := holdFirstCall(t, p)
 	req := &testpb.PayRequest{AmountCents: 2500}
 
 	firstDone := payAsync(ctx, conn, tenant, "k", req)
-	<-arrived
 	<-calling
-	dupDone := payAsync(ctx, conn, tenant, "k", req)
-	<-arrived // the duplicate reached the server while the first call is held
+	dupDone := payAsync(metadata.AppendToOutgoingContext(ctx, "x-duplicate", "1"), conn, tenant, "k", req)
+	select {
+	case <-tracer.looked: // the duplicate looked at the flow while the first call is in the provider
+	case dup := <-dupDone:
+		t.Fatalf("the duplicate was answered (%v, %v) while the first call was still in the provider", dup.res, dup.err)
+	}
 	select {
 	case dup := <-dupDone:
 		t.Fatalf("the duplicate was answered (%v, %v) while the first call was still in the provider", dup.res, dup.err)
