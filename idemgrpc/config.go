@@ -85,8 +85,9 @@ type Config struct {
 
 	// Methods lists the covered unary methods by full name
 	// ("/payments.v1.Payments/Create", the generated code's
-	// Payments_Create_FullMethodName). Calls of other methods pass straight
-	// to the handler, outside any transaction, and their key is ignored.
+	// Payments_Create_FullMethodName). Calls of other methods, but those
+	// Flows lists, pass straight to the handler, outside any transaction,
+	// and their key is ignored.
 	// An empty, non-nil list is refused: it would cover nothing, and so is
 	// a method without side effects. Defaults, when nil, to every unary
 	// method. Streaming methods and methods without side effects (health
@@ -100,6 +101,18 @@ type Config struct {
 	// repeat. It must be empty when Required is false, and may name only
 	// covered methods. Defaults to none.
 	Optional []string
+
+	// Flows lists unary methods, by full name, whose handlers run an
+	// [idem.Flow] with [RunFlow]: methods whose write calls another system
+	// (charging a card, reserving stock). The interceptor opens no
+	// transaction for them and claims nothing: it reads the call's key,
+	// scope and fingerprint as for any covered call and hands them to
+	// RunFlow, and the flow's own record makes the call exactly-once (see
+	// RunFlow). A call of such a method needs a key, whatever Required
+	// says. They are covered whatever Methods says, must not be listed in
+	// Optional, and may not be methods without side effects. Defaults to
+	// none.
+	Flows []string
 
 	// Metadata is the metadata key that carries the idempotency key, in
 	// lower case (gRPC metadata keys are), not a binary ("-bin") key and
@@ -202,6 +215,8 @@ type settings struct {
 	// methods is nil when every unary method is covered.
 	methods  map[string]bool
 	optional map[string]bool
+	// flows are the methods served by flows (Config.Flows).
+	flows    map[string]bool
 	metadata string
 	keyField protoreflect.Name
 	// maxResponseBytes is math.MaxInt when there is no limit.
@@ -210,8 +225,9 @@ type settings struct {
 	fingerprint      func(string, proto.Message) ([]byte, error)
 	txOptions        pgx.TxOptions
 	logger           *slog.Logger
-	// runOptions are what each keyed call hands idem.Run.
-	runOptions []idem.Option
+	// runOptions are what each keyed call hands idem.Run; flowOptions
+	// what RunFlow hands idem.Flow.Run.
+	runOptions, flowOptions []idem.Option
 	// retryDelay is the RetryInfo of an ABORTED KEY_IN_PROGRESS: the wait,
 	// rounded up to whole seconds, at least one, since the first call took
 	// that long already.
@@ -312,6 +328,10 @@ func newSettings(cfg Config) (settings, error) {
 		s.optional[m] = true
 	}
 
+	if err := s.checkFlows(cfg.Flows); err != nil {
+		return settings{}, err
+	}
+
 	if problem := checkMetadataKey(s.metadata); problem != "" {
 		return settings{}, invalidField("Config.Metadata", "%q %s", cfg.Metadata, problem)
 	}
@@ -359,6 +379,7 @@ func newSettings(cfg Config) (settings, error) {
 		idem.WithTxOptions(s.txOptions),
 		idem.WithMaxResponseSize(storedLimit),
 	}
+	s.flowOptions = []idem.Option{idem.WithWait(wait)}
 	if cfg.LookupFirst {
 		s.runOptions = append(s.runOptions, idem.WithLookupFirst())
 	}
@@ -380,6 +401,8 @@ func newSettings(cfg Config) (settings, error) {
 // idem, and whether they must carry a key.
 func (s *settings) covers(fullMethod string) (covered, required bool) {
 	switch {
+	case s.flows[fullMethod]:
+		return true, true
 	case s.methods != nil && !s.methods[fullMethod], hasNoSideEffects(fullMethod):
 		return false, false
 	}

@@ -110,6 +110,14 @@ interceptor if there is one. When the client goes away mid-call, the
 call's context is cancelled, the transaction rolls back, and the client's
 retry runs the handler again.
 
+# Flows
+
+A method whose write calls another system (charging a card) is served by
+an [idem.Flow] rather than in a transaction, which would be held across
+the call: list it in [Config.Flows], and its handler runs the flow with
+[RunFlow], under the call's key, scope and fingerprint, and builds its
+response from the flow's answer. RunFlow states the statuses it answers.
+
 # Privacy and observability
 
 A stored answer holds the response and its metadata, often personal data.

@@ -56,10 +56,17 @@ type callKey struct{}
 type callValues struct {
 	tx         pgx.Tx
 	scope, key string
+	// For a method that Config.Flows lists, what RunFlow needs: the
+	// interceptor, whose configuration the flow runs with, and the call.
+	flows  *interceptor
+	fp     []byte
+	method string
+	stream grpc.ServerTransportStream
 }
 
 // Tx returns the transaction the interceptor opened for the call whose
-// context is ctx, or nil outside a covered method. The handler does its
+// context is ctx, or nil outside a covered method and in a method that
+// [Config.Flows] lists, for which it opens none. The handler does its
 // writes on it: they commit together with the key's claim and the stored
 // answer, or not at all. The handler must not commit or roll it back.
 func Tx(ctx context.Context) pgx.Tx {
@@ -128,6 +135,9 @@ func (i *interceptor) intercept(ctx context.Context, req any, info *grpc.UnarySe
 	if err != nil {
 		return nil, newStatus(codes.InvalidArgument, ReasonFingerprintFailed,
 			"idemgrpc: the request cannot be fingerprinted to check its idempotency key", nil)
+	}
+	if i.flows[info.FullMethod] {
+		return i.serveFlow(ctx, c, callValues{scope: scope, key: key}, fp)
 	}
 	return i.serveKeyed(ctx, c, callValues{scope: scope, key: key}, fp)
 }
