@@ -2,8 +2,6 @@ package idemgrpc
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
 	"strings"
 
@@ -15,6 +13,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 )
 
 // ClientOption changes the interceptor that [NewClientInterceptor] returns.
@@ -107,7 +106,7 @@ const retryAttemptMetadata = "x-retry-attempt"
 // [idem.ErrInvalidOption], so that a mistake stops the program at its
 // start.
 func NewClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
-	s := clientSettings{newKey: newUUID, metadata: DefaultMetadata}
+	s := clientSettings{newKey: adapter.NewUUID, metadata: DefaultMetadata}
 	for _, opt := range opts {
 		if err := opt(&s); err != nil {
 			panic(err)
@@ -145,14 +144,4 @@ func (s *clientSettings) intercept(ctx context.Context, method string, req, repl
 		return invoker(ctx, method, withKey, reply, cc, opts...)
 	}
 	return invoker(metadata.AppendToOutgoingContext(ctx, s.metadata, key), method, req, reply, cc, opts...)
-}
-
-// newUUID returns a random UUID, version 4 (RFC 9562).
-func newUUID() string {
-	var u [16]byte
-	_, _ = rand.Read(u[:]) // crypto/rand.Read never fails
-	u[6] = u[6]&0x0f | 0x40
-	u[8] = u[8]&0x3f | 0x80
-	h := hex.EncodeToString(u[:])
-	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
 }

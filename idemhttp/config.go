@@ -2,7 +2,6 @@ package idemhttp
 
 import (
 	"cmp"
-	"fmt"
 	"log/slog"
 	"math"
 	"net/http"
@@ -13,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 	"github.com/pgidem/idem/internal/httpedge"
 )
 
@@ -227,45 +227,10 @@ type settings struct {
 	retryAfter string
 }
 
-// Sizes of the stored form of an answer.
-const (
-	// maxMaxResponseBytes is the largest positive Config.MaxResponseBytes:
-	// the size of the stored response, its body in base64 plus
-	// headerAllowance, must still fit in an int.
-	maxMaxResponseBytes = (math.MaxInt - headerAllowance) / 4 * 3
-
-	// headerAllowance is what a stored response may take beyond its body
-	// in base64: the status and the stored headers, generously.
-	headerAllowance = 1 << 20
-)
-
-// fieldError is a Config field, or an argument of NewMiddleware, that
-// cannot work. It wraps idem.ErrInvalidOption, and the error of idem's
-// that refused the value, if any.
-type fieldError struct {
-	field   string // such as "Config.Wait"
-	problem string // such as "must not be negative, got -1"
-	cause   error
-}
-
-func (e *fieldError) Error() string { return "idemhttp: " + e.field + ": " + e.problem }
-
-func (e *fieldError) Unwrap() []error {
-	if e.cause == nil {
-		return []error{idem.ErrInvalidOption}
-	}
-	return []error{idem.ErrInvalidOption, e.cause}
-}
-
+// invalidField is a field of Config, or an argument of NewMiddleware, that
+// cannot work.
 func invalidField(field, format string, args ...any) error {
-	return &fieldError{field: field, problem: fmt.Sprintf(format, args...)}
-}
-
-// refusedByIdem is a field whose value idem refuses: its problem is idem's
-// own, without idem's prefix.
-func refusedByIdem(field string, err error) error {
-	problem := strings.TrimPrefix(err.Error(), idem.ErrInvalidOption.Error()+": ")
-	return &fieldError{field: field, problem: problem, cause: err}
+	return adapter.Invalid("idemhttp", field, format, args...)
 }
 
 // newSettings checks every field of cfg and applies the defaults, so that
@@ -306,18 +271,15 @@ func newSettings(cfg Config) (settings, error) {
 		return settings{}, invalidField("Config.Header", "%q is not a header field name", cfg.Header)
 	}
 
-	retention := cmp.Or(cfg.Retention, idem.DefaultRetention)
-	if err := idem.CheckOptions(idem.WithRetention(retention)); err != nil {
-		return settings{}, refusedByIdem("Config.Retention", err)
+	retention, err := adapter.Retention("idemhttp", "Config.Retention", cfg.Retention, idem.DefaultRetention)
+	if err != nil {
+		return settings{}, err
 	}
-
-	wait := cmp.Or(cfg.Wait, idem.DefaultWait)
-	wait = max(wait, 0) // negative: no wait, as for idem.WithWait; 0 here for Retry-After
-	if err := idem.CheckOptions(idem.WithWait(wait)); err != nil {
-		return settings{}, &fieldError{field: "Config.Wait",
-			problem: fmt.Sprintf("must not exceed math.MaxInt32 milliseconds, the longest lock_timeout, got %s", cfg.Wait), cause: err}
+	wait, err := adapter.Wait("idemhttp", "Config.Wait", cfg.Wait)
+	if err != nil {
+		return settings{}, err
 	}
-	s.retryAfter = strconv.FormatInt(max(int64((wait+time.Second-1)/time.Second), 1), 10)
+	s.retryAfter = strconv.FormatInt(int64(adapter.RetryAfter(wait)/time.Second), 10)
 
 	switch {
 	case cfg.MaxBodyBytes < 0:
@@ -328,23 +290,11 @@ func newSettings(cfg Config) (settings, error) {
 
 	// What idem may store for one answer: the body in base64 and the
 	// headers, sealed by the codec if there is one.
-	storedLimit := math.MaxInt
-	switch {
-	case cfg.MaxResponseBytes < 0:
-		s.maxResponseBytes = math.MaxInt
-	case cfg.MaxResponseBytes > maxMaxResponseBytes:
-		return settings{}, invalidField("Config.MaxResponseBytes",
-			"must not exceed %d, or the size of its stored form would not fit in an int; negative means no limit; got %d",
-			maxMaxResponseBytes, cfg.MaxResponseBytes)
-	default:
-		s.maxResponseBytes = cmp.Or(cfg.MaxResponseBytes, DefaultMaxResponseBytes)
-		var ok bool
-		if storedLimit, ok = storedSize(s.maxResponseBytes, cfg.Codec != nil); !ok {
-			// Only a Codec gets here: without one, the bound above holds.
-			return settings{}, invalidField("Config.MaxResponseBytes",
-				"%d is too large to store sealed by Config.Codec: its stored form would not fit in an int; negative means no limit",
-				s.maxResponseBytes)
-		}
+	var storedLimit int
+	s.maxResponseBytes, storedLimit, err = adapter.ResponseLimit("idemhttp", "Config.MaxResponseBytes",
+		cfg.MaxResponseBytes, DefaultMaxResponseBytes, cfg.Codec != nil)
+	if err != nil {
+		return settings{}, err
 	}
 
 	replayHeaders := cfg.ReplayHeaders
@@ -369,98 +319,20 @@ func newSettings(cfg Config) (settings, error) {
 	if s.fingerprint == nil {
 		s.fingerprint = func(r *http.Request, body []byte) ([]byte, error) { return DefaultFingerprint(r, body), nil }
 	}
-	if err := checkTxOptions(cfg.TxOptions); err != nil {
+	if s.txOptions, err = adapter.TxOptions("idemhttp", "Config.TxOptions", cfg.TxOptions); err != nil {
 		return settings{}, err
-	}
-	if s.txOptions.IsoLevel == "" {
-		s.txOptions.IsoLevel = pgx.ReadCommitted
 	}
 	if s.logger == nil {
 		s.logger = slog.Default()
 	}
 
-	s.runOptions = []idem.Option{
-		idem.WithRetention(retention),
-		idem.WithWait(wait),
-		idem.WithTxOptions(s.txOptions),
-		idem.WithMaxResponseSize(storedLimit),
-	}
-	if cfg.LookupFirst {
-		s.runOptions = append(s.runOptions, idem.WithLookupFirst())
-	}
-	if cfg.Codec != nil {
-		s.runOptions = append(s.runOptions, idem.WithCodec(cfg.Codec))
-	}
-	if cfg.Observer != nil {
-		s.runOptions = append(s.runOptions, idem.WithObserver(cfg.Observer))
+	run := adapter.Run{Retention: retention, Wait: wait, TxOptions: s.txOptions, MaxResponseSize: storedLimit,
+		LookupFirst: cfg.LookupFirst, Codec: cfg.Codec, Observer: cfg.Observer}
+	if s.runOptions, err = run.Options("idemhttp"); err != nil {
+		return settings{}, err
 	}
 	s.flowOptions = []idem.Option{idem.WithWait(wait)}
-	// Whatever else idem would refuse on every request stops the program
-	// too; each field above was checked on its own, so this is a backstop.
-	if err := idem.CheckOptions(s.runOptions...); err != nil {
-		return settings{}, refusedByIdem("Config", err)
-	}
 	return s, nil
-}
-
-// checkTxOptions refuses transaction modes that pgx would send to the
-// server as they are, and the read-only mode, in which idem cannot record
-// a key: either would fail every request.
-func checkTxOptions(o pgx.TxOptions) error {
-	switch o.IsoLevel {
-	case "", pgx.Serializable, pgx.RepeatableRead, pgx.ReadCommitted, pgx.ReadUncommitted:
-	default:
-		return invalidField("Config.TxOptions.IsoLevel", "%q is not an isolation level", o.IsoLevel)
-	}
-	switch o.AccessMode {
-	case "", pgx.ReadWrite:
-	case pgx.ReadOnly:
-		return invalidField("Config.TxOptions.AccessMode", "is read only, where idem cannot record a key")
-	default:
-		return invalidField("Config.TxOptions.AccessMode", "%q is not an access mode", o.AccessMode)
-	}
-	switch o.DeferrableMode {
-	case "", pgx.Deferrable, pgx.NotDeferrable:
-	default:
-		return invalidField("Config.TxOptions.DeferrableMode", "%q is not a deferrable mode", o.DeferrableMode)
-	}
-	return nil
-}
-
-// storedSize is the largest stored value, in bytes of JSON, for a body of n
-// bytes, or false when that does not fit in an int. The value is the body
-// in base64 plus the status and headers, for which a generous fixed
-// allowance is made. Sealed by a codec, it is stored in base64 once more,
-// with the same allowance again for what the codec adds.
-func storedSize(n int, sealed bool) (int, bool) {
-	size, ok := base64Size(n)
-	if !ok || size > math.MaxInt-headerAllowance {
-		return 0, false
-	}
-	size += headerAllowance
-	if !sealed {
-		return size, true
-	}
-	if size > math.MaxInt-headerAllowance {
-		return 0, false
-	}
-	if size, ok = base64Size(size + headerAllowance); !ok {
-		return 0, false
-	}
-	return size, true
-}
-
-// base64Size is the length of n bytes in padded base64, or false when that
-// does not fit in an int.
-func base64Size(n int) (int, bool) {
-	groups := n / 3
-	if n%3 != 0 {
-		groups++
-	}
-	if groups > math.MaxInt/4 {
-		return 0, false
-	}
-	return 4 * groups, true
 }
 
 // isToken reports whether s is an RFC 9110 token, as header field names and
