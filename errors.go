@@ -29,7 +29,9 @@ type FieldError struct {
 	// Package is the package that refused the value, such as "idemhttp".
 	Package string
 	// Field names the value as its caller wrote it, such as
-	// "WithTxOptions.AccessMode", "Config.Wait" or "NewRelay.db".
+	// "WithTxOptions.AccessMode" or "Config.Wait", or the function whose
+	// argument it is, such as "NewRelay" (the problem then names the
+	// argument).
 	Field string
 	// Problem says what is wrong with the value.
 	Problem string

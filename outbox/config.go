@@ -192,5 +192,5 @@ func (c *Config) withDefaults() (Config, error) {
 
 // invalidField is the error of a Config field with an unusable value.
 func invalidField(field, format string, args ...any) error {
-	return fmt.Errorf("outbox: Config.%s: %s: %w", field, fmt.Sprintf(format, args...), idem.ErrInvalidOption)
+	return &idem.FieldError{Package: "outbox", Field: "Config." + field, Problem: fmt.Sprintf(format, args...)}
 }

@@ -39,10 +39,10 @@ var ErrLeaseLost = errors.New("outbox: the message's lease is lost")
 func ExtendLease(ctx context.Context, d time.Duration) error {
 	dl, _ := ctx.Value(deliveryKey{}).(*delivery)
 	if dl == nil {
-		return fmt.Errorf("outbox: ExtendLease: ctx must be a handler call's context: %w", idem.ErrInvalidOption)
+		return &idem.FieldError{Package: "outbox", Field: "ExtendLease", Problem: "ctx must be a handler call's context"}
 	}
 	if d <= 0 {
-		return fmt.Errorf("outbox: ExtendLease: d must be positive, got %s: %w", d, idem.ErrInvalidOption)
+		return &idem.FieldError{Package: "outbox", Field: "ExtendLease", Problem: fmt.Sprintf("d must be positive, got %s", d)}
 	}
 	if err := dl.ctx.Err(); err != nil {
 		return err

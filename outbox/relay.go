@@ -128,10 +128,10 @@ type Relay struct {
 // only polls.
 func NewRelay(db idem.TxBeginner, handler Handler, config *Config) (*Relay, error) {
 	if db == nil {
-		return nil, fmt.Errorf("outbox: NewRelay: db must not be nil: %w", idem.ErrInvalidOption)
+		return nil, &idem.FieldError{Package: "outbox", Field: "NewRelay", Problem: "db must not be nil"}
 	}
 	if handler == nil {
-		return nil, fmt.Errorf("outbox: NewRelay: handler must not be nil: %w", idem.ErrInvalidOption)
+		return nil, &idem.FieldError{Package: "outbox", Field: "NewRelay", Problem: "handler must not be nil"}
 	}
 	c, err := config.withDefaults()
 	if err != nil {
