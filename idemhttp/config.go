@@ -39,16 +39,16 @@ const ReplayedHeader = "Idempotent-Replayed"
 // below 500. A 4xx is stored on purpose: a declined card stays declined on
 // retry, rather than being charged when the client tries again. So is a
 // 409 or a 429 that the handler answers itself, for the whole retention;
-// [StoreFinal] is the policy that leaves those out.
+// [StoreDefinite] is the policy that leaves those out.
 func StoreBelow500(status int) bool { return status < 500 }
 
-// StoreFinal stores what [StoreBelow500] stores except the answers that ask
+// StoreDefinite stores what [StoreBelow500] stores except the answers that ask
 // the client to try again: 408 Request Timeout, 409 Conflict, 425 Too Early
 // and 429 Too Many Requests. Such an answer goes to the client and rolls
 // back, so that the client's retry with the same key runs the handler
 // again, rather than getting the same refusal until the key expires. Use
-// it with Config{Store: idemhttp.StoreFinal}.
-func StoreFinal(status int) bool {
+// it with Config{Store: idemhttp.StoreDefinite}.
+func StoreDefinite(status int) bool {
 	switch status {
 	case http.StatusRequestTimeout, http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests:
 		return false
@@ -56,7 +56,7 @@ func StoreFinal(status int) bool {
 	return StoreBelow500(status)
 }
 
-// Config configures the middleware; [NewMiddleware] and [New] check it.
+// Config configures the middleware; [NewMiddleware] and [MustNew] check it.
 // The zero value of every field means its default, which the field states;
 // a negative value means "none" where that makes sense (no wait, no limit).
 // Only Scope is required.
@@ -146,7 +146,7 @@ type Config struct {
 	// handler's writes and the key's claim with it, so that a retry with
 	// the same key runs the handler again. A handler's panic is never
 	// stored. Defaults to [StoreBelow500]: every answer below 500 is stored.
-	// [StoreFinal] also leaves out the answers that invite a retry (408,
+	// [StoreDefinite] also leaves out the answers that invite a retry (408,
 	// 409, 425 and 429).
 	Store func(status int) bool
 

@@ -57,7 +57,7 @@ func serve(t *testing.T, pool *pgxpool.Pool, cfg idemhttp.Config, next http.Hand
 	if cfg.Scope == nil {
 		cfg.Scope = tenantScope
 	}
-	srv := httptest.NewServer(idemhttp.New(pool, cfg)(next))
+	srv := httptest.NewServer(idemhttp.MustNew(pool, cfg)(next))
 	t.Cleanup(srv.Close)
 	// A redirect is an answer to compare, not to follow.
 	srv.Client().CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
