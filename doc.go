@@ -99,8 +99,8 @@ option is an explicit choice, so its zero means zero: WithWait(0) does not
 wait, and leaving the option out gives the default. In both, a negative
 value means "none" where the field or option says so (no wait, no bound,
 no limit) and is refused elsewhere. A configuration is checked once, where
-it is built (StartPurger, idemhttp.NewMiddleware, outbox.NewRelay), and
-each invalid field is refused with an error that names it and wraps
+it is built (StartPurger, idemhttp.NewMiddleware, outbox.StartRelay), and
+each invalid field is refused with a [FieldError] that names it and wraps
 [ErrInvalidOption].
 
 The package's own failures are sentinel values, checked with errors.Is, and

@@ -30,7 +30,7 @@ type FieldError struct {
 	Package string
 	// Field names the value as its caller wrote it, such as
 	// "WithTxOptions.AccessMode" or "Config.Wait", or the function whose
-	// argument it is, such as "NewRelay" (the problem then names the
+	// argument it is, such as "StartRelay" (the problem then names the
 	// argument).
 	Field string
 	// Problem says what is wrong with the value.
@@ -117,7 +117,7 @@ var ErrInputNotStorable = errors.New("idem: flow's input cannot be stored")
 var ErrSerialization = dberr.ErrSerialization
 
 // ErrConnInTransaction is returned by [Run], [WithTx], [Purge],
-// [StartPurger] and the outbox's Relay.Run when db is a *pgx.Conn or
+// [StartPurger] and the outbox's StartRelay when db is a *pgx.Conn or
 // *pgxpool.Conn that is in a transaction, open or failed: they begin and
 // end transactions of their own, and on such a connection BEGIN is only a
 // warning, so their COMMIT or ROLLBACK would end the caller's transaction

@@ -15,7 +15,7 @@ import (
 // Config is how a [Relay] delivers. The zero value of every field means its
 // default, so a nil *Config, or an empty one, means every default. A
 // negative value means "none" where a field says so (DeliveredRetention);
-// every other negative or out-of-range value makes [NewRelay] fail with an
+// every other negative or out-of-range value makes [StartRelay] fail with an
 // error that names the field and wraps [idem.ErrInvalidOption].
 type Config struct {
 	// BatchSize is the most messages one relay leases in one round. It
