@@ -343,3 +343,40 @@ func TestDocsRunOnlyPackagesAndCommandsThatExist(t *testing.T) {
 		t.Fatalf("checked %d paths: the documents' commands were not found", checked)
 	}
 }
+
+// TestOperationsListsEveryCommand checks that the command list of
+// docs/operations.md names every command of cmd/idem's main.go, and only
+// those.
+func TestOperationsListsEveryCommand(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("docs/operations.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	main, err := os.ReadFile("cmd/idem/main.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, block, _ := strings.Cut(string(doc), "go install github.com/pgidem/idem/cmd/idem@latest\n")
+	block, _, _ = strings.Cut(block, "```")
+	listed := map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?m)^idem ([\w-]+)`).FindAllStringSubmatch(block, -1) {
+		listed[m[1]] = true
+	}
+	commands := regexp.MustCompile(`\{"([\w-]+)", "`).FindAllStringSubmatch(string(main), -1)
+	if len(commands) < 5 {
+		t.Fatalf("found %d commands in cmd/idem/main.go", len(commands))
+	}
+	known := map[string]bool{}
+	for _, m := range commands {
+		known[m[1]] = true
+		if !listed[m[1]] {
+			t.Errorf("docs/operations.md's command list omits idem %s", m[1])
+		}
+	}
+	for name := range listed {
+		if !known[name] {
+			t.Errorf("docs/operations.md lists idem %s, which cmd/idem does not have", name)
+		}
+	}
+}
