@@ -380,3 +380,47 @@ func TestOperationsListsEveryCommand(t *testing.T) {
 		}
 	}
 }
+
+// TestPackageDocNamesEverySentinel checks that doc.go, where the package's
+// errors are listed, names every exported error variable of the package.
+func TestPackageDocNamesEverySentinel(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("doc.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := 0
+	for _, name := range files {
+		if strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(token.NewFileSet(), name, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, decl := range f.Decls {
+			gen, ok := decl.(*ast.GenDecl)
+			if !ok || gen.Tok != token.VAR {
+				continue
+			}
+			for _, spec := range gen.Specs {
+				for _, id := range spec.(*ast.ValueSpec).Names {
+					if !id.IsExported() || !strings.HasPrefix(id.Name, "Err") {
+						continue
+					}
+					found++
+					if !strings.Contains(string(doc), "["+id.Name+"]") {
+						t.Errorf("doc.go does not name %s (%s)", id.Name, name)
+					}
+				}
+			}
+		}
+	}
+	if found < 10 {
+		t.Fatalf("found %d sentinels: not the package's directory?", found)
+	}
+}
