@@ -15,7 +15,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -43,11 +42,7 @@ func tenantScope(r *http.Request) (string, error) {
 // throwaway database, and a tenant no other test uses.
 func setup(t *testing.T) (context.Context, *pgxpool.Pool, string) {
 	t.Helper()
-	t.Parallel()
-	pool := env.Pool(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	t.Cleanup(cancel)
-	return ctx, pool, testdb.Name("tenant")
+	return env.Setup(t, "tenant")
 }
 
 // serve starts a real HTTP server with the middleware around next, scoped by
