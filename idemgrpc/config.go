@@ -283,32 +283,18 @@ func newSettings(cfg Config) (settings, error) {
 		return settings{}, invalidField("Config.KeyField", "%q is not a protobuf field name", cfg.KeyField)
 	}
 
-	retention, err := adapter.Retention("idemgrpc", "Config.Retention", cfg.Retention, idem.DefaultRetention)
+	// What the adapters share: retention, wait, the stored size of an
+	// answer (the message or status in base64 and the metadata, sealed by
+	// the codec if there is one), the transaction's options, and Run's
+	// options.
+	common, err := adapter.Check("idemgrpc", adapter.Config{Retention: cfg.Retention, Wait: cfg.Wait,
+		MaxResponseBytes: cfg.MaxResponseBytes, DefaultMaxResponseBytes: DefaultMaxResponseBytes,
+		TxOptions: cfg.TxOptions, LookupFirst: cfg.LookupFirst, Codec: cfg.Codec, Observer: cfg.Observer})
 	if err != nil {
 		return settings{}, err
 	}
-	wait, err := adapter.Wait("idemgrpc", "Config.Wait", cfg.Wait)
-	if err != nil {
-		return settings{}, err
-	}
-	s.retryDelay = adapter.RetryAfter(wait)
-
-	// What idem may store for one answer: the message or status in base64
-	// and the metadata, sealed by the codec if there is one.
-	var storedLimit int
-	s.maxResponseBytes, storedLimit, err = adapter.ResponseLimit("idemgrpc", "Config.MaxResponseBytes",
-		cfg.MaxResponseBytes, DefaultMaxResponseBytes, cfg.Codec != nil)
-	if err != nil {
-		return settings{}, err
-	}
-	if s.txOptions, err = adapter.TxOptions("idemgrpc", "Config.TxOptions", cfg.TxOptions); err != nil {
-		return settings{}, err
-	}
-	run := adapter.Run{Retention: retention, Wait: wait, TxOptions: s.txOptions, MaxResponseSize: storedLimit,
-		LookupFirst: cfg.LookupFirst, Codec: cfg.Codec, Observer: cfg.Observer}
-	if s.runOptions, err = run.Options("idemgrpc"); err != nil {
-		return settings{}, err
-	}
+	s.maxResponseBytes, s.txOptions, s.runOptions = common.MaxResponseBytes, common.TxOptions, common.RunOptions
+	s.retryDelay = adapter.RetryAfter(common.Wait)
 	return s, nil
 }
 

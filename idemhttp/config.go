@@ -271,30 +271,24 @@ func newSettings(cfg Config) (settings, error) {
 		return settings{}, invalidField("Config.Header", "%q is not a header field name", cfg.Header)
 	}
 
-	retention, err := adapter.Retention("idemhttp", "Config.Retention", cfg.Retention, idem.DefaultRetention)
+	// What the adapters share: retention, wait, the stored size of an
+	// answer (its body in base64 and its headers, sealed by the codec if
+	// there is one), the transaction's options, and Run's options.
+	common, err := adapter.Check("idemhttp", adapter.Config{Retention: cfg.Retention, Wait: cfg.Wait,
+		MaxResponseBytes: cfg.MaxResponseBytes, DefaultMaxResponseBytes: DefaultMaxResponseBytes,
+		TxOptions: cfg.TxOptions, LookupFirst: cfg.LookupFirst, Codec: cfg.Codec, Observer: cfg.Observer})
 	if err != nil {
 		return settings{}, err
 	}
-	wait, err := adapter.Wait("idemhttp", "Config.Wait", cfg.Wait)
-	if err != nil {
-		return settings{}, err
-	}
-	s.retryAfter = strconv.FormatInt(int64(adapter.RetryAfter(wait)/time.Second), 10)
+	s.maxResponseBytes, s.txOptions, s.runOptions = common.MaxResponseBytes, common.TxOptions, common.RunOptions
+	s.flowOptions = []idem.Option{idem.WithWait(common.Wait)}
+	s.retryAfter = strconv.FormatInt(int64(adapter.RetryAfter(common.Wait)/time.Second), 10)
 
 	switch {
 	case cfg.MaxBodyBytes < 0:
 		s.maxBodyBytes = math.MaxInt64
 	default:
 		s.maxBodyBytes = cmp.Or(cfg.MaxBodyBytes, DefaultMaxBodyBytes)
-	}
-
-	// What idem may store for one answer: the body in base64 and the
-	// headers, sealed by the codec if there is one.
-	var storedLimit int
-	s.maxResponseBytes, storedLimit, err = adapter.ResponseLimit("idemhttp", "Config.MaxResponseBytes",
-		cfg.MaxResponseBytes, DefaultMaxResponseBytes, cfg.Codec != nil)
-	if err != nil {
-		return settings{}, err
 	}
 
 	replayHeaders := cfg.ReplayHeaders
@@ -319,19 +313,9 @@ func newSettings(cfg Config) (settings, error) {
 	if s.fingerprint == nil {
 		s.fingerprint = func(r *http.Request, body []byte) ([]byte, error) { return DefaultFingerprint(r, body), nil }
 	}
-	if s.txOptions, err = adapter.TxOptions("idemhttp", "Config.TxOptions", cfg.TxOptions); err != nil {
-		return settings{}, err
-	}
 	if s.logger == nil {
 		s.logger = slog.Default()
 	}
-
-	run := adapter.Run{Retention: retention, Wait: wait, TxOptions: s.txOptions, MaxResponseSize: storedLimit,
-		LookupFirst: cfg.LookupFirst, Codec: cfg.Codec, Observer: cfg.Observer}
-	if s.runOptions, err = run.Options("idemhttp"); err != nil {
-		return settings{}, err
-	}
-	s.flowOptions = []idem.Option{idem.WithWait(wait)}
 	return s, nil
 }
 

@@ -87,12 +87,12 @@ const (
 	storedAllowance = 1 << 20
 )
 
-// ResponseLimit checks the limit that field sets on the answers stored
+// responseLimit checks the limit that field sets on the answers stored
 // (negative: none; zero: def) and returns it, math.MaxInt for none, with
 // the largest value idem may then store for one answer
 // ([idem.WithMaxResponseSize]): the answer in base64 and its headers,
 // sealed by a codec when sealed is set.
-func ResponseLimit(pkg, field string, n, def int, sealed bool) (limit, stored int, err error) {
+func responseLimit(pkg, field string, n, def int, sealed bool) (limit, stored int, err error) {
 	switch {
 	case n < 0:
 		return math.MaxInt, math.MaxInt, nil
@@ -143,10 +143,10 @@ func base64Size(n int) (int, bool) {
 	return 4 * groups, true
 }
 
-// TxOptions checks the transaction options that field sets, with idem's
+// txOptions checks the transaction options that field sets, with idem's
 // own check ([idem.WithTxOptions]), and returns them with READ COMMITTED
 // when they name no isolation level.
-func TxOptions(pkg, field string, o pgx.TxOptions) (pgx.TxOptions, error) {
+func txOptions(pkg, field string, o pgx.TxOptions) (pgx.TxOptions, error) {
 	if err := idem.CheckOptions(idem.WithTxOptions(o)); err != nil {
 		if fe, ok := errors.AsType[*idem.FieldError](err); ok {
 			// "WithTxOptions.AccessMode" is field's AccessMode.
@@ -160,41 +160,75 @@ func TxOptions(pkg, field string, o pgx.TxOptions) (pgx.TxOptions, error) {
 	return o, nil
 }
 
-// Run is what an adapter's configuration sets of idem.Run's options, each
-// checked already.
-type Run struct {
-	Retention, Wait time.Duration
-	TxOptions       pgx.TxOptions
-	// MaxResponseSize is the stored limit of ResponseLimit.
-	MaxResponseSize int
-	LookupFirst     bool
-	Codec           idem.Codec
-	Observer        *idem.Observer
+// Config is what an adapter's Config sets of idem.Run's options, as its
+// user wrote it: the fields of the same names there.
+type Config struct {
+	Retention               time.Duration
+	Wait                    time.Duration
+	MaxResponseBytes        int
+	DefaultMaxResponseBytes int
+	TxOptions               pgx.TxOptions
+	LookupFirst             bool
+	Codec                   idem.Codec
+	Observer                *idem.Observer
 }
 
-// Options are r as idem.Run's options. Whatever else idem would refuse on
-// every request is refused here, as a field of pkg's Config: each field
-// was checked on its own, so this is a backstop.
-func (r Run) Options(pkg string) ([]idem.Option, error) {
-	opts := []idem.Option{
-		idem.WithRetention(r.Retention),
-		idem.WithWait(r.Wait),
-		idem.WithTxOptions(r.TxOptions),
-		idem.WithMaxResponseSize(r.MaxResponseSize),
+// Settings are a Config checked, with its defaults applied.
+type Settings struct {
+	// Wait is the wait, zero for none.
+	Wait time.Duration
+	// MaxResponseBytes is the largest answer stored, math.MaxInt for no
+	// limit.
+	MaxResponseBytes int
+	// TxOptions are the options of the handler's transaction.
+	TxOptions pgx.TxOptions
+	// RunOptions are what each keyed request hands idem.Run.
+	RunOptions []idem.Option
+}
+
+// Check checks c, a part of pkg's Config, and applies its defaults: an
+// invalid field is refused as Config.<its name>, so that a configuration
+// that cannot work stops the program at its start rather than fail every
+// request.
+func Check(pkg string, c Config) (Settings, error) {
+	var s Settings
+	retention, err := Retention(pkg, "Config.Retention", c.Retention, idem.DefaultRetention)
+	if err != nil {
+		return s, err
 	}
-	if r.LookupFirst {
-		opts = append(opts, idem.WithLookupFirst())
+	if s.Wait, err = Wait(pkg, "Config.Wait", c.Wait); err != nil {
+		return s, err
 	}
-	if r.Codec != nil {
-		opts = append(opts, idem.WithCodec(r.Codec))
+	var stored int
+	s.MaxResponseBytes, stored, err = responseLimit(pkg, "Config.MaxResponseBytes",
+		c.MaxResponseBytes, c.DefaultMaxResponseBytes, c.Codec != nil)
+	if err != nil {
+		return s, err
 	}
-	if r.Observer != nil {
-		opts = append(opts, idem.WithObserver(r.Observer))
+	if s.TxOptions, err = txOptions(pkg, "Config.TxOptions", c.TxOptions); err != nil {
+		return s, err
 	}
-	if err := idem.CheckOptions(opts...); err != nil {
-		return nil, Refused(pkg, "Config", err)
+	s.RunOptions = []idem.Option{
+		idem.WithRetention(retention),
+		idem.WithWait(s.Wait),
+		idem.WithTxOptions(s.TxOptions),
+		idem.WithMaxResponseSize(stored),
 	}
-	return opts, nil
+	if c.LookupFirst {
+		s.RunOptions = append(s.RunOptions, idem.WithLookupFirst())
+	}
+	if c.Codec != nil {
+		s.RunOptions = append(s.RunOptions, idem.WithCodec(c.Codec))
+	}
+	if c.Observer != nil {
+		s.RunOptions = append(s.RunOptions, idem.WithObserver(c.Observer))
+	}
+	// Whatever else idem would refuse on every request stops the program
+	// too; each field above was checked on its own, so this is a backstop.
+	if err := idem.CheckOptions(s.RunOptions...); err != nil {
+		return s, Refused(pkg, "Config", err)
+	}
+	return s, nil
 }
 
 // SQLSTATE codes with which PostgreSQL ends a session it will not serve.
