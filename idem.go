@@ -199,7 +199,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		}
 		conn = tx.Conn()
 	}
-	held := heldLocks(conn)
+	held := heldLocks(stateOf(tx, conn))
 	lockArg := dbsqlc.KeyLockParams{FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID}
 	var got dbsqlc.Claim
 	var w *dbsqlc.Wire
