@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -331,6 +332,40 @@ func TestWhatDatabaseSQLCannotCarryIsRefused(t *testing.T) {
 		}
 		if _, err := tx.CopyFrom(ctx, pgx.Identifier{"payment"}, []string{"scope"}, pgx.CopyFromRows(nil)); !errors.Is(err, errors.ErrUnsupported) {
 			t.Errorf("CopyFrom: %v, want errors.ErrUnsupported", err)
+		}
+	})
+}
+
+// TestATransactionHoldsAtMostMaxKeyLocks claims more keys than
+// idem.MaxKeyLocks in one *sql.Tx: the count of key locks lives with the
+// *sql.Tx, so the rest are claimed without a lock, as on pgx.
+func TestATransactionHoldsAtMostMaxKeyLocks(t *testing.T) {
+	forEachDriver(t, func(t *testing.T, ctx context.Context, db *sql.DB, pool *pgxpool.Pool, scope string) {
+		var calls atomic.Int64
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		for i := range idem.MaxKeyLocks + 8 {
+			key := "k" + strconv.Itoa(i)
+			if _, err := idemsql.Do(ctx, tx, scope, key, fpA, pay(scope, key, 1, &calls)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var held int
+		if err := tx.QueryRowContext(ctx,
+			`SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()`).Scan(&held); err != nil {
+			t.Fatal(err)
+		}
+		if held != idem.MaxKeyLocks {
+			t.Errorf("%d key locks held, want %d", held, idem.MaxKeyLocks)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		if n := testdb.CountRecords(t, pool, scope); n != idem.MaxKeyLocks+8 {
+			t.Errorf("%d records, want %d", n, idem.MaxKeyLocks+8)
 		}
 	})
 }
