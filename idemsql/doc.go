@@ -37,7 +37,11 @@ through database/sql: the same SQL text and arguments, sent by whichever
 driver the *sql.DB has. A driver's server errors are recognised by their
 SQLSTATE (the SQLState method of pgx's and lib/pq's errors), so that
 ErrInProgress, ErrSerialization and ErrReadOnly mean what they mean on
-pgx, and the driver's own error stays in the chain for errors.As.
+pgx, and the driver's own error stays in the chain for errors.As. idem's
+statements, commits and rollbacks return when their context ends even
+when the driver does not give up (lib/pq on a server that stopped
+answering): a call outlives its context by no more than idem.WithTx
+documents, and the driver's call finishes in the background.
 
 # What costs more, and what is refused
 

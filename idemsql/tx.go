@@ -33,7 +33,7 @@ type querier interface {
 type exec struct{ q querier }
 
 func (e exec) Exec(ctx context.Context, query string, args ...any) (pgconn.CommandTag, error) {
-	res, err := e.q.ExecContext(ctx, query, args...)
+	res, err := bounded(ctx, func() (sql.Result, error) { return e.q.ExecContext(ctx, query, args...) }, nil)
 	if err != nil {
 		return pgconn.CommandTag{}, driverError(err)
 	}
@@ -42,11 +42,58 @@ func (e exec) Exec(ctx context.Context, query string, args ...any) (pgconn.Comma
 }
 
 func (e exec) Query(ctx context.Context, query string, args ...any) (pgx.Rows, error) {
-	rows, err := e.q.QueryContext(ctx, query, args...)
+	rows, err := bounded(ctx, func() (*sql.Rows, error) { return e.q.QueryContext(ctx, query, args...) },
+		func(rows *sql.Rows) { _ = rows.Close() })
 	if err != nil {
 		return nil, driverError(err)
 	}
 	return &sqlRows{rows: rows}, nil
+}
+
+// bounded runs f, a driver's call, and returns when it does or when ctx
+// ends, whichever comes first, so that a driver that does not give up
+// when its context ends (lib/pq, on a server that stopped answering,
+// waits as long as the connection lasts) cannot keep idem's call past it.
+// The driver's call goes on in the background; what it returns after
+// that is given to abandon, if not nil, to release.
+func bounded[T any](ctx context.Context, f func() (T, error), abandon func(T)) (T, error) {
+	if ctx.Done() == nil {
+		return f()
+	}
+	type result struct {
+		v   T
+		err error
+	}
+	var mu sync.Mutex
+	abandoned := false
+	done := make(chan result, 1)
+	go func() {
+		v, err := f()
+		mu.Lock()
+		defer mu.Unlock()
+		if abandoned {
+			if err == nil && abandon != nil {
+				abandon(v)
+			}
+			return
+		}
+		done <- result{v, err}
+	}()
+	select {
+	case r := <-done:
+		return r.v, r.err
+	case <-ctx.Done():
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	select {
+	case r := <-done:
+		return r.v, r.err
+	default:
+	}
+	abandoned = true
+	var zero T
+	return zero, fmt.Errorf("idemsql: the driver did not return before the context ended: %w", context.Cause(ctx))
 }
 
 func (e exec) QueryRow(ctx context.Context, query string, args ...any) pgx.Row {
@@ -104,16 +151,22 @@ func (t *sqlTx) Begin(context.Context) (pgx.Tx, error) {
 	return nil, fmt.Errorf("savepoints: %w", ErrUnsupported)
 }
 
-func (t *sqlTx) Commit(context.Context) error {
-	err := t.tx.Commit()
-	if errors.Is(err, sql.ErrTxDone) {
-		return errors.Join(pgx.ErrTxClosed, err)
-	}
-	return driverError(err)
-}
+func (t *sqlTx) Commit(ctx context.Context) error { return t.end(ctx, "commit", t.tx.Commit) }
 
-func (t *sqlTx) Rollback(context.Context) error {
-	err := t.tx.Rollback()
+func (t *sqlTx) Rollback(ctx context.Context) error { return t.end(ctx, "rollback", t.tx.Rollback) }
+
+// end commits or rolls back, returning when ctx ends if the driver has
+// not returned by then: *sql.Tx's Commit and Rollback take no context,
+// and a driver that sets no deadline of its own (lib/pq) would wait for a
+// server that stopped answering as long as the connection lasts. The
+// driver's call goes on in the background, and its connection stays with
+// it; idem's calls bound their rollbacks (idem.WithTx), so that they
+// return within that bound whatever the driver does.
+func (t *sqlTx) end(ctx context.Context, op string, f func() error) error {
+	_, err := bounded(ctx, func() (struct{}, error) { return struct{}{}, f() }, nil)
+	if err != nil && ctx.Err() != nil && errors.Is(err, context.Cause(ctx)) {
+		return fmt.Errorf("%s: %w", op, err)
+	}
 	if errors.Is(err, sql.ErrTxDone) {
 		return errors.Join(pgx.ErrTxClosed, err)
 	}
