@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -184,6 +185,14 @@ func TestAnExpiredKeyRunsAgain(t *testing.T) {
 			t.Fatal(err)
 		}
 		testdb.Expire(t, pool, scope, "k")
+		// The other driver's subtest purges too: either purge may remove
+		// this record.
+		if _, err := idem.Purge(ctx, idemsql.Beginner(db), 100); err != nil {
+			t.Fatalf("Purge on Beginner(db): %v", err)
+		}
+		if n := testdb.CountRecords(t, pool, scope); n != 0 {
+			t.Fatalf("%d records after the purge, want 0", n)
+		}
 		res, err := idemsql.Run(ctx, db, scope, "k", fpB, pay(scope, "k", 200, &calls))
 		if err != nil || res.Replayed {
 			t.Fatalf("after expiry: %+v, %v; want a first execution, even with another fingerprint", res, err)
@@ -366,6 +375,49 @@ func TestATransactionHoldsAtMostMaxKeyLocks(t *testing.T) {
 		}
 		if n := testdb.CountRecords(t, pool, scope); n != idem.MaxKeyLocks+8 {
 			t.Errorf("%d records, want %d", n, idem.MaxKeyLocks+8)
+		}
+	})
+}
+
+// TestOptionsActAsOnPgx: the options that shape a call's statements work
+// through database/sql as on pgx.
+func TestOptionsActAsOnPgx(t *testing.T) {
+	forEachDriver(t, func(t *testing.T, ctx context.Context, db *sql.DB, pool *pgxpool.Pool, scope string) {
+		var calls atomic.Int64
+		for _, iso := range []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable} {
+			key := "idle-" + string(iso)
+			opts := []idem.Option{idem.WithIdleTimeout(time.Minute), idem.WithRetention(time.Hour),
+				idem.WithTxOptions(pgx.TxOptions{IsoLevel: iso})}
+			first, err := idemsql.Run(ctx, db, scope, key, fpA, pay(scope, key, 1, &calls), opts...)
+			if err != nil || first.Replayed {
+				t.Fatalf("%s: %+v, %v; want a first execution", iso, first, err)
+			}
+			again, err := idemsql.Run(ctx, db, scope, key, fpA, pay(scope, key, 1, &calls), opts...)
+			if err != nil || !again.Replayed || again.Value != first.Value {
+				t.Fatalf("%s: %+v, %v; want the replay of %+v", iso, again, err, first.Value)
+			}
+		}
+		var hours float64
+		if err := pool.QueryRow(ctx, `SELECT extract(epoch FROM expires_at - created_at) / 3600 FROM idempotency_key WHERE scope = $1 AND key = 'idle-read committed'`,
+			scope).Scan(&hours); err != nil {
+			t.Fatal(err)
+		}
+		if hours < 0.99 || hours > 1.01 {
+			t.Errorf("the record lives %.2f hours, want WithRetention's 1", hours)
+		}
+		info, err := idem.Inspect(ctx, idemsql.Beginner(db), scope, "idle-read committed")
+		if err != nil || !info.Found || info.State != "done" || string(info.Fingerprint) != string(fpA) {
+			t.Errorf("Inspect on Beginner(db): %+v, %v; want the done record", info, err)
+		}
+		stats, err := idem.ReadStats(ctx, idemsql.Beginner(db))
+		if err != nil || stats.Done < 3 {
+			t.Errorf("ReadStats on Beginner(db): %+v, %v; want at least this test's 3 keys", stats, err)
+		}
+		_, err = idemsql.Run(ctx, db, scope, "big", fpA, func(context.Context, *sql.Tx) (string, error) {
+			return strings.Repeat("x", 2048), nil
+		}, idem.WithMaxResponseSize(1024))
+		if !errors.Is(err, idem.ErrResponseTooLarge) {
+			t.Errorf("a value over WithMaxResponseSize: %v, want ErrResponseTooLarge", err)
 		}
 	})
 }
