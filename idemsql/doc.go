@@ -1,7 +1,7 @@
 /*
 Package idemsql is idem for code that reaches PostgreSQL through
-database/sql: GORM, sqlx, ent, Bun, sqlc's database/sql output, over pgx's
-stdlib driver or lib/pq.
+database/sql (an ORM such as GORM or sqlx, sqlc's database/sql output),
+over pgx's stdlib driver or lib/pq.
 
 idem's calls take a pgx.Tx. This package's take a *sql.Tx or a *sql.DB
 instead, and give the function the *sql.Tx that idem's claim and record
@@ -9,7 +9,7 @@ are in, so that the ORM's writes commit with the record or roll back with
 it:
 
 	res, err := idemsql.Run(ctx, sqlDB, tenant, key, fp, func(ctx context.Context, tx *sql.Tx) (Payment, error) {
-		orm := gormDB.Session(&gorm.Session{NewDB: true}).WithContext(ctx)
+		orm := gormDB.Session(&gorm.Session{Context: ctx, NewDB: true})
 		orm.Statement.ConnPool = tx // GORM writes in idem's transaction
 		p := Payment{OrderID: in.OrderID, AmountCents: in.AmountCents}
 		return p, orm.Create(&p).Error
