@@ -14,8 +14,9 @@ import (
 )
 
 // BenchmarkRun runs Run's first executions (one INSERT in fn) and replays
-// on pgx's pool and on each database/sql driver, one connection each,
-// side by side in one run:
+// on pgx's pool and on each database/sql driver, one call after another,
+// and first executions from eight clients at once, side by side in one
+// run:
 //
 //	go test -run '^$' -bench BenchmarkRun -benchtime 2000x ./idemsql
 func BenchmarkRun(b *testing.B) {
@@ -49,6 +50,28 @@ func BenchmarkRun(b *testing.B) {
 				return res.Replayed, err
 			}
 		}})
+	}
+	// Eight clients at once (four per GOMAXPROCS on the 2-core machine),
+	// first executions on keys of their own: ops/s is the throughput.
+	for _, p := range paths {
+		b.Run(p.name+"/first-8-clients", func(b *testing.B) {
+			run := p.open(b)
+			var calls atomic.Int64
+			var next atomic.Int64
+			prefix := testdb.Name(p.name)
+			b.SetParallelism(4)
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					key := prefix + "-" + strconv.FormatInt(next.Add(1), 10)
+					if _, err := run(key, &calls); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "ops/s")
+		})
 	}
 	for _, p := range paths {
 		for _, replay := range []bool{false, true} {
