@@ -327,12 +327,14 @@ func (r *sqlRows) Scan(dest ...any) error {
 	if r.rows == nil {
 		return r.Err()
 	}
+	shimmed := make([]any, len(dest))
 	for i, d := range dest {
+		shimmed[i] = d
 		if s, ok := d.(sql.Scanner); ok {
-			dest[i] = textScanner{s}
+			shimmed[i] = textScanner{s}
 		}
 	}
-	if err := r.rows.Scan(dest...); err != nil {
+	if err := r.rows.Scan(shimmed...); err != nil {
 		return fmt.Errorf("idemsql: scan: %w", err)
 	}
 	return nil
