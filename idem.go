@@ -264,7 +264,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		return c, tx, err
 	case lockBusy:
 		wait := &pgx.Batch{}
-		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: millis(o.wait), LockID: k.lockID})
+		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: millis(o.wait), LockID: k.lockID, Scope: k.scope, Key: k.key})
 		dbsqlc.QueueKeyGet(wait, get, rec, found)
 		if err := tx.SendBatch(ctx, wait).Close(); err != nil {
 			return claimed{outcome: outcomeFailed}, tx, translate("idem: wait for key", err)

@@ -388,6 +388,30 @@ steps AS (
 )
 SELECT count(*) FROM purged;
 
+-- name: FlowPurgeExpiredCitus :one
+-- FlowPurgeExpiredCitus is FlowPurgeExpired for a database with Citus (see
+-- KeyPurgeExpiredCitus): no row locks, the expiry checked again on the row
+-- it deletes.
+WITH purged AS (
+    DELETE FROM idem_flow AS f
+    WHERE (f.scope, f.key) IN (
+        SELECT expired.scope, expired.key
+        FROM idem_flow AS expired
+        WHERE expired.expires_at <= now()
+        ORDER BY expired.expires_at
+        LIMIT @max_rows::int
+    )
+      AND f.expires_at <= now()
+    RETURNING f.scope, f.key
+),
+steps AS (
+    DELETE FROM idem_flow_step AS s
+    USING purged
+    WHERE s.scope = purged.scope
+      AND s.key = purged.key
+)
+SELECT count(*) FROM purged;
+
 -- name: FlowInspect :one
 -- FlowInspect reads one flow whatever its state, for operators.
 SELECT name, fingerprint, state, input, output, provider_namespace, operation, leased_until, step, runs, last_error,

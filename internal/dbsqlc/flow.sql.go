@@ -643,6 +643,38 @@ func (q *Queries) FlowPurgeExpired(ctx context.Context, maxRows int32) (int64, e
 	return count, err
 }
 
+const flowPurgeExpiredCitus = `-- name: FlowPurgeExpiredCitus :one
+WITH purged AS (
+    DELETE FROM idem_flow AS f
+    WHERE (f.scope, f.key) IN (
+        SELECT expired.scope, expired.key
+        FROM idem_flow AS expired
+        WHERE expired.expires_at <= now()
+        ORDER BY expired.expires_at
+        LIMIT $1::int
+    )
+      AND f.expires_at <= now()
+    RETURNING f.scope, f.key
+),
+steps AS (
+    DELETE FROM idem_flow_step AS s
+    USING purged
+    WHERE s.scope = purged.scope
+      AND s.key = purged.key
+)
+SELECT count(*) FROM purged
+`
+
+// FlowPurgeExpiredCitus is FlowPurgeExpired for a database with Citus (see
+// KeyPurgeExpiredCitus): no row locks, the expiry checked again on the row
+// it deletes.
+func (q *Queries) FlowPurgeExpiredCitus(ctx context.Context, maxRows int32) (int64, error) {
+	row := q.db.QueryRow(ctx, flowPurgeExpiredCitus, maxRows)
+	var count int64
+	err := row.Scan(&count)
+	return count, err
+}
+
 const flowRelease = `-- name: FlowRelease :execrows
 UPDATE idem_flow
 SET leased_until = least(leased_until, clock_timestamp()),
