@@ -28,9 +28,12 @@ import (
 // key, and a flow started again after an asynchronous failover lost its
 // row sends the keys its first run sent. [InspectFlow] shows it.
 //
-// Before fn is called, the step's intent is recorded, in a short
-// transaction of its own; once fn returns a value, the value (its result,
-// stored as JSON) is recorded in another. A step with a recorded result
+// Before fn is called, the step's intent is recorded, committed with the
+// local step before it, if that one is still open (see [Local]); once fn
+// returns a value, the value (its result, stored as JSON) is recorded with
+// the flow's next statement, in its transaction (the next step's, or the
+// answer's), or at once for an [AtMostOnce] call. A process that dies
+// before then calls again, with the same provider key. A step with a recorded result
 // never runs again: when the flow runs again, Call returns the result
 // without calling fn.
 //

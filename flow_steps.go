@@ -44,6 +44,11 @@ const (
 // [Run] stores its value), or not at all. Once the step has committed, it
 // never runs again for the flow's operation: when the flow runs again,
 // Local returns the recorded result (decoded from JSON) without calling fn.
+// On a pgx pool or connection, below SERIALIZABLE, the transaction commits
+// with the flow's next statement (the next call's intent, the answer), not
+// when Local returns, and at most a third of the lease (100ms at most)
+// later: see docs/flows.md. A process that dies before then runs the step
+// again.
 //
 // The transaction also holds the flow's lease: it is renewed as the step
 // begins, and no one can take the flow over until the transaction ends. A
