@@ -155,6 +155,8 @@ func (c flowSoakConfig) validate() error {
 		return fmt.Errorf("-workers must be between 1 and 16, got %d", c.Workers)
 	case c.KillEvery < 0 || c.FreezeEvery < 0:
 		return errors.New("-kill-every and -freeze-every must not be negative")
+	case c.FreezeEvery > 0 && c.Workers < 2:
+		return errors.New("-freeze-every needs at least 2 workers, one to take over the frozen one's flows (or -freeze-every 0)")
 	case c.Provider != providerKeyed && c.Provider != providerKeyless:
 		return fmt.Errorf("-provider must be %s or %s, got %q", providerKeyed, providerKeyless, c.Provider)
 	case c.Lease < 10*time.Millisecond:

@@ -161,7 +161,7 @@ func runFlowSoakTest(t *testing.T, ctx context.Context, cfg flowSoakConfig) *flo
 // created and dropped, leaving the given one as it was.
 func TestFlowSoakWritesOnlyToADatabaseOfItsOwn(t *testing.T) {
 	url := env.EmptyDatabase(t)
-	code, out := runCommand(t, url, "flowsoak", "-ops", "40", "-clients", "4", "-workers", "1", "-kill-every", "10")
+	code, out := runCommand(t, url, "flowsoak", "-ops", "40", "-clients", "4", "-workers", "1", "-kill-every", "10", "-freeze-every", "0")
 	if code != exitOK {
 		t.Fatalf("idem flowsoak: exit %d\n%s", code, out)
 	}
@@ -188,6 +188,7 @@ func TestFlowSoakConfigRejectsOutOfBounds(t *testing.T) {
 		"no workers":             func(c *flowSoakConfig) { c.Workers = 0 },
 		"negative kill-every":    func(c *flowSoakConfig) { c.KillEvery = -1 },
 		"negative freeze-every":  func(c *flowSoakConfig) { c.FreezeEvery = -1 },
+		"freezes on one worker":  func(c *flowSoakConfig) { c.Workers = 1 },
 		"unknown provider":       func(c *flowSoakConfig) { c.Provider = "sloppy" },
 		"chance above one":       func(c *flowSoakConfig) { c.Twin = 1.5 },
 		"negative chance":        func(c *flowSoakConfig) { c.Abandon = -0.1 },
