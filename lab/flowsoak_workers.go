@@ -150,6 +150,7 @@ func (ws *flowSoakWorkers) run(ctx context.Context, slot *flowSoakSlot, gen int,
 	cmd := exec.Command(ws.exe, "flowsoak")
 	cmd.Env = append(os.Environ(), flowSoakWorkerEnv+"="+string(specJSON))
 	cmd.Stderr = slot.logs
+	dieWithParent(cmd)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		return err

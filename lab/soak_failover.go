@@ -121,7 +121,9 @@ func failoverSoak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*failo
 	f.onAnswer = func(i int) { f.answeredAt[i].Store(time.Now().UnixNano()) }
 	f.keepPaying = func() bool { return !f.done.Load() }
 	f.beforeStart = f.mayStart
-	if f.pool, err = connectTo(ctx, cl.url(), int32(cfg.Clients)); err != nil {
+	// The flows' clients share the payments' pool, with connections of
+	// their own in it: one connection less to open on a loaded machine.
+	if f.pool, err = connectTo(ctx, cl.url(), int32(cfg.Clients+2*failoverFlowClients)); err != nil {
 		return nil, err
 	}
 	defer f.pool.Close()
@@ -143,12 +145,7 @@ func failoverSoak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*failo
 	}
 	defer func() { stopRelay(); <-relayDone }()
 
-	flowPool, err := connectTo(ctx, cl.url(), 2*failoverFlowClients)
-	if err != nil {
-		return nil, err
-	}
-	defer flowPool.Close()
-	flows := newFailoverFlows(f, flowPool)
+	flows := newFailoverFlows(f, f.pool)
 	var flowing sync.WaitGroup
 	if cfg.Flows > 0 {
 		fmt.Fprintf(stdout, "  beside them, at least %d flows from %d clients: reserve, a charge at a provider that honours keys, record\n", cfg.Flows, failoverFlowClients)
