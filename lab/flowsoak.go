@@ -259,7 +259,7 @@ func flowSoak(ctx context.Context, cfg flowSoakConfig, stdout io.Writer) (*flowS
 	// The run's own scope and flow name: a run never counts, or resumes,
 	// another's operations.
 	run := "flowsoak-" + randomSuffix()
-	provider, err := startFlowSoakProvider(cfg, admin, run)
+	provider, err := startFlowSoakProvider(cfg)
 	if err != nil {
 		return nil, err
 	}

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
@@ -10,8 +9,6 @@ import (
 	"strconv"
 	"sync"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // The flow soak's payment provider: an HTTP server on 127.0.0.1 that
@@ -22,9 +19,9 @@ import (
 // it gets. Either way it keeps each charge's reference (the call's
 // provider key, sent as metadata), by which a lookup finds it. It injects
 // the soak's provider faults, kills or freezes the calling worker for
-// operations marked to die or freeze in the call, and counts the calls
-// that arrive for an operation whose flow is already done: calls that a
-// fenced executor made.
+// operations marked to die or freeze in the call, and keeps when each
+// call arrived, for the count of calls that arrived for an operation whose
+// flow was already done: calls that a fenced executor made.
 
 // The provider's modes.
 const (
@@ -50,6 +47,13 @@ type flowSoakChargeRequest struct {
 	Key       string `json:"key"`
 }
 
+// flowSoakArrival is a call that reached the provider's charging.
+type flowSoakArrival struct {
+	key     string
+	at      time.Time
+	applied bool
+}
+
 // flowSoakCharged is a charge the provider applied.
 type flowSoakCharged struct {
 	Amount int64
@@ -60,8 +64,6 @@ type flowSoakCharged struct {
 // flowSoakProvider is the fake provider.
 type flowSoakProvider struct {
 	cfg      flowSoakConfig
-	admin    *pgxpool.Pool
-	flow     string
 	listener net.Listener
 	srv      *http.Server
 	closing  chan struct{}
@@ -78,22 +80,22 @@ type flowSoakProvider struct {
 	calls map[string]int
 	// lookups counts the lookups, and found those that found a charge.
 	lookups, found int
-	// afterDone counts calls that arrived for an operation whose flow was
-	// already done; afterDoneApplied, those of them that the provider
-	// applied as a new charge.
-	afterDone, afterDoneApplied int
+	// arrivals are the calls that got past the faults to be applied: the
+	// operation, when, and whether the provider applied it as a new
+	// charge. The final check compares them with when each flow was done.
+	arrivals []flowSoakArrival
 	// conflicts counts calls that reused a key with another amount.
 	conflicts int
 	// The faults injected.
 	failedBefore, timedOutAfter, cutAfter int64
 }
 
-func startFlowSoakProvider(cfg flowSoakConfig, admin *pgxpool.Pool, flow string) (*flowSoakProvider, error) {
+func startFlowSoakProvider(cfg flowSoakConfig) (*flowSoakProvider, error) {
 	listener, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, fmt.Errorf("fake provider: %w", err)
 	}
-	p := &flowSoakProvider{cfg: cfg, admin: admin, flow: flow, listener: listener, closing: make(chan struct{}),
+	p := &flowSoakProvider{cfg: cfg, listener: listener, closing: make(chan struct{}),
 		charges: make(map[string][]*flowSoakCharged), calls: make(map[string]int)}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /charges", p.serve)
@@ -148,12 +150,9 @@ func (p *flowSoakProvider) serve(w http.ResponseWriter, r *http.Request) {
 	if point == "" {
 		fault = p.fault()
 	}
-	done := p.flowDone(r.Context(), body.Scope, body.Key)
+	arrived := time.Now()
 	p.mu.Lock()
 	p.calls[body.Reference]++
-	if done {
-		p.afterDone++
-	}
 	p.mu.Unlock()
 
 	op := body.Scope + "/" + body.Key
@@ -168,7 +167,7 @@ func (p *flowSoakProvider) serve(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "temporarily unavailable", http.StatusServiceUnavailable)
 		return
 	}
-	charge, ok := p.apply(body, done)
+	charge, ok := p.apply(body, arrived)
 	if !ok {
 		http.Error(w, "Idempotency-Key reused with another amount", http.StatusConflict)
 		return
@@ -238,31 +237,19 @@ func cut(w http.ResponseWriter) bool {
 	return false
 }
 
-// flowDone reports whether the flow of operation (scope, key) is done, as
-// the database has it when a call arrives: no executor that holds the
-// flow calls after that, so such a call was made by a fenced one.
-func (p *flowSoakProvider) flowDone(ctx context.Context, scope, key string) bool {
-	var done bool
-	err := p.admin.QueryRow(ctx, `SELECT state = 'done' FROM idem_flow WHERE name = $1 AND scope = $2 AND key = $3`,
-		p.flow, scope, key).Scan(&done)
-	return err == nil && done
-}
-
 // apply charges the request's amount: keyed, once per reference (a
 // reference it knows gets its charge back, or false when it was charged
 // with another amount); keyless, every time.
-func (p *flowSoakProvider) apply(body flowSoakChargeRequest, afterDone bool) (flowSoakCharge, bool) {
+func (p *flowSoakProvider) apply(body flowSoakChargeRequest, arrived time.Time) (flowSoakCharge, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.arrivals = append(p.arrivals, flowSoakArrival{key: body.Key, at: arrived})
 	if cs := p.charges[body.Reference]; len(cs) > 0 && p.cfg.Provider == providerKeyed {
 		if cs[0].Amount != body.Amount {
 			p.conflicts++
 			return flowSoakCharge{}, false
 		}
 		return cs[0].flowSoakCharge, true
-	}
-	if afterDone {
-		p.afterDoneApplied++
 	}
 	// A twentieth of the amounts are declined: a definite outcome, which
 	// the provider records under the key as Stripe records a failed charge.
@@ -271,6 +258,7 @@ func (p *flowSoakProvider) apply(body flowSoakChargeRequest, afterDone bool) (fl
 		status = "declined"
 	}
 	p.applied++
+	p.arrivals[len(p.arrivals)-1].applied = true
 	c := &flowSoakCharged{Amount: body.Amount, Key: body.Key, flowSoakCharge: flowSoakCharge{ID: fmt.Sprintf("ch_%d", p.applied), Status: status}}
 	p.charges[body.Reference] = append(p.charges[body.Reference], c)
 	return c.flowSoakCharge, true

@@ -125,7 +125,7 @@ func (l *flowSoakLoad) report(ops []*flowSoakOp, p *flowSoakProvider, ws *flowSo
 		}
 	}
 	rep.FailedBefore, rep.TimedOutAfter, rep.CutAfter, rep.Conflicts = p.failedBefore, p.timedOutAfter, p.cutAfter, p.conflicts
-	rep.Lookups, rep.Found, rep.CallsAfterDone, rep.AppliedAfterDone = p.lookups, p.found, p.afterDone, p.afterDoneApplied
+	rep.Lookups, rep.Found = p.lookups, p.found
 	return rep
 }
 
@@ -150,18 +150,19 @@ func checkFlowSoak(ctx context.Context, admin *pgxpool.Pool, scope string, ops [
 		return fmt.Errorf("read the ledger: %w", err)
 	}
 	type flowRow struct {
-		state  string
-		output []byte
+		state     string
+		output    []byte
+		completed *time.Time
 	}
 	flows := make(map[string]flowRow)
-	rows, err := admin.Query(ctx, `SELECT key, state, output FROM idem_flow WHERE scope = $1`, scope)
+	rows, err := admin.Query(ctx, `SELECT key, state, output, completed_at FROM idem_flow WHERE scope = $1`, scope)
 	if err != nil {
 		return fmt.Errorf("read flows: %w", err)
 	}
 	for rows.Next() {
 		var key string
 		var f flowRow
-		if err := rows.Scan(&key, &f.state, &f.output); err != nil {
+		if err := rows.Scan(&key, &f.state, &f.output, &f.completed); err != nil {
 			return fmt.Errorf("read flows: %w", err)
 		}
 		flows[key] = f
@@ -170,6 +171,20 @@ func checkFlowSoak(ctx context.Context, admin *pgxpool.Pool, scope string, ops [
 		return fmt.Errorf("read flows: %w", err)
 	}
 	charges := p.snapshot()
+	// A call that arrived after its flow was done (the server's clock of
+	// the transaction that completed it, which began after every call of
+	// an executor that held the flow had returned) was made by a fenced
+	// executor.
+	p.mu.Lock()
+	for _, a := range p.arrivals {
+		if f, ok := flows[a.key]; ok && f.completed != nil && a.at.After(*f.completed) {
+			rep.CallsAfterDone++
+			if a.applied {
+				rep.AppliedAfterDone++
+			}
+		}
+	}
+	p.mu.Unlock()
 	// The charges by operation, as their metadata says, and under which
 	// reference.
 	byOp := make(map[string][]flowSoakCharged)
