@@ -203,6 +203,10 @@ type flowSoakFault struct {
 	freeze bool
 	// op is the operation, scope/key.
 	op string
+	// woke is the point at which the worker froze and woke during this
+	// run of the operation, if it did: its provider call says so, for the
+	// report of where doubled charges came from.
+	woke atomic.Value
 	// armed is set by the record step, for killAtCommit: its COMMIT is
 	// the one to stop at.
 	armed atomic.Bool
@@ -222,6 +226,7 @@ func (w *flowSoakWorker) at(f *flowSoakFault, point string) {
 	case f.point != point:
 	case f.freeze:
 		w.freeze(point, f.op)
+		f.woke.Store(point)
 	default:
 		w.die(point)
 	}
@@ -414,6 +419,9 @@ func (w *flowSoakWorker) charge(ctx context.Context, providerKey, scope, key str
 	req.GetBody = nil
 	req.Header.Set("Idempotency-Key", providerKey)
 	req.Header.Set(flowSoakWorkerHeader, strconv.Itoa(w.spec.Slot))
+	if woke, _ := fault.woke.Load().(string); woke != "" {
+		req.Header.Set(flowSoakWokeHeader, woke)
+	}
 	if fault.point == killBeforeApply || fault.point == killAfterApply {
 		req.Header.Set(flowSoakKillHeader, fault.point)
 		if fault.freeze {

@@ -35,6 +35,9 @@ const (
 	flowSoakWorkerHeader = "X-Flowsoak-Worker"
 	flowSoakKillHeader   = "X-Flowsoak-Kill"
 	flowSoakFreezeHeader = "X-Flowsoak-Freeze"
+	// flowSoakWokeHeader is on a call made after its worker froze and
+	// woke in the same run of the operation: the point of the freeze.
+	flowSoakWokeHeader = "X-Flowsoak-Woke"
 )
 
 // flowSoakChargeRequest is the body of a charge: the amount, and the
@@ -58,6 +61,9 @@ type flowSoakArrival struct {
 type flowSoakCharged struct {
 	Amount int64
 	Key    string // the operation's key, from the metadata
+	// Woke is the point at which the calling worker froze and woke before
+	// it sent the call, in the same run of the operation, if it did.
+	Woke string
 	flowSoakCharge
 }
 
@@ -167,7 +173,7 @@ func (p *flowSoakProvider) serve(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "temporarily unavailable", http.StatusServiceUnavailable)
 		return
 	}
-	charge, ok := p.apply(body, arrived)
+	charge, ok := p.apply(body, arrived, r.Header.Get(flowSoakWokeHeader))
 	if !ok {
 		http.Error(w, "Idempotency-Key reused with another amount", http.StatusConflict)
 		return
@@ -240,7 +246,7 @@ func cut(w http.ResponseWriter) bool {
 // apply charges the request's amount: keyed, once per reference (a
 // reference it knows gets its charge back, or false when it was charged
 // with another amount); keyless, every time.
-func (p *flowSoakProvider) apply(body flowSoakChargeRequest, arrived time.Time) (flowSoakCharge, bool) {
+func (p *flowSoakProvider) apply(body flowSoakChargeRequest, arrived time.Time, woke string) (flowSoakCharge, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.arrivals = append(p.arrivals, flowSoakArrival{key: body.Key, at: arrived})
@@ -259,7 +265,7 @@ func (p *flowSoakProvider) apply(body flowSoakChargeRequest, arrived time.Time) 
 	}
 	p.applied++
 	p.arrivals[len(p.arrivals)-1].applied = true
-	c := &flowSoakCharged{Amount: body.Amount, Key: body.Key, flowSoakCharge: flowSoakCharge{ID: fmt.Sprintf("ch_%d", p.applied), Status: status}}
+	c := &flowSoakCharged{Amount: body.Amount, Key: body.Key, Woke: woke, flowSoakCharge: flowSoakCharge{ID: fmt.Sprintf("ch_%d", p.applied), Status: status}}
 	p.charges[body.Reference] = append(p.charges[body.Reference], c)
 	return c.flowSoakCharge, true
 }

@@ -73,6 +73,10 @@ type flowSoakReport struct {
 	// operation's provider key.
 	Effects, Declined, MissingEffects, UnknownKeys int
 	Doubled, Extra                                 int
+	// DoubledWoke counts the charges of operations charged more than once
+	// that a worker sent after it froze and woke in the same run, by the
+	// point of the freeze.
+	DoubledWoke map[string]int
 	// Stopped counts the flows stopped for a person's decision (an
 	// AtMostOnce call whose outcome was unknown), StoppedCharged those of
 	// them that the provider had charged (once: a person settles them
@@ -216,6 +220,14 @@ func checkFlowSoak(ctx context.Context, admin *pgxpool.Pool, scope string, ops [
 		if n := len(opCharges); n > 1 {
 			rep.Doubled++
 			rep.Extra += n - 1
+			for _, c := range opCharges {
+				if c.Woke != "" {
+					if rep.DoubledWoke == nil {
+						rep.DoubledWoke = make(map[string]int)
+					}
+					rep.DoubledWoke[c.Woke]++
+				}
+			}
 		}
 		f, ok := flows[op.key]
 		if ok && f.state == "attention" {
@@ -429,7 +441,8 @@ func (l *flowSoakLoad) print(w io.Writer, rep *flowSoakReport) {
 	fmt.Fprintf(w, "  key reused with another amount:              %d\n", rep.Conflicts)
 	fmt.Fprintf(w, "provider effects:     %d for %d operations (%d declined; done but never applied %d, under unknown keys %d)\n",
 		rep.Effects, rep.Ops, rep.Declined, rep.MissingEffects, rep.UnknownKeys)
-	fmt.Fprintf(w, "  operations charged more than once: %d (%d extra charges)\n", rep.Doubled, rep.Extra)
+	fmt.Fprintf(w, "  operations charged more than once: %d (%d extra charges); their charges sent by a worker woken from a freeze, by point: %v\n",
+		rep.Doubled, rep.Extra, rep.DoubledWoke)
 	if rep.AtMostOnce || rep.Stopped > 0 {
 		fmt.Fprintf(w, "  stopped for a person's decision: %d (charged once %d, not charged %d)\n", rep.Stopped, rep.StoppedCharged, rep.StoppedUncharged)
 	}
