@@ -125,6 +125,7 @@ func (r *flowRun) keepLease(ctx context.Context, step string) (context.Context, 
 			fmt.Errorf("idem: step %q: the call ran past its timeout (%s)", step, r.o.callTimeout))
 	}
 	timer := time.AfterFunc(max(r.lease.left(), 0), func() { cancel(lost) })
+	ctx = &leaseContext{Context: ctx, lease: &r.lease, end: func() { cancel(lost) }}
 	var wg sync.WaitGroup
 	done := make(chan struct{})
 	switch r.db.(type) {
@@ -141,6 +142,36 @@ func (r *flowRun) keepLease(ctx context.Context, step string) (context.Context, 
 		cancel(nil)
 		return leaseCause(cause)
 	}
+}
+
+// leaseContext is a call's context. It ends when the lease may have run
+// out by the executor's clock, and says so the moment it is asked (Done,
+// Err), not only once the timer that ends it gets to run: a process frozen
+// past its lease (SIGSTOP, a paused VM) wakes with that timer still
+// pending, and a call's function woken at the same moment would otherwise
+// see a live context, derive live contexts from it, and send its request.
+// Context is the call's cancelable context; end cancels it, as lost.
+type leaseContext struct {
+	context.Context
+	lease *flowLease
+	end   func()
+}
+
+// expired ends the context if the lease may have run out.
+func (c *leaseContext) expired() {
+	if c.lease.left() <= 0 {
+		c.end()
+	}
+}
+
+func (c *leaseContext) Done() <-chan struct{} {
+	c.expired()
+	return c.Context.Done()
+}
+
+func (c *leaseContext) Err() error {
+	c.expired()
+	return c.Context.Err()
 }
 
 // renewDuringCall renews the lease every third of it until done is closed
