@@ -267,17 +267,19 @@ func TestOnceEachOverlapsAnotherConsumersOpenBatch(t *testing.T) {
 // for a lock: progress, not a clock, says that a call is waiting.
 func waitForLockWaiters(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	t.Helper()
-	waitForStatementToWait(t, ctx, pool, "-- name: KeyClaimBatch%")
+	waitForStatementToWait(t, ctx, pool, "KeyClaimBatch")
 }
 
-// waitForStatementToWait waits until a session of the test database whose
-// statement is like query waits for a lock.
-func waitForStatementToWait(t *testing.T, ctx context.Context, pool *pgxpool.Pool, query string) {
+// waitForStatementToWait waits until a session of the test database
+// running the sqlc query named name waits for a lock. The name is looked
+// for anywhere in the session's text: in pgx's simple protocol a batch is
+// one multi-statement query that starts with its first statement.
+func waitForStatementToWait(t *testing.T, ctx context.Context, pool *pgxpool.Pool, name string) {
 	t.Helper()
 	for {
 		var waiting int
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-			WHERE NOT l.granted AND a.datname = current_database() AND a.query LIKE $1`, query).Scan(&waiting); err != nil {
+			WHERE NOT l.granted AND a.datname = current_database() AND a.query LIKE '%-- name: ' || $1 || ' %'`, name).Scan(&waiting); err != nil {
 			t.Fatal(err)
 		}
 		if waiting > 0 {
@@ -285,7 +287,27 @@ func waitForStatementToWait(t *testing.T, ctx context.Context, pool *pgxpool.Poo
 		}
 		select {
 		case <-ctx.Done():
-			t.Fatalf("no session waits for a lock in %s: %v", query, ctx.Err())
+			t.Fatalf("no session waits for a lock in %s: %v", name, ctx.Err())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// waitForBackendToWait waits until the server process pid waits for a
+// lock.
+func waitForBackendToWait(t *testing.T, ctx context.Context, pool *pgxpool.Pool, pid uint32) {
+	t.Helper()
+	for {
+		var waiting bool
+		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_locks WHERE pid = $1 AND NOT granted)`, int64(pid)).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("server process %d never waited for a lock: %v", pid, ctx.Err())
 		case <-time.After(10 * time.Millisecond):
 		}
 	}

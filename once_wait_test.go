@@ -167,9 +167,16 @@ func TestOncePastTheLockBoundFailsCleanlyAndReplays(t *testing.T) {
 	_, end := holdBatch(t, ctx, pool, scope+"-held", idem.MaxKeyLocks+1)
 	last := fmt.Sprintf("m-%d", idem.MaxKeyLocks)
 	done := make(chan error, 1)
+	pid := make(chan uint32, 1)
 	var effects atomic.Int64
 	go func() {
 		done <- idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			// The server's own pid: behind PgBouncer the driver's is made up.
+			var p uint32
+			if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&p); err != nil {
+				return err
+			}
+			pid <- p
 			if _, err := onceEach(ctx, tx, scope+"-held", "other", idem.MaxKeyLocks); err != nil {
 				return err
 			}
@@ -183,7 +190,14 @@ func TestOncePastTheLockBoundFailsCleanlyAndReplays(t *testing.T) {
 			return err
 		})
 	}()
-	waitForStatementToWait(t, ctx, pool, "-- name: KeyClaimIfFull%")
+	// In pgx's simple protocol the claim's batch is one query whose text
+	// pg_stat_activity cuts short: the waiter is found by its pid.
+	select {
+	case p := <-pid:
+		waitForBackendToWait(t, ctx, pool, p)
+	case err := <-done:
+		t.Fatalf("duplicate ended before it waited: %v", err)
+	}
 	end(true)
 	if err := <-done; err != nil || effects.Load() != 0 {
 		t.Fatalf("duplicate: %v, %d effects", err, effects.Load())
