@@ -12,11 +12,16 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // The flow soak's worker processes, as the soak sees them: started, killed
-// with SIGKILL, restarted at once, and stopped at the end.
+// with SIGKILL and restarted at once, frozen with SIGSTOP and woken with
+// SIGCONT once other executors have taken their flows over, and stopped at
+// the end.
 
 // flowSoakStartTimeout bounds a worker's start, from exec to its ready
 // line: past it the start counts as failed. It only keeps a broken worker
@@ -44,6 +49,19 @@ type flowSoakWorkers struct {
 	restarts int64
 	// problems are the exits that no kill explains, and failed starts.
 	problems []string
+
+	// admin reads the flows' state for the freezes; lease is the flows'
+	// lease, limit the longest a worker stays frozen.
+	admin        *pgxpool.Pool
+	lease, limit time.Duration
+	// freezes counts the workers frozen and woken, by point; frozen, those
+	// frozen now; wokenEarly, those woken at limit, before every flow they
+	// may have held was taken over or ended; longestFrozen, the longest
+	// freeze.
+	freezes       map[string]int64
+	frozen        int
+	wokenEarly    int64
+	longestFrozen time.Duration
 }
 
 // flowSoakSlot is one worker, run again each time it dies.
@@ -51,20 +69,27 @@ type flowSoakSlot struct {
 	id   int
 	gen  int
 	proc *os.Process
-	// addr is where it serves; empty when it does not.
-	addr  string
-	stdin io.Closer
+	// addr is where it serves; empty when it does not. lastAddr is where
+	// its process served last.
+	addr, lastAddr string
+	stdin          io.Closer
 	// exited is closed when the current process has exited.
 	exited chan struct{}
 	// killing is the point at which the soak killed it, or it said it
 	// killed itself.
 	killing string
 	logs    *flowSoakTail
+	// attempts ends when the worker is frozen, ending the clients'
+	// attempts that it runs; cancelAttempts ends it.
+	attempts       context.Context
+	cancelAttempts context.CancelFunc
+	// frozen is set while the worker is frozen; it then does not serve.
+	frozen bool
 }
 
 func newFlowSoakWorkers(exe string, spec flowSoakWorkerSpec, verbose bool, stdout io.Writer) *flowSoakWorkers {
 	return &flowSoakWorkers{exe: exe, spec: spec, verbose: verbose, stdout: stdout,
-		changed: make(chan struct{}), kills: make(map[string]int64)}
+		changed: make(chan struct{}), kills: make(map[string]int64), freezes: make(map[string]int64)}
 }
 
 // start starts n workers and waits until each serves.
@@ -125,6 +150,7 @@ func (ws *flowSoakWorkers) run(ctx context.Context, slot *flowSoakSlot, gen int,
 	cmd := exec.Command(ws.exe, "flowsoak")
 	cmd.Env = append(os.Environ(), flowSoakWorkerEnv+"="+string(specJSON))
 	cmd.Stderr = slot.logs
+	dieWithParent(cmd)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		return err
@@ -179,6 +205,11 @@ func (ws *flowSoakWorkers) run(ctx context.Context, slot *flowSoakSlot, gen int,
 			slot.killing = point
 			ws.mu.Unlock()
 		}
+		if rest, ok := strings.CutPrefix(lines.Text(), flowSoakFreezeLine); ok {
+			// It stops itself: the soak wakes it.
+			point, op, _ := strings.Cut(rest, " ")
+			ws.frozeItself(slot, cmd.Process, point, op)
+		}
 	}
 	waitErr := cmd.Wait()
 
@@ -205,7 +236,8 @@ func (ws *flowSoakWorkers) run(ctx context.Context, slot *flowSoakSlot, gen int,
 func (ws *flowSoakWorkers) serving(slot *flowSoakSlot, addr string) {
 	ws.mu.Lock()
 	defer ws.mu.Unlock()
-	slot.addr = addr
+	slot.addr, slot.lastAddr = addr, addr
+	slot.attempts, slot.cancelAttempts = context.WithCancel(context.Background())
 	ws.notify()
 }
 
@@ -216,24 +248,30 @@ func (ws *flowSoakWorkers) notify() {
 }
 
 // pick returns the address of a worker that serves, at random, waiting for
-// one if none does.
-func (ws *flowSoakWorkers) pick(ctx context.Context) (string, error) {
+// one if none does, and a context that ends if that worker is frozen.
+func (ws *flowSoakWorkers) pick(ctx context.Context) (string, context.Context, error) {
 	for {
 		ws.mu.Lock()
-		var addrs []string
+		var serving []*flowSoakSlot
 		for _, s := range ws.slots {
 			if s.addr != "" {
-				addrs = append(addrs, s.addr)
+				serving = append(serving, s)
 			}
 		}
 		changed := ws.changed
+		var addr string
+		var attempts context.Context
+		if len(serving) > 0 {
+			s := serving[rand.IntN(len(serving))]
+			addr, attempts = s.addr, s.attempts
+		}
 		ws.mu.Unlock()
-		if len(addrs) > 0 {
-			return addrs[rand.IntN(len(addrs))], nil
+		if addr != "" {
+			return addr, attempts, nil
 		}
 		select {
 		case <-ctx.Done():
-			return "", fmt.Errorf("no worker serves: %w", ctx.Err())
+			return "", nil, fmt.Errorf("no worker serves: %w", ctx.Err())
 		case <-changed:
 		}
 	}
@@ -257,9 +295,9 @@ func (ws *flowSoakWorkers) kill(id int, point string) bool {
 	return true
 }
 
-// killAny kills a worker that serves, chosen at random, and reports
-// whether there was one.
-func (ws *flowSoakWorkers) killAny(point string) bool {
+// killAny kills, or with freeze freezes, a worker that serves, chosen at
+// random, and reports whether there was one.
+func (ws *flowSoakWorkers) killAny(point string, freeze bool) bool {
 	ws.mu.Lock()
 	var serving []int
 	for _, s := range ws.slots {
@@ -271,7 +309,167 @@ func (ws *flowSoakWorkers) killAny(point string) bool {
 	if len(serving) == 0 {
 		return false
 	}
-	return ws.kill(serving[rand.IntN(len(serving))], point)
+	id := serving[rand.IntN(len(serving))]
+	if freeze {
+		return ws.freeze(id, point, "")
+	}
+	return ws.kill(id, point)
+}
+
+// freeze freezes the worker of slot id with SIGSTOP, as for point during
+// operation op (scope/key, or "" for none), and wakes it later (see
+// frozeItself). It reports false when that worker is not serving.
+func (ws *flowSoakWorkers) freeze(id int, point, op string) bool {
+	ws.mu.Lock()
+	if id < 0 || id >= len(ws.slots) || ws.slots[id].addr == "" || ws.stopping {
+		ws.mu.Unlock()
+		return false
+	}
+	slot := ws.slots[id]
+	proc := slot.proc
+	ws.mu.Unlock()
+	if err := proc.Signal(syscall.SIGSTOP); err != nil {
+		return false
+	}
+	ws.frozeItself(slot, proc, point, op)
+	return true
+}
+
+// frozeItself takes note that the worker of slot, proc, is frozen at
+// point during operation op (or freezes itself right now): it serves no
+// more, the clients' attempts that it runs end, as a client's timeout
+// would end them, and a goroutine wakes it once op's flow has been taken
+// over by another executor (a new epoch) or has ended, and every other
+// flow that was running has been too, or could have been (its lease ran
+// out a lease ago), or after ws.limit.
+func (ws *flowSoakWorkers) frozeItself(slot *flowSoakSlot, proc *os.Process, point, op string) {
+	frozenAt := time.Now()
+	ws.mu.Lock()
+	if ws.stopping {
+		ws.mu.Unlock()
+		_ = proc.Signal(syscall.SIGCONT)
+		return
+	}
+	slot.addr, slot.frozen = "", true
+	ws.frozen++
+	if slot.cancelAttempts != nil {
+		slot.cancelAttempts()
+	}
+	ws.notify()
+	ws.mu.Unlock()
+	// The flows the frozen worker may hold: those running now.
+	running, err := ws.runningFlows()
+	go func() {
+		early := err != nil || !ws.waitTakenOver(running, op, frozenAt.Add(ws.limit))
+		waitStopped(proc, frozenAt.Add(ws.limit))
+		_ = proc.Signal(syscall.SIGCONT)
+		ws.mu.Lock()
+		defer ws.mu.Unlock()
+		ws.freezes[point]++
+		ws.frozen--
+		ws.longestFrozen = max(ws.longestFrozen, time.Since(frozenAt))
+		if early {
+			ws.wokenEarly++
+			ws.problems = append(ws.problems, fmt.Sprintf("worker %d frozen at %s during %s woken after %s, before its flows were taken over",
+				slot.id, point, op, ws.limit))
+		}
+		slot.frozen = false
+		if slot.proc == proc && !ws.stopping {
+			// It serves again, at the address it had.
+			slot.addr = slot.lastAddr
+			slot.attempts, slot.cancelAttempts = context.WithCancel(context.Background())
+		}
+		ws.notify()
+	}()
+}
+
+// flowSoakHeld is a running flow's epoch, and whether its lease ran out
+// at least a lease ago.
+type flowSoakHeld struct {
+	epoch int64
+	stale bool
+}
+
+// runningFlows returns each running flow of the soak, by scope/key.
+func (ws *flowSoakWorkers) runningFlows() (map[string]flowSoakHeld, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	rows, err := ws.admin.Query(ctx, `SELECT scope || '/' || key, epoch, leased_until < now() - make_interval(secs => $2)
+		FROM idem_flow WHERE name = $1 AND state = 'running'`, ws.spec.Flow, ws.lease.Seconds())
+	if err != nil {
+		return nil, err
+	}
+	running := make(map[string]flowSoakHeld)
+	for rows.Next() {
+		var key string
+		var h flowSoakHeld
+		if err := rows.Scan(&key, &h.epoch, &h.stale); err != nil {
+			return nil, err
+		}
+		running[key] = h
+	}
+	return running, rows.Err()
+}
+
+// waitTakenOver waits until op (if not "") no longer runs with the epoch
+// it had in running, and every other flow in running no longer does
+// either or could have been taken over, and reports whether that happened
+// before deadline.
+func (ws *flowSoakWorkers) waitTakenOver(running map[string]flowSoakHeld, op string, deadline time.Time) bool {
+	for time.Now().Before(deadline) {
+		now, err := ws.runningFlows()
+		if err == nil {
+			held := false
+			for key, was := range running {
+				if h, ok := now[key]; ok && h.epoch == was.epoch && (key == op || !h.stale) {
+					held = true
+					break
+				}
+			}
+			if h, ok := now[op]; ok && op != "" && running[op].epoch == 0 && !h.stale {
+				// Frozen before its flow was started: wait for its lease.
+				held = true
+			}
+			if !held {
+				return true
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return false
+}
+
+// waitStopped waits until proc is stopped (a process that signalled itself
+// stops a moment later), or deadline, where /proc says so.
+func waitStopped(proc *os.Process, deadline time.Time) {
+	for time.Now().Before(deadline) {
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", proc.Pid))
+		if err != nil {
+			return
+		}
+		// pid (comm) state ...: the state follows the last ')'.
+		if i := strings.LastIndexByte(string(stat), ')'); i < 0 || i+2 >= len(stat) || stat[i+2] == 'T' || stat[i+2] == 't' {
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// waitThawed waits until no worker is frozen.
+func (ws *flowSoakWorkers) waitThawed(ctx context.Context) {
+	for {
+		ws.mu.Lock()
+		frozen, changed := ws.frozen, ws.changed
+		ws.mu.Unlock()
+		if frozen == 0 {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-changed:
+		}
+	}
 }
 
 // stop stops every worker, closing its input, and waits for them; a worker
@@ -283,6 +481,9 @@ func (ws *flowSoakWorkers) stop() error {
 	for _, s := range ws.slots {
 		if s.stdin != nil {
 			_ = s.stdin.Close()
+		}
+		if s.frozen && s.proc != nil {
+			_ = s.proc.Signal(syscall.SIGCONT)
 		}
 	}
 	ws.mu.Unlock()
@@ -330,4 +531,16 @@ func (ws *flowSoakWorkers) counts() (map[string]int64, int64) {
 		kills[k] = v
 	}
 	return kills, ws.restarts
+}
+
+// freezeCounts returns the freezes by point, those woken before their
+// flows were taken over, and the longest freeze.
+func (ws *flowSoakWorkers) freezeCounts() (map[string]int64, int64, time.Duration) {
+	ws.mu.Lock()
+	defer ws.mu.Unlock()
+	freezes := make(map[string]int64, len(ws.freezes))
+	for k, v := range ws.freezes {
+		freezes[k] = v
+	}
+	return freezes, ws.wokenEarly, ws.longestFrozen
 }
