@@ -295,7 +295,7 @@ func flowSoak(ctx context.Context, cfg flowSoakConfig, stdout io.Writer) (*flowS
 		return nil, err
 	}
 	load := &flowSoakLoad{cfg: cfg, scope: run, workers: workers, client: newFlowSoakClient(), freezeTurn: make(chan struct{}, 1),
-		failures: make(map[string]int64), samples: make(map[string]string)}
+		failures: make(map[string]int64), samples: make(map[string]string), killing: make(map[string]int64)}
 	started := time.Now()
 	ops := load.runAll(ctx, stdout)
 	answered := time.Since(started)

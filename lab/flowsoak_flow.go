@@ -66,6 +66,7 @@ const (
 	killAtCommit       = "at-commit"           // the record's COMMIT done by the server, its answer not received
 	killBeforeAnswer   = "before-answer"       // every step recorded, the answer not stored
 	killAnywhere       = "anywhere"            // whatever the worker is doing
+	killPending        = "pending"             // an operation's kill, its point chosen when it starts
 	flowSoakReadyLine  = "ready "              // a worker's first line, before its address
 	flowSoakKillLine   = "killing myself at "  // a worker's last line, before a kill point
 	flowSoakFreezeLine = "freezing myself at " // a worker's line before it stops itself
@@ -210,6 +211,20 @@ type flowSoakFault struct {
 	// armed is set by the record step, for killAtCommit: its COMMIT is
 	// the one to stop at.
 	armed atomic.Bool
+	// fired is set once the fault was met. An attempt meets its fault
+	// once: Flow.Run runs the function again when it finds that another
+	// executor took the flow over while it was frozen (it reclaims the
+	// flow, to answer what a retry would get), and a second freeze in
+	// that run, outside the soak's freezing turn, could freeze a worker
+	// while another is frozen: with two workers, none would serve, and
+	// neither could take the other's flows over.
+	fired atomic.Bool
+}
+
+// fire reports whether the fault is for point and not yet met, and marks
+// it met.
+func (f *flowSoakFault) fire(point string) bool {
+	return f.point != "" && f.point == point && f.fired.CompareAndSwap(false, true)
 }
 
 func faultOf(ctx context.Context) *flowSoakFault {
@@ -220,10 +235,11 @@ func faultOf(ctx context.Context) *flowSoakFault {
 	return f
 }
 
-// at kills or freezes the worker when f is for point.
+// at kills or freezes the worker when f is for point and was not met yet
+// in this attempt (see flowSoakFault.fired).
 func (w *flowSoakWorker) at(f *flowSoakFault, point string) {
 	switch {
-	case f.point != point:
+	case !f.fire(point):
 	case f.freeze:
 		w.freeze(point, f.op)
 		f.woke.Store(point)
@@ -422,7 +438,7 @@ func (w *flowSoakWorker) charge(ctx context.Context, providerKey, scope, key str
 	if woke, _ := fault.woke.Load().(string); woke != "" {
 		req.Header.Set(flowSoakWokeHeader, woke)
 	}
-	if fault.point == killBeforeApply || fault.point == killAfterApply {
+	if (fault.point == killBeforeApply || fault.point == killAfterApply) && fault.fire(fault.point) {
 		req.Header.Set(flowSoakKillHeader, fault.point)
 		if fault.freeze {
 			req.Header.Set(flowSoakFreezeHeader, "1")

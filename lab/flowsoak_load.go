@@ -74,12 +74,48 @@ type flowSoakLoad struct {
 	freezeTurn chan struct{}
 
 	attempts, executed, replayed atomic.Int64
-	// freezesMade counts the freezes made.
-	freezesMade atomic.Int64
+	mu                           sync.Mutex
+	failures                     map[string]int64
+	samples                      map[string]string
+	// killing counts the operations running now that are to kill a
+	// worker, by point.
+	killing map[string]int64
+}
 
-	mu       sync.Mutex
-	failures map[string]int64
-	samples  map[string]string
+// leastHit returns the first point, in the order of flowKillPoints, that
+// was hit the fewest times (hits, plus pending), and that count. The
+// faults go to the points that have had the fewest, not to each in turn:
+// a fault that missed (its worker was killed by another operation's fault
+// before it got to the point, or its flow was done elsewhere first) is
+// made again, so that a run of any length meets every point, each as
+// often as the others, within one.
+func leastHit(hits, pending map[string]int64) (string, int64) {
+	point, least := "", int64(-1)
+	for _, p := range flowKillPoints {
+		if n := hits[p] + pending[p]; least < 0 || n < least {
+			point, least = p, n
+		}
+	}
+	return point, least
+}
+
+// claimKillPoint picks the point at which an operation that is to kill a
+// worker kills it (see leastHit), and whether its client gives up once
+// the worker died: every other time at each point. releaseKillPoint is
+// called when the operation is over.
+func (l *flowSoakLoad) claimKillPoint() (string, bool) {
+	kills, _ := l.workers.counts()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	point, n := leastHit(kills, l.killing)
+	l.killing[point]++
+	return point, n%2 == 1
+}
+
+func (l *flowSoakLoad) releaseKillPoint(point string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.killing[point]--
 }
 
 func newFlowSoakClient() *http.Client {
@@ -87,19 +123,17 @@ func newFlowSoakClient() *http.Client {
 }
 
 // plan lays the operations out: one in KillEvery has a worker killed
-// during it, at each point in turn, and every other round of the points
-// its client gives up once the worker died, leaving the flow to the
-// resumers; of the others, some are twins, some abandoned after a
-// failure. The freezes are laid out as the operations start (freezeDue).
+// during it, at the point that has had the fewest kills when it starts,
+// and every other time at a point its client gives up once the worker
+// died, leaving the flow to the resumers; of the others, some are twins,
+// some abandoned after a failure. The freezes are laid out as the
+// operations start (freezeDue).
 func (l *flowSoakLoad) plan() []*flowSoakOp {
 	ops := make([]*flowSoakOp, l.cfg.Ops)
-	kills := 0
 	for i := range ops {
 		op := &flowSoakOp{i: i, key: fmt.Sprintf("op-%d", i), amount: int64(100 + i)}
 		if n := l.cfg.KillEvery; n > 0 && i%n == n-1 {
-			op.kill = flowKillPoints[kills%len(flowKillPoints)]
-			op.abandon = kills/len(flowKillPoints)%2 == 1
-			kills++
+			op.kill = killPending
 		} else {
 			op.twin = rand.Float64() < l.cfg.Twin
 			op.abandon = !op.twin && rand.Float64() < l.cfg.Abandon
@@ -163,6 +197,12 @@ func (l *flowSoakLoad) do(ctx context.Context, op *flowSoakOp) {
 		}
 		defer pass()
 	}
+	if op.kill == killPending {
+		var point string
+		point, op.abandon = l.claimKillPoint()
+		op.kill = point
+		defer l.releaseKillPoint(point)
+	}
 	kill := op.kill
 	if kill == killAnywhere {
 		// Whatever the workers are doing now.
@@ -183,10 +223,11 @@ func (l *flowSoakLoad) do(ctx context.Context, op *flowSoakOp) {
 }
 
 // freezeDue reports whether op is to freeze a worker, and if so waits for
-// the freezing turn and marks op with the next point: one operation in
-// FreezeEvery (neither a twin nor marked to kill) freezes a worker, one at
-// a time, so that the others can take its flows over. Every other round
-// of the points, the client gives up once the worker froze.
+// the freezing turn and marks op with the point that has had the fewest
+// freezes (see leastHit): one operation in FreezeEvery (neither a twin nor
+// marked to kill) freezes a worker, one at a time, so that the others can
+// take its flows over. Every other time at a point, the client gives up
+// once the worker froze.
 func (l *flowSoakLoad) freezeDue(ctx context.Context, op *flowSoakOp) bool {
 	n := l.cfg.FreezeEvery
 	if n <= 0 || op.i%n != (n-1)/2 || op.kill != "" || op.twin {
@@ -197,9 +238,11 @@ func (l *flowSoakLoad) freezeDue(ctx context.Context, op *flowSoakOp) bool {
 	case <-ctx.Done():
 		return false
 	}
-	k := int(l.freezesMade.Add(1) - 1)
-	op.kill, op.freeze = flowKillPoints[k%len(flowKillPoints)], true
-	op.abandon = k/len(flowKillPoints)%2 == 1
+	// The turn passes on once the last freeze's worker was woken, and
+	// counted: the counts are those of every freeze made.
+	freezes, _, _ := l.workers.freezeCounts()
+	point, hits := leastHit(freezes, nil)
+	op.kill, op.freeze, op.abandon = point, true, hits%2 == 1
 	return true
 }
 

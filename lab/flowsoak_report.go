@@ -42,6 +42,12 @@ type flowSoakReport struct {
 	// started again.
 	Kills    map[string]int64
 	Restarts int64
+	// FailedStarts counts the worker starts that failed and were tried
+	// again, LastStartFailure why the last one failed; OverlappingFreezes,
+	// the freezes undone at once because another worker was frozen.
+	FailedStarts       int64
+	LastStartFailure   string
+	OverlappingFreezes int64
 	// Freezes counts the workers frozen and woken, by point; WokenEarly,
 	// those woken before every flow they may have held was taken over or
 	// ended (after OpTimeout); LongestFrozen, the longest freeze.
@@ -120,6 +126,7 @@ func (l *flowSoakLoad) report(ops []*flowSoakOp, p *flowSoakProvider, ws *flowSo
 	}
 	rep.Kills, rep.Restarts = ws.counts()
 	rep.Freezes, rep.WokenEarly, rep.LongestFrozen = ws.freezeCounts()
+	rep.FailedStarts, rep.LastStartFailure, rep.OverlappingFreezes = ws.startCounts()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, n := range p.calls {
@@ -429,7 +436,11 @@ func (l *flowSoakLoad) print(w io.Writer, rep *flowSoakReport) {
 	} {
 		fmt.Fprintf(w, "  %-54s %4d / %d\n", k.what+":", rep.Kills[k.point], rep.Freezes[k.point])
 	}
-	fmt.Fprintf(w, "  longest freeze: %s; woken before their flows were taken over: %d\n", rep.LongestFrozen.Round(time.Millisecond), rep.WokenEarly)
+	fmt.Fprintf(w, "  longest freeze: %s; woken before their flows were taken over: %d; freezes undone because another worker was frozen: %d\n",
+		rep.LongestFrozen.Round(time.Millisecond), rep.WokenEarly, rep.OverlappingFreezes)
+	if rep.FailedStarts > 0 {
+		fmt.Fprintf(w, "  worker starts that failed and were tried again: %d; the last: %s\n", rep.FailedStarts, rep.LastStartFailure)
+	}
 	fmt.Fprintf(w, "provider (%s) calls: %d; %d operations' keys called more than once; %d arrived after their flow was done (%d applied)\n",
 		rep.Provider, rep.ProviderCalls, rep.Recalled, rep.CallsAfterDone, rep.AppliedAfterDone)
 	if rep.Reconcile {

@@ -28,8 +28,14 @@ import (
 // from hanging the soak.
 const flowSoakStartTimeout = 2 * time.Minute
 
-// flowSoakMaxStartFailures is how many failed starts in a row end a slot.
-const flowSoakMaxStartFailures = 3
+// flowSoakRestartDelayMax caps the pause between a slot's failed start
+// and its next: a start that failed (the server out of connection slots,
+// the machine too loaded to start a process in time) is tried again, with
+// a pause that doubles from 10ms, for as long as the soak runs. A slot
+// never gives up: with one worker frozen, a slot that gave up would leave
+// the soak without a worker to serve, or to take the frozen one's flows
+// over, until the freeze's limit.
+const flowSoakRestartDelayMax = time.Second
 
 // flowSoakWorkers runs the worker processes.
 type flowSoakWorkers struct {
@@ -44,10 +50,14 @@ type flowSoakWorkers struct {
 	stopping bool
 	wg       sync.WaitGroup
 	// kills counts workers killed, by point; restarts, the processes
-	// started after the first of each slot.
-	kills    map[string]int64
-	restarts int64
-	// problems are the exits that no kill explains, and failed starts.
+	// started after the first of each slot; failedStarts, the starts that
+	// failed and were tried again.
+	kills        map[string]int64
+	restarts     int64
+	failedStarts int64
+	// lastStartFailure says why the last failed start failed.
+	lastStartFailure string
+	// problems are the exits that no kill explains.
 	problems []string
 
 	// admin reads the flows' state for the freezes; lease is the flows'
@@ -56,11 +66,15 @@ type flowSoakWorkers struct {
 	lease, limit time.Duration
 	// freezes counts the workers frozen and woken, by point; frozen, those
 	// frozen now; wokenEarly, those woken at limit, before every flow they
-	// may have held was taken over or ended; longestFrozen, the longest
-	// freeze.
-	freezes       map[string]int64
-	frozen        int
-	wokenEarly    int64
+	// may have held was taken over or ended; overlapping, the freezes
+	// undone at once because another worker was frozen; longestFrozen, the
+	// longest freeze.
+	freezes     map[string]int64
+	frozen      int
+	wokenEarly  int64
+	overlapping int64
+	// frozenWhat is the last freeze, for the report of one undone.
+	frozenWhat    string
 	longestFrozen time.Duration
 }
 
@@ -110,40 +124,52 @@ func (ws *flowSoakWorkers) start(ctx context.Context, n int) error {
 }
 
 // keep runs slot's worker, starting it again each time it dies, until the
-// soak stops. ready gets the first start's outcome.
+// soak stops. ready gets the first start's outcome: a soak whose workers
+// cannot start at all fails at once. Later failed starts are tried again
+// (see flowSoakRestartDelayMax), and counted.
 func (ws *flowSoakWorkers) keep(ctx context.Context, slot *flowSoakSlot, ready chan<- error) {
-	failures := 0
+	delay := 10 * time.Millisecond
 	for gen := 1; ; gen++ {
 		if gen > 1 {
 			ws.mu.Lock()
 			ws.restarts++
 			ws.mu.Unlock()
 		}
-		err := ws.run(ctx, slot, gen, ready)
+		started, err := ws.run(ctx, slot, gen, ready)
+		first := ready != nil
 		ready = nil
 		ws.mu.Lock()
 		stopping := ws.stopping
-		if err != nil {
-			failures++
+		switch {
+		case started && err != nil:
 			ws.problems = append(ws.problems, fmt.Sprintf("worker %d (start %d): %v", slot.id, gen, err))
-		} else {
-			failures = 0
+		case !started && err != nil && !stopping:
+			ws.failedStarts++
 		}
 		ws.mu.Unlock()
-		if stopping || ctx.Err() != nil || failures >= flowSoakMaxStartFailures {
+		if stopping || ctx.Err() != nil || (first && !started) {
 			return
 		}
+		if started {
+			delay = 10 * time.Millisecond
+			continue
+		}
+		if sleep(ctx, delay) != nil {
+			return
+		}
+		delay = min(2*delay, flowSoakRestartDelayMax)
 	}
 }
 
-// run runs one process of slot to its end. It returns an error when the
-// process failed to start or ended in a way that no kill explains.
-func (ws *flowSoakWorkers) run(ctx context.Context, slot *flowSoakSlot, gen int, ready chan<- error) error {
+// run runs one process of slot to its end. It reports whether the process
+// served, and returns an error when the process failed to start or ended
+// in a way that no kill explains.
+func (ws *flowSoakWorkers) run(ctx context.Context, slot *flowSoakSlot, gen int, ready chan<- error) (bool, error) {
 	spec := ws.spec
 	spec.Slot, spec.Gen = slot.id, gen
 	specJSON, err := json.Marshal(spec)
 	if err != nil {
-		return err
+		return false, err
 	}
 	// Not CommandContext: the soak kills its workers itself, and stops
 	// them by closing their input.
@@ -153,11 +179,11 @@ func (ws *flowSoakWorkers) run(ctx context.Context, slot *flowSoakSlot, gen int,
 	dieWithParent(cmd)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
-		return err
+		return false, err
 	}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		return err
+		return false, err
 	}
 	fail := func(err error) error {
 		if ready != nil {
@@ -166,7 +192,7 @@ func (ws *flowSoakWorkers) run(ctx context.Context, slot *flowSoakSlot, gen int,
 		return err
 	}
 	if err := cmd.Start(); err != nil {
-		return fail(err)
+		return false, fail(err)
 	}
 	exited := make(chan struct{})
 	ws.mu.Lock()
@@ -220,16 +246,17 @@ func (ws *flowSoakWorkers) run(ctx context.Context, slot *flowSoakSlot, gen int,
 	ws.notify()
 	switch {
 	case startErr != nil && ws.stopping:
-		return nil // stopped while it was starting: its input was closed
+		return false, nil // stopped while it was starting: its input was closed
 	case startErr != nil:
-		return fail(fmt.Errorf("%w (%v)\n%s", startErr, waitErr, slot.logs))
+		ws.lastStartFailure = fmt.Sprintf("worker %d (start %d): %v (%v)", slot.id, gen, startErr, waitErr)
+		return false, fail(fmt.Errorf("%w (%v)\n%s", startErr, waitErr, slot.logs))
 	case slot.killing != "":
 		ws.kills[slot.killing]++
-		return nil
+		return true, nil
 	case ws.stopping && waitErr == nil:
-		return nil
+		return true, nil
 	}
-	return fmt.Errorf("exited unexpectedly (%v):\n%s", waitErr, slot.logs)
+	return true, fmt.Errorf("exited unexpectedly (%v):\n%s", waitErr, slot.logs)
 }
 
 // serving marks slot as serving at addr.
@@ -318,10 +345,11 @@ func (ws *flowSoakWorkers) killAny(point string, freeze bool) bool {
 
 // freeze freezes the worker of slot id with SIGSTOP, as for point during
 // operation op (scope/key, or "" for none), and wakes it later (see
-// frozeItself). It reports false when that worker is not serving.
+// frozeItself). It reports false when that worker is not serving, or
+// another is frozen.
 func (ws *flowSoakWorkers) freeze(id int, point, op string) bool {
 	ws.mu.Lock()
-	if id < 0 || id >= len(ws.slots) || ws.slots[id].addr == "" || ws.stopping {
+	if id < 0 || id >= len(ws.slots) || ws.slots[id].addr == "" || ws.stopping || ws.frozen > 0 {
 		ws.mu.Unlock()
 		return false
 	}
@@ -345,13 +373,26 @@ func (ws *flowSoakWorkers) freeze(id int, point, op string) bool {
 func (ws *flowSoakWorkers) frozeItself(slot *flowSoakSlot, proc *os.Process, point, op string) {
 	frozenAt := time.Now()
 	ws.mu.Lock()
-	if ws.stopping {
+	if ws.stopping || ws.frozen > 0 {
+		// One frozen worker at a time: a frozen worker is woken once
+		// another has taken its flows over, which one frozen beside it
+		// cannot do, and with two workers none would serve until the
+		// limit. The soak freezes one at a time (freezeTurn), and a fault
+		// fires once per attempt (flowSoakFault.fire), so this does not
+		// happen; if it does, this one goes on at once, the point counts
+		// no freeze, and the report says so.
+		if !ws.stopping {
+			ws.overlapping++
+			fmt.Fprintf(ws.stdout, "  a freeze undone at once: worker %d at %s during %s, while %s was frozen\n", slot.id, point, op, ws.frozenWhat)
+		}
 		ws.mu.Unlock()
+		waitStopped(proc, frozenAt.Add(ws.limit))
 		_ = proc.Signal(syscall.SIGCONT)
 		return
 	}
 	slot.addr, slot.frozen = "", true
 	ws.frozen++
+	ws.frozenWhat = fmt.Sprintf("worker %d at %s during %s", slot.id, point, op)
 	if slot.cancelAttempts != nil {
 		slot.cancelAttempts()
 	}
@@ -543,4 +584,13 @@ func (ws *flowSoakWorkers) freezeCounts() (map[string]int64, int64, time.Duratio
 		freezes[k] = v
 	}
 	return freezes, ws.wokenEarly, ws.longestFrozen
+}
+
+// startCounts returns the starts that failed and were tried again, why the
+// last of them failed, and the freezes undone at once because another
+// worker was frozen.
+func (ws *flowSoakWorkers) startCounts() (int64, string, int64) {
+	ws.mu.Lock()
+	defer ws.mu.Unlock()
+	return ws.failedStarts, ws.lastStartFailure, ws.overlapping
 }
