@@ -74,12 +74,12 @@ type flowSoakConfig struct {
 	// Workers is how many worker processes run the flow.
 	Workers int
 	// KillEvery, when positive, kills a worker with SIGKILL during one
-	// operation in KillEvery, at each of the kill points in turn (see
+	// operation in KillEvery, at the kill point hit least so far (see
 	// flowKillPoints): the faults are paced by the operations, not by the
 	// clock.
 	KillEvery int
 	// FreezeEvery, when positive, freezes a worker with SIGSTOP during one
-	// operation in FreezeEvery, at each of the points in turn, and wakes it
+	// operation in FreezeEvery, at the point frozen least so far, and wakes it
 	// with SIGCONT once every flow that was running when it froze has been
 	// taken over by another executor or has ended: paced by the flows'
 	// progress, not by the clock. The frozen worker wakes fenced, and must
@@ -199,8 +199,8 @@ meets the same faults, only later.`)
 	fs.IntVar(&cfg.Ops, "ops", cfg.Ops, fmt.Sprintf("logical operations to make (at most %d)", maxFlowSoakOps))
 	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "operations in flight at once")
 	fs.IntVar(&cfg.Workers, "workers", cfg.Workers, "worker processes running the flow")
-	fs.IntVar(&cfg.KillEvery, "kill-every", cfg.KillEvery, "kill a worker during one operation in `N`, at each kill point in turn (0: never)")
-	fs.IntVar(&cfg.FreezeEvery, "freeze-every", cfg.FreezeEvery, "freeze a worker with SIGSTOP during one operation in `N`, at each point in turn, until its flows are taken over (0: never)")
+	fs.IntVar(&cfg.KillEvery, "kill-every", cfg.KillEvery, "kill a worker during one operation in `N`, at the kill point hit least so far (0: never)")
+	fs.IntVar(&cfg.FreezeEvery, "freeze-every", cfg.FreezeEvery, "freeze a worker with SIGSTOP during one operation in `N`, at the point frozen least so far, until its flows are taken over (0: never)")
 	fs.StringVar(&cfg.Provider, "provider", cfg.Provider, "the fake provider: `keyed` (applies each idempotency key once) or keyless (applies every request)")
 	fs.BoolVar(&cfg.Reconcile, "reconcile", cfg.Reconcile, "give the charge a lookup at the provider by its provider key (idem.Reconcile)")
 	fs.BoolVar(&cfg.AtMostOnce, "at-most-once", cfg.AtMostOnce, "mark the charge idem.AtMostOnce: an attempt of unknown outcome stops the flow for a person")
@@ -374,10 +374,10 @@ func describeFlowSoakCall(cfg flowSoakConfig) string {
 func describeFlowSoakFaults(cfg flowSoakConfig) string {
 	var parts []string
 	if cfg.KillEvery > 0 {
-		parts = append(parts, fmt.Sprintf("a worker killed (SIGKILL) during one operation in %d, at each of %d points in turn", cfg.KillEvery, len(flowKillPoints)))
+		parts = append(parts, fmt.Sprintf("a worker killed (SIGKILL) during one operation in %d, at the least-hit of %d points", cfg.KillEvery, len(flowKillPoints)))
 	}
 	if cfg.FreezeEvery > 0 {
-		parts = append(parts, fmt.Sprintf("a worker frozen (SIGSTOP, then SIGCONT once its flows were taken over) during one operation in %d, at each of %d points in turn",
+		parts = append(parts, fmt.Sprintf("a worker frozen (SIGSTOP, then SIGCONT once its flows were taken over) during one operation in %d, at the least-hit of %d points",
 			cfg.FreezeEvery, len(flowKillPoints)))
 	}
 	for _, f := range []struct {
