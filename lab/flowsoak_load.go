@@ -311,11 +311,12 @@ func (l *flowSoakLoad) send(ctx context.Context, op *flowSoakOp, kill string, ab
 				op.away()
 				return
 			}
-		case req.Kill != "":
 		case status == http.StatusGone:
-			// Stopped for a person's decision: no retry changes that.
+			// Stopped for a person's decision: no retry changes that, and
+			// no retry of a marked attempt gets to its point any more.
 			op.stop()
 			return
+		case req.Kill != "":
 		case abandon:
 			op.away()
 			return
