@@ -421,6 +421,11 @@ func (w *flowSoakWorker) lookup(ctx context.Context, providerKey string) (flowSo
 // Idempotency-Key and its reference, and the operation in its metadata.
 // An operation marked to die or freeze in the call tells the provider,
 // which kills or freezes the worker.
+//
+// The call says which process sends it and when it was handed to the
+// HTTP client, whose first act is to look at its context, so that the
+// soak can tell a call that arrived after its flow was done because its
+// process was frozen after that look (see flowSoakReport.FrozenLate).
 func (w *flowSoakWorker) charge(ctx context.Context, providerKey, scope, key string, amount int64, fault *flowSoakFault) (flowSoakCharge, error) {
 	ctx, cancel := context.WithTimeout(ctx, w.spec.ProviderTimeout)
 	defer cancel()
@@ -435,6 +440,7 @@ func (w *flowSoakWorker) charge(ctx context.Context, providerKey, scope, key str
 	req.GetBody = nil
 	req.Header.Set("Idempotency-Key", providerKey)
 	req.Header.Set(flowSoakWorkerHeader, strconv.Itoa(w.spec.Slot))
+	req.Header.Set(flowSoakProcessHeader, flowSoakProcess(w.spec.Slot, w.spec.Gen))
 	if woke, _ := fault.woke.Load().(string); woke != "" {
 		req.Header.Set(flowSoakWokeHeader, woke)
 	}
@@ -444,6 +450,7 @@ func (w *flowSoakWorker) charge(ctx context.Context, providerKey, scope, key str
 			req.Header.Set(flowSoakFreezeHeader, "1")
 		}
 	}
+	req.Header.Set(flowSoakStartedHeader, strconv.FormatInt(time.Now().UnixNano(), 10))
 	resp, err := w.provider.Do(req)
 	if err != nil {
 		kind := "no answer"

@@ -38,7 +38,15 @@ const (
 	// flowSoakWokeHeader is on a call made after its worker froze and
 	// woke in the same run of the operation: the point of the freeze.
 	flowSoakWokeHeader = "X-Flowsoak-Woke"
+	// flowSoakProcessHeader names the calling process (slot/gen), and
+	// flowSoakStartedHeader says when it handed the call to its HTTP
+	// client, in Unix nanoseconds.
+	flowSoakProcessHeader = "X-Flowsoak-Process"
+	flowSoakStartedHeader = "X-Flowsoak-Started"
 )
+
+// flowSoakProcess names a worker process: its slot and its start.
+func flowSoakProcess(slot, gen int) string { return strconv.Itoa(slot) + "/" + strconv.Itoa(gen) }
 
 // flowSoakChargeRequest is the body of a charge: the amount, and the
 // metadata the provider keeps with it: the call's provider key as the
@@ -55,6 +63,10 @@ type flowSoakArrival struct {
 	key     string
 	at      time.Time
 	applied bool
+	// proc is the calling process, started when it handed the call to
+	// its HTTP client.
+	proc    string
+	started time.Time
 }
 
 // flowSoakCharged is a charge the provider applied.
@@ -173,7 +185,9 @@ func (p *flowSoakProvider) serve(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "temporarily unavailable", http.StatusServiceUnavailable)
 		return
 	}
-	charge, ok := p.apply(body, arrived, r.Header.Get(flowSoakWokeHeader))
+	startedNano, _ := strconv.ParseInt(r.Header.Get(flowSoakStartedHeader), 10, 64)
+	arrival := flowSoakArrival{key: body.Key, at: arrived, proc: r.Header.Get(flowSoakProcessHeader), started: time.Unix(0, startedNano)}
+	charge, ok := p.apply(body, arrival, r.Header.Get(flowSoakWokeHeader))
 	if !ok {
 		http.Error(w, "Idempotency-Key reused with another amount", http.StatusConflict)
 		return
@@ -246,10 +260,10 @@ func cut(w http.ResponseWriter) bool {
 // apply charges the request's amount: keyed, once per reference (a
 // reference it knows gets its charge back, or false when it was charged
 // with another amount); keyless, every time.
-func (p *flowSoakProvider) apply(body flowSoakChargeRequest, arrived time.Time, woke string) (flowSoakCharge, bool) {
+func (p *flowSoakProvider) apply(body flowSoakChargeRequest, arrival flowSoakArrival, woke string) (flowSoakCharge, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.arrivals = append(p.arrivals, flowSoakArrival{key: body.Key, at: arrived})
+	p.arrivals = append(p.arrivals, arrival)
 	if cs := p.charges[body.Reference]; len(cs) > 0 && p.cfg.Provider == providerKeyed {
 		if cs[0].Amount != body.Amount {
 			p.conflicts++

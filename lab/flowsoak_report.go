@@ -70,6 +70,17 @@ type flowSoakReport struct {
 	// new charge.
 	Lookups, Found                   int
 	CallsAfterDone, AppliedAfterDone int
+	// FrozenLate counts the calls after their flow was done whose process
+	// was frozen while the call was under way (between the moment it
+	// handed the call to its HTTP client, which looks at the call's context
+	// first, and the call's arrival): the residue docs/flows.md names, a
+	// process frozen after its last look at the call's context and before
+	// its request was written, which sends once it wakes.
+	// FrozenLateApplied counts those the provider applied as a new charge.
+	FrozenLate, FrozenLateApplied int
+	// DoubledFrozen counts the operations charged more than once whose
+	// extra charges (ExtraFrozen) were all such calls.
+	DoubledFrozen, ExtraFrozen int
 
 	// Effects is the number of charges the provider applied; Declined, how
 	// many of them it declined. MissingEffects counts operations whose
@@ -187,15 +198,24 @@ func checkFlowSoak(ctx context.Context, admin *pgxpool.Pool, scope string, ops [
 	// an executor that held the flow had returned) was made by a fenced
 	// executor.
 	p.mu.Lock()
-	for _, a := range p.arrivals {
+	arrivals := slices.Clone(p.arrivals)
+	p.mu.Unlock()
+	frozenApplied := make(map[string]int) // by operation
+	for _, a := range arrivals {
 		if f, ok := flows[a.key]; ok && f.completed != nil && a.at.After(*f.completed) {
 			rep.CallsAfterDone++
 			if a.applied {
 				rep.AppliedAfterDone++
 			}
+			if p.workers.frozenDuring(a.proc, a.started, a.at) {
+				rep.FrozenLate++
+				if a.applied {
+					rep.FrozenLateApplied++
+					frozenApplied[a.key]++
+				}
+			}
 		}
 	}
-	p.mu.Unlock()
 	// The charges by operation, as their metadata says, and under which
 	// reference.
 	byOp := make(map[string][]flowSoakCharged)
@@ -227,6 +247,10 @@ func checkFlowSoak(ctx context.Context, admin *pgxpool.Pool, scope string, ops [
 		if n := len(opCharges); n > 1 {
 			rep.Doubled++
 			rep.Extra += n - 1
+			if frozenApplied[op.key] >= n-1 {
+				rep.DoubledFrozen++
+				rep.ExtraFrozen += n - 1
+			}
 			for _, c := range opCharges {
 				if c.Woke != "" {
 					if rep.DoubledWoke == nil {
@@ -354,10 +378,11 @@ func (rep *flowSoakReport) violations() []string {
 	add(rep.Unanswered > 0, "%d operations without an answer (first: %s)", rep.Unanswered, rep.FirstUnanswered)
 	add(rep.MissingEffects > 0 || rep.UnknownKeys > 0,
 		"%d operations done that the provider never applied, %d charges under unknown keys", rep.MissingEffects, rep.UnknownKeys)
-	add(rep.Doubled > 0 && !rep.doublesExpected(), "%d operations charged more than once (%d extra charges)", rep.Doubled, rep.Extra)
+	add(rep.Doubled > rep.DoubledFrozen && !rep.doublesExpected(), "%d operations charged more than once (%d extra charges), %d of them by a call whose process was frozen while it was under way",
+		rep.Doubled, rep.Extra, rep.DoubledFrozen)
 	add(rep.Stopped > 0 && !rep.AtMostOnce, "%d flows stopped for a person, with no call marked AtMostOnce", rep.Stopped)
-	add(rep.CallsAfterDone > 0, "%d provider calls arrived after their flow was done (%d applied): a fenced executor called",
-		rep.CallsAfterDone, rep.AppliedAfterDone)
+	add(rep.CallsAfterDone > rep.FrozenLate, "%d provider calls arrived after their flow was done (%d applied), %d of them from a process frozen while the call was under way: a fenced executor called",
+		rep.CallsAfterDone, rep.AppliedAfterDone, rep.FrozenLate)
 	add(rep.WokenEarly > 0, "%d frozen workers woken before their flows were taken over, within %s", rep.WokenEarly, rep.LongestFrozen.Round(time.Millisecond))
 	add(rep.Conflicts > 0, "%d provider calls reused a key with another amount", rep.Conflicts)
 	add(rep.Payments != rep.Ops || rep.Ledger != rep.Ops-rep.Stopped || rep.MissingRows > 0 || rep.DoubledRows > 0,
@@ -385,6 +410,9 @@ func (rep *flowSoakReport) verdict() string {
 	case rep.doublesExpected():
 		return fmt.Sprintf("DOUBLES, as expected of a keyless provider with neither a lookup nor AtMostOnce: %d of %d operations charged more than once (%d extra charges); "+
 			"everything else held (one payment and one ledger row each, every answer the stored one).", rep.Doubled, rep.Ops, rep.Extra)
+	case rep.DoubledFrozen > 0:
+		return fmt.Sprintf("RESIDUE: %d of %d operations charged twice, each by a call whose process was frozen while it was under way and sent it after another executor "+
+			"had completed the flow (the residue docs/flows.md names); no other double; every answer matches what was stored.", rep.DoubledFrozen, rep.Ops)
 	case rep.AtMostOnce:
 		return fmt.Sprintf("OK: no operation charged twice; %d done with one charge each, %d stopped for a person (%d of them charged once, %d not charged); every answer matches what was stored.",
 			rep.Ops-rep.Stopped, rep.Stopped, rep.StoppedCharged, rep.StoppedUncharged)
@@ -454,6 +482,10 @@ func (l *flowSoakLoad) print(w io.Writer, rep *flowSoakReport) {
 		rep.Effects, rep.Ops, rep.Declined, rep.MissingEffects, rep.UnknownKeys)
 	fmt.Fprintf(w, "  operations charged more than once: %d (%d extra charges); their charges sent by a worker woken from a freeze, by point: %v\n",
 		rep.Doubled, rep.Extra, rep.DoubledWoke)
+	if rep.CallsAfterDone > 0 {
+		fmt.Fprintf(w, "  calls after their flow was done from a process frozen while the call was under way (the residue of docs/flows.md): %d (%d applied); operations charged twice by them: %d (%d extra charges)\n",
+			rep.FrozenLate, rep.FrozenLateApplied, rep.DoubledFrozen, rep.ExtraFrozen)
+	}
 	if rep.AtMostOnce || rep.Stopped > 0 {
 		fmt.Fprintf(w, "  stopped for a person's decision: %d (charged once %d, not charged %d)\n", rep.Stopped, rep.StoppedCharged, rep.StoppedUncharged)
 	}

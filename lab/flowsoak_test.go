@@ -65,9 +65,15 @@ func TestFlowSoakEffectsEqualOperationsWhileWorkersAreKilledAndFrozen(t *testing
 	if rep.WrongAnswers != 0 || rep.Unanswered != 0 || len(rep.NotDone) != 0 {
 		t.Errorf("%d wrong answers, %d operations unanswered, flows not done %v; want none", rep.WrongAnswers, rep.Unanswered, rep.NotDone)
 	}
-	if rep.CallsAfterDone != 0 || rep.WokenEarly != 0 || rep.OverlappingFreezes != 0 {
-		t.Errorf("%d provider calls after their flow was done, %d workers woken before their flows were taken over, "+
-			"%d freezes while another worker was frozen; want none", rep.CallsAfterDone, rep.WokenEarly, rep.OverlappingFreezes)
+	// A call that arrives after its flow was done is a fenced executor's,
+	// unless its process was frozen while the call was under way: the
+	// residue docs/flows.md names, which a keyed provider answers with the
+	// charge it made.
+	t.Logf("%d provider calls after their flow was done, %d of them from a process frozen while the call was under way",
+		rep.CallsAfterDone, rep.FrozenLate)
+	if rep.CallsAfterDone != rep.FrozenLate || rep.WokenEarly != 0 || rep.OverlappingFreezes != 0 {
+		t.Errorf("%d provider calls after their flow was done from a process not frozen during the call, %d workers woken before their flows were taken over, "+
+			"%d freezes while another worker was frozen; want none", rep.CallsAfterDone-rep.FrozenLate, rep.WokenEarly, rep.OverlappingFreezes)
 	}
 	// A soak in which a fault never hit proves nothing about that fault.
 	for _, point := range flowKillPoints {
@@ -99,7 +105,13 @@ func TestFlowSoakEffectsEqualOperationsWhileWorkersAreKilledAndFrozen(t *testing
 // not at all; with idem.AtMostOnce, none may be charged twice, and those
 // whose outcome was unknown stop for a person; with neither, the soak
 // must see the doubles that the documentation warns of (a killed worker
-// whose call was applied is certain to make one).
+// whose call was applied is certain to make one). The one double a lookup
+// or AtMostOnce cannot prevent is the residue docs/flows.md names: a call
+// whose process froze after its last look at the call's context and
+// before its request was written, sent when it wakes, after another
+// executor completed the flow. The soak identifies such a call (its
+// process was frozen while the call was under way, and it arrived after
+// the flow was done); a double made by any other call fails the test.
 func TestFlowSoakKeylessProvider(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Minute)
@@ -112,9 +124,10 @@ func TestFlowSoakKeylessProvider(t *testing.T) {
 		cfg := base
 		cfg.DatabaseURL, cfg.Reconcile = env.EmptyDatabase(t), true
 		rep := runFlowSoakTest(t, ctx, cfg)
-		if rep.Doubled != 0 || rep.Effects != cfg.Ops || rep.MissingEffects != 0 || rep.Stopped != 0 {
-			t.Errorf("%d effects for %d operations, %d charged twice, %d never, %d stopped; want one each",
-				rep.Effects, cfg.Ops, rep.Doubled, rep.MissingEffects, rep.Stopped)
+		t.Logf("reconcile: %d of %d operations charged twice by a call whose process froze while it was under way (the residue)", rep.DoubledFrozen, cfg.Ops)
+		if rep.Doubled != rep.DoubledFrozen || rep.Effects != cfg.Ops+rep.ExtraFrozen || rep.MissingEffects != 0 || rep.Stopped != 0 {
+			t.Errorf("%d effects for %d operations, %d charged twice (%d by the residue), %d never, %d stopped; want one each",
+				rep.Effects, cfg.Ops, rep.Doubled, rep.DoubledFrozen, rep.MissingEffects, rep.Stopped)
 		}
 		if rep.Found == 0 || rep.Lookups == rep.Found {
 			t.Errorf("%d lookups, %d found the charge: want lookups that found it and lookups that did not", rep.Lookups, rep.Found)
@@ -126,8 +139,8 @@ func TestFlowSoakKeylessProvider(t *testing.T) {
 		rep := runFlowSoakTest(t, ctx, cfg)
 		t.Logf("at most once: %d of %d operations stopped for a person (%d charged once, %d not charged)",
 			rep.Stopped, cfg.Ops, rep.StoppedCharged, rep.StoppedUncharged)
-		if rep.Doubled != 0 || rep.MissingEffects != 0 {
-			t.Errorf("%d operations charged twice, %d done but never charged; want none", rep.Doubled, rep.MissingEffects)
+		if rep.Doubled != rep.DoubledFrozen || rep.MissingEffects != 0 {
+			t.Errorf("%d operations charged twice (%d by the residue), %d done but never charged; want none", rep.Doubled, rep.DoubledFrozen, rep.MissingEffects)
 		}
 		if rep.Stopped == 0 || rep.StoppedCharged == 0 {
 			t.Errorf("%d operations stopped, %d of them charged: a worker killed after the provider applied its call must stop one", rep.Stopped, rep.StoppedCharged)

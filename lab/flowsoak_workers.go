@@ -74,7 +74,10 @@ type flowSoakWorkers struct {
 	wokenEarly  int64
 	overlapping int64
 	// frozenWhat is the last freeze, for the report of one undone.
-	frozenWhat    string
+	frozenWhat string
+	// frozenSpans are the times each process (flowSoakProcess) was
+	// frozen, from the freeze to the SIGCONT.
+	frozenSpans   map[string][][2]time.Time
 	longestFrozen time.Duration
 }
 
@@ -103,7 +106,8 @@ type flowSoakSlot struct {
 
 func newFlowSoakWorkers(exe string, spec flowSoakWorkerSpec, verbose bool, stdout io.Writer) *flowSoakWorkers {
 	return &flowSoakWorkers{exe: exe, spec: spec, verbose: verbose, stdout: stdout,
-		changed: make(chan struct{}), kills: make(map[string]int64), freezes: make(map[string]int64)}
+		changed: make(chan struct{}), kills: make(map[string]int64), freezes: make(map[string]int64),
+		frozenSpans: make(map[string][][2]time.Time)}
 }
 
 // start starts n workers and waits until each serves.
@@ -373,6 +377,7 @@ func (ws *flowSoakWorkers) freeze(id int, point, op string) bool {
 func (ws *flowSoakWorkers) frozeItself(slot *flowSoakSlot, proc *os.Process, point, op string) {
 	frozenAt := time.Now()
 	ws.mu.Lock()
+	name := flowSoakProcess(slot.id, slot.gen)
 	if ws.stopping || ws.frozen > 0 {
 		// One frozen worker at a time: a frozen worker is woken once
 		// another has taken its flows over, which one frozen beside it
@@ -388,6 +393,9 @@ func (ws *flowSoakWorkers) frozeItself(slot *flowSoakSlot, proc *os.Process, poi
 		ws.mu.Unlock()
 		waitStopped(proc, frozenAt.Add(ws.limit))
 		_ = proc.Signal(syscall.SIGCONT)
+		ws.mu.Lock()
+		ws.frozenSpans[name] = append(ws.frozenSpans[name], [2]time.Time{frozenAt, time.Now()})
+		ws.mu.Unlock()
 		return
 	}
 	slot.addr, slot.frozen = "", true
@@ -406,6 +414,7 @@ func (ws *flowSoakWorkers) frozeItself(slot *flowSoakSlot, proc *os.Process, poi
 		_ = proc.Signal(syscall.SIGCONT)
 		ws.mu.Lock()
 		defer ws.mu.Unlock()
+		ws.frozenSpans[name] = append(ws.frozenSpans[name], [2]time.Time{frozenAt, time.Now()})
 		ws.freezes[point]++
 		ws.frozen--
 		ws.longestFrozen = max(ws.longestFrozen, time.Since(frozenAt))
@@ -593,4 +602,17 @@ func (ws *flowSoakWorkers) startCounts() (int64, string, int64) {
 	ws.mu.Lock()
 	defer ws.mu.Unlock()
 	return ws.failedStarts, ws.lastStartFailure, ws.overlapping
+}
+
+// frozenDuring reports whether process proc (flowSoakProcess) was frozen
+// at some time between from and to.
+func (ws *flowSoakWorkers) frozenDuring(proc string, from, to time.Time) bool {
+	ws.mu.Lock()
+	defer ws.mu.Unlock()
+	for _, span := range ws.frozenSpans[proc] {
+		if span[0].Before(to) && span[1].After(from) {
+			return true
+		}
+	}
+	return false
 }
