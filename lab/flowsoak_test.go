@@ -41,7 +41,9 @@ func init() {
 // calls failing before applying, or applied
 // and then timed out or cut, and a fifth of the operations sent twice at
 // once. The provider must have charged each operation once, no call may
-// arrive after its flow was done (a fenced executor calling), the business
+// arrive after its flow was done (a fenced executor calling) but from a
+// process frozen after handing it to its HTTP client (the residue
+// docs/flows.md names, which a keyed provider answers with its charge), the business
 // tables hold one payment and one ledger row for each, and every answer be
 // the stored one; and every fault must have hit.
 func TestFlowSoakEffectsEqualOperationsWhileWorkersAreKilledAndFrozen(t *testing.T) {
