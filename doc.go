@@ -58,8 +58,9 @@ identified by (scope, key) like Run's, whose function takes steps. A
 local step ([Local]) is a transaction of its own whose writes commit with
 the step's result; a call ([Call]) runs with no transaction open and no
 connection held, its intent recorded before and its result after, with a
-provider key ([ProviderKey]) that stays the same on every attempt, for the
-provider's own idempotency mechanism. A retry, another process, or a
+provider key (the call function's argument, and [ProviderKeyFromContext])
+that stays the same on every attempt, for the provider's own idempotency
+mechanism. A retry, another process, or a
 completer ([Flow.Resume]) continues the operation where it stopped:
 completed steps return their results without running again. One executor
 at a time holds a flow, under a lease it renews; one that lost the lease

@@ -74,10 +74,24 @@ type flowSoakConfig struct {
 	// Workers is how many worker processes run the flow.
 	Workers int
 	// KillEvery, when positive, kills a worker with SIGKILL during one
-	// operation in KillEvery, at each of the kill points in turn (see
+	// operation in KillEvery, at the kill point hit least so far (see
 	// flowKillPoints): the faults are paced by the operations, not by the
 	// clock.
 	KillEvery int
+	// FreezeEvery, when positive, freezes a worker with SIGSTOP during one
+	// operation in FreezeEvery, at the point frozen least so far, and wakes it
+	// with SIGCONT once every flow that was running when it froze has been
+	// taken over by another executor or has ended: paced by the flows'
+	// progress, not by the clock. The frozen worker wakes fenced, and must
+	// act no more on those flows.
+	FreezeEvery int
+	// Provider is how the fake provider treats idempotency keys:
+	// providerKeyed (it applies a key once, as Stripe does) or
+	// providerKeyless (it applies every request it gets).
+	Provider string
+	// Reconcile gives the charge a lookup at the provider by its provider
+	// key (idem.Reconcile); AtMostOnce marks it idem.AtMostOnce.
+	Reconcile, AtMostOnce bool
 	// Twin is the chance that an operation is sent by two clients at once,
 	// to different workers.
 	Twin float64
@@ -112,6 +126,8 @@ func defaultFlowSoakConfig() flowSoakConfig {
 		Clients:           16,
 		Workers:           3,
 		KillEvery:         25,
+		FreezeEvery:       25,
+		Provider:          providerKeyed,
 		Twin:              0.2,
 		Abandon:           0.05,
 		FailBeforeApply:   0.03,
@@ -137,8 +153,12 @@ func (c flowSoakConfig) validate() error {
 		return fmt.Errorf("-clients must be between 1 and 256, got %d", c.Clients)
 	case c.Workers < 1 || c.Workers > 16:
 		return fmt.Errorf("-workers must be between 1 and 16, got %d", c.Workers)
-	case c.KillEvery < 0:
-		return errors.New("-kill-every must not be negative")
+	case c.KillEvery < 0 || c.FreezeEvery < 0:
+		return errors.New("-kill-every and -freeze-every must not be negative")
+	case c.FreezeEvery > 0 && c.Workers < 2:
+		return errors.New("-freeze-every needs at least 2 workers, one to take over the frozen one's flows (or -freeze-every 0)")
+	case c.Provider != providerKeyed && c.Provider != providerKeyless:
+		return fmt.Errorf("-provider must be %s or %s, got %q", providerKeyed, providerKeyless, c.Provider)
 	case c.Lease < 10*time.Millisecond:
 		return fmt.Errorf("-lease must be at least 10ms, got %s", c.Lease)
 	case c.ProviderTimeout <= 0 || c.OpTimeout <= 0:
@@ -159,19 +179,31 @@ func runFlowSoak(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := newFlagSet(stdout, "flowsoak", `flowsoak [flags]
 
 Runs many payments as flows (reserve locally, charge at a payment provider,
-record locally) in worker processes that it kills with SIGKILL at every
-point of a flow and restarts, against a fake provider that honours
-idempotency keys, and then checks that the provider applied each payment
-once, that each left one payment row and one ledger row, and that every
-answer a client got is the one stored. Like soak, it runs in a database (or
-schema, or server) of its own, removed at the end.
+record locally) in worker processes that it kills with SIGKILL, and freezes
+with SIGSTOP until another executor took their flows over, at every point
+of a flow, against a fake provider, and then counts the provider's charges
+per logical operation, checks that each operation left one payment row and
+one ledger row, and that every answer a client got is the one stored. Like
+soak, it runs in a database (or schema, or server) of its own, removed at
+the end.
+
+-provider keyless makes the provider apply every request it gets, keys or
+not: with -reconcile (a lookup at the provider by the call's provider key)
+no operation may be charged twice; with -at-most-once none may be charged
+twice, and the operations whose outcome was unknown stop for a person's
+decision (counted); with neither, the run counts the operations charged
+twice, which only a provider that honours keys, or a lookup, prevents.
 
 Every fault is paced by the operations, not by the clock, so a slow machine
 meets the same faults, only later.`)
 	fs.IntVar(&cfg.Ops, "ops", cfg.Ops, fmt.Sprintf("logical operations to make (at most %d)", maxFlowSoakOps))
 	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "operations in flight at once")
 	fs.IntVar(&cfg.Workers, "workers", cfg.Workers, "worker processes running the flow")
-	fs.IntVar(&cfg.KillEvery, "kill-every", cfg.KillEvery, "kill a worker during one operation in `N`, at each kill point in turn (0: never)")
+	fs.IntVar(&cfg.KillEvery, "kill-every", cfg.KillEvery, "kill a worker during one operation in `N`, at the kill point hit least so far (0: never)")
+	fs.IntVar(&cfg.FreezeEvery, "freeze-every", cfg.FreezeEvery, "freeze a worker with SIGSTOP during one operation in `N`, at the point frozen least so far, until its flows are taken over (0: never)")
+	fs.StringVar(&cfg.Provider, "provider", cfg.Provider, "the fake provider: `keyed` (applies each idempotency key once) or keyless (applies every request)")
+	fs.BoolVar(&cfg.Reconcile, "reconcile", cfg.Reconcile, "give the charge a lookup at the provider by its provider key (idem.Reconcile)")
+	fs.BoolVar(&cfg.AtMostOnce, "at-most-once", cfg.AtMostOnce, "mark the charge idem.AtMostOnce: an attempt of unknown outcome stops the flow for a person")
 	fs.Float64Var(&cfg.Twin, "twin", cfg.Twin, "chance that an operation is sent by two clients at once")
 	fs.Float64Var(&cfg.Abandon, "abandon", cfg.Abandon, "chance that a client gives up after a failed attempt and comes back at the end")
 	fs.Float64Var(&cfg.FailBeforeApply, "fail-before-apply", cfg.FailBeforeApply, "chance that a provider call fails with 503 before it is applied")
@@ -245,21 +277,25 @@ func flowSoak(ctx context.Context, cfg flowSoakConfig, stdout io.Writer) (*flowS
 		ResumeEvery:     250 * time.Millisecond,
 		ProviderTimeout: cfg.ProviderTimeout,
 		MaxConns:        8,
+		Reconcile:       cfg.Reconcile,
+		AtMostOnce:      cfg.AtMostOnce,
 	}, cfg.Verbose, stdout)
+	workers.admin, workers.lease, workers.limit = admin, cfg.Lease, cfg.OpTimeout
 	provider.workers = workers
 
 	fmt.Fprintf(stdout, "idem flowsoak: %d operations from %d clients on %d worker processes, scope %s\n",
 		cfg.Ops, cfg.Clients, cfg.Workers, run)
 	fmt.Fprintf(stdout, "  flow: reserve (local step), charge (call to the fake provider on %s), record (local step); lease %s\n",
 		provider.listener.Addr(), cfg.Lease)
+	fmt.Fprintf(stdout, "  provider: %s; the charge %s\n", describeFlowSoakProvider(cfg.Provider), describeFlowSoakCall(cfg))
 	fmt.Fprintf(stdout, "  faults: %s\n", describeFlowSoakFaults(cfg))
 
 	if err := workers.start(ctx, cfg.Workers); err != nil {
 		workers.stop()
 		return nil, err
 	}
-	load := &flowSoakLoad{cfg: cfg, scope: run, workers: workers, client: newFlowSoakClient(),
-		failures: make(map[string]int64), samples: make(map[string]string)}
+	load := &flowSoakLoad{cfg: cfg, scope: run, workers: workers, client: newFlowSoakClient(), freezeTurn: make(chan struct{}, 1),
+		failures: make(map[string]int64), samples: make(map[string]string), killing: make(map[string]int64)}
 	started := time.Now()
 	ops := load.runAll(ctx, stdout)
 	answered := time.Since(started)
@@ -292,7 +328,7 @@ func flowSoak(ctx context.Context, cfg flowSoakConfig, stdout io.Writer) (*flowS
 		workers.printLogs(stdout)
 		return rep, fmt.Errorf("VIOLATION: %s", strings.Join(violations, "; "))
 	}
-	fmt.Fprintln(stdout, "\nOK: provider effects == logical operations == business rows, every answer matches what was stored.")
+	fmt.Fprintf(stdout, "\n%s\n", rep.verdict())
 	return rep, nil
 }
 
@@ -314,10 +350,35 @@ func waitForFlows(ctx context.Context, admin *pgxpool.Pool, flow string, limit t
 	}
 }
 
+func describeFlowSoakProvider(mode string) string {
+	if mode == providerKeyless {
+		return "keyless (applies every request it gets, keys or not)"
+	}
+	return "keyed (applies each idempotency key once, as Stripe does)"
+}
+
+func describeFlowSoakCall(cfg flowSoakConfig) string {
+	var parts []string
+	if cfg.Reconcile {
+		parts = append(parts, "has a lookup at the provider by its provider key (idem.Reconcile)")
+	}
+	if cfg.AtMostOnce {
+		parts = append(parts, "is made at most once (idem.AtMostOnce)")
+	}
+	if len(parts) == 0 {
+		return "is made again, with its provider key, after an attempt of unknown outcome"
+	}
+	return strings.Join(parts, " and ")
+}
+
 func describeFlowSoakFaults(cfg flowSoakConfig) string {
 	var parts []string
 	if cfg.KillEvery > 0 {
-		parts = append(parts, fmt.Sprintf("a worker killed during one operation in %d, at each of %d points in turn", cfg.KillEvery, len(flowKillPoints)))
+		parts = append(parts, fmt.Sprintf("a worker killed (SIGKILL) during one operation in %d, at the least-hit of %d points", cfg.KillEvery, len(flowKillPoints)))
+	}
+	if cfg.FreezeEvery > 0 {
+		parts = append(parts, fmt.Sprintf("a worker frozen (SIGSTOP, then SIGCONT once its flows were taken over) during one operation in %d, at the least-hit of %d points",
+			cfg.FreezeEvery, len(flowKillPoints)))
 	}
 	for _, f := range []struct {
 		p    float64

@@ -10,8 +10,14 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
+	"os/signal"
 	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -41,25 +47,32 @@ type flowSoakWorkerSpec struct {
 	ResumeEvery     time.Duration
 	ProviderTimeout time.Duration
 	MaxConns        int32
+	// Reconcile and AtMostOnce are the charge's call options.
+	Reconcile, AtMostOnce bool
 }
 
-// The points at which a worker is killed, in the order the soak uses
-// them. killAnywhere is the soak killing a worker, whatever it is doing;
-// the others are the worker running an operation marked with the point
-// (flowSoakRequest.Kill): it kills itself there, or, for the two points in
-// the call, the provider kills it.
+// The points at which a worker is killed or frozen, in the order the soak
+// uses them. killAnywhere is the soak killing or freezing a worker,
+// whatever it is doing; the others are the worker running an operation
+// marked with the point (flowSoakRequest.Kill): it kills or freezes
+// itself there, or, for the two points in the call, the provider kills or
+// freezes it.
 const (
-	killAfterReserve  = "after-reserve"      // the reserve committed, the call not made
-	killBeforeApply   = "call-before-apply"  // the call sent, not applied
-	killAfterApply    = "call-after-apply"   // the call applied, its answer not received
-	killInRecord      = "in-record"          // the record's writes made, not committed
-	killBeforeAnswer  = "before-answer"      // every step recorded, the answer not stored
-	killAnywhere      = "anywhere"           // whatever the worker is doing
-	flowSoakReadyLine = "ready "             // a worker's first line, before its address
-	flowSoakKillLine  = "killing myself at " // a worker's last line, before a kill point
+	killAfterReserve   = "after-reserve"       // the reserve committed, the call's intent not recorded
+	killBeforeSend     = "call-before-send"    // the call's intent recorded, the request not sent
+	killBeforeApply    = "call-before-apply"   // the call sent, not applied
+	killAfterApply     = "call-after-apply"    // the call applied, its answer not received
+	killInRecord       = "in-record"           // the record's writes made, not committed
+	killAtCommit       = "at-commit"           // the record's COMMIT done by the server, its answer not received
+	killBeforeAnswer   = "before-answer"       // every step recorded, the answer not stored
+	killAnywhere       = "anywhere"            // whatever the worker is doing
+	killPending        = "pending"             // an operation's kill, its point chosen when it starts
+	flowSoakReadyLine  = "ready "              // a worker's first line, before its address
+	flowSoakKillLine   = "killing myself at "  // a worker's last line, before a kill point
+	flowSoakFreezeLine = "freezing myself at " // a worker's line before it stops itself
 )
 
-var flowKillPoints = []string{killAfterReserve, killBeforeApply, killAfterApply, killInRecord, killBeforeAnswer, killAnywhere}
+var flowKillPoints = []string{killAfterReserve, killBeforeSend, killBeforeApply, killAfterApply, killInRecord, killAtCommit, killBeforeAnswer, killAnywhere}
 
 // flowSoakRequest is one attempt of an operation, as a client sends it to
 // a worker.
@@ -67,8 +80,10 @@ type flowSoakRequest struct {
 	Scope  string `json:"scope"`
 	Key    string `json:"key"`
 	Amount int64  `json:"amount"`
-	// Kill, when set, is the point at which the worker is to die.
-	Kill string `json:"kill,omitempty"`
+	// Kill, when set, is the point at which the worker is to die, or to
+	// freeze when Freeze is set.
+	Kill   string `json:"kill,omitempty"`
+	Freeze bool   `json:"freeze,omitempty"`
 }
 
 // flowSoakInput is the flow's input, stored with it.
@@ -107,6 +122,10 @@ type flowSoakWorker struct {
 	flow     *idem.Flow[flowSoakInput, flowSoakAnswer]
 	provider *http.Client
 	stdout   io.Writer
+	// cont gets SIGCONT, which wakes a worker that froze itself;
+	// freezing lets one goroutine at a time freeze it.
+	cont     chan os.Signal
+	freezing sync.Mutex
 }
 
 // runFlowSoakWorker runs a worker process until ctx ends or stdin closes.
@@ -121,13 +140,32 @@ func runFlowSoakWorker(ctx context.Context, specJSON string, stdin io.Reader, st
 		_, _ = io.Copy(io.Discard, stdin)
 		cancel()
 	}()
-	pool, err := connectTo(ctx, spec.DatabaseURL, spec.MaxConns)
+	w := &flowSoakWorker{spec: spec, stdout: stdout, cont: make(chan os.Signal, 1),
+		provider: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}}
+	signal.Notify(w.cont, syscall.SIGCONT)
+	defer signal.Stop(w.cont)
+	poolCfg, err := parseConfig(spec.DatabaseURL)
+	if err != nil {
+		return err
+	}
+	// The tracer dies or freezes at the record's COMMIT (killAtCommit).
+	poolCfg.ConnConfig.Tracer = flowSoakTracer{w}
+	// A worker frozen inside a local step's transaction holds its flow's
+	// row locked, and no other executor can take the flow over until the
+	// server ends that transaction: a server keeps an idle session's
+	// transaction open until its TCP keepalives give up (hours), unless
+	// idle_in_transaction_session_timeout says otherwise. The lease is the
+	// natural bound: a local step makes no pause that long.
+	if poolCfg.ConnConfig.RuntimeParams == nil {
+		poolCfg.ConnConfig.RuntimeParams = make(map[string]string)
+	}
+	poolCfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = strconv.FormatInt(spec.Lease.Milliseconds(), 10)
+	pool, err := openPool(ctx, poolCfg, spec.MaxConns)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	w := &flowSoakWorker{spec: spec, pool: pool, stdout: stdout,
-		provider: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}}
+	w.pool = pool
 	w.flow = w.newFlow()
 
 	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -155,13 +193,59 @@ func runFlowSoakWorker(ctx context.Context, specJSON string, stdin io.Reader, st
 	return srv.Shutdown(shutdownCtx)
 }
 
-// flowSoakKillKey is the context key of the point at which the worker is
-// to die while it runs an operation.
+// flowSoakKillKey is the context key of the fault (*flowSoakFault) the
+// worker is to meet while it runs an operation.
 type flowSoakKillKey struct{}
 
-func killPoint(ctx context.Context) string {
-	point, _ := ctx.Value(flowSoakKillKey{}).(string)
-	return point
+// flowSoakFault is the point at which a worker is to die, or freeze, while
+// it runs an operation.
+type flowSoakFault struct {
+	point  string
+	freeze bool
+	// op is the operation, scope/key.
+	op string
+	// woke is the point at which the worker froze and woke during this
+	// run of the operation, if it did: its provider call says so, for the
+	// report of where doubled charges came from.
+	woke atomic.Value
+	// armed is set by the record step, for killAtCommit: its COMMIT is
+	// the one to stop at.
+	armed atomic.Bool
+	// fired is set once the fault was met. An attempt meets its fault
+	// once: Flow.Run runs the function again when it finds that another
+	// executor took the flow over while it was frozen (it reclaims the
+	// flow, to answer what a retry would get), and a second freeze in
+	// that run, outside the soak's freezing turn, could freeze a worker
+	// while another is frozen: with two workers, none would serve, and
+	// neither could take the other's flows over.
+	fired atomic.Bool
+}
+
+// fire reports whether the fault is for point and not yet met, and marks
+// it met.
+func (f *flowSoakFault) fire(point string) bool {
+	return f.point != "" && f.point == point && f.fired.CompareAndSwap(false, true)
+}
+
+func faultOf(ctx context.Context) *flowSoakFault {
+	f, _ := ctx.Value(flowSoakKillKey{}).(*flowSoakFault)
+	if f == nil {
+		return &flowSoakFault{}
+	}
+	return f
+}
+
+// at kills or freezes the worker when f is for point and was not met yet
+// in this attempt (see flowSoakFault.fired).
+func (w *flowSoakWorker) at(f *flowSoakFault, point string) {
+	switch {
+	case !f.fire(point):
+	case f.freeze:
+		w.freeze(point, f.op)
+		f.woke.Store(point)
+	default:
+		w.die(point)
+	}
 }
 
 // die kills the worker process at point, as SIGKILL would: nothing gets
@@ -174,11 +258,79 @@ func (w *flowSoakWorker) die(point string) {
 	select {} // the signal is on its way
 }
 
+// freeze stops the worker process at point with SIGSTOP, as a pause of
+// the machine or a debugger would: every goroutine stops, its lease runs
+// on. It says so on stdout first, so that the soak knows, and wakes it
+// with SIGCONT once another executor has taken its flows over; the
+// goroutine that froze it goes on only then, since a process does not stop
+// the moment it signals itself.
+func (w *flowSoakWorker) freeze(point, op string) {
+	w.freezing.Lock()
+	defer w.freezing.Unlock()
+	select {
+	case <-w.cont: // an earlier SIGCONT, from a freeze by the soak
+	default:
+	}
+	fmt.Fprintf(w.stdout, "%s%s %s\n", flowSoakFreezeLine, point, op)
+	_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
+	<-w.cont
+}
+
+// flowSoakTracer kills or freezes the worker once the record step's
+// COMMIT is done by the server, before the worker has seen its answer, for
+// an operation marked killAtCommit.
+type flowSoakTracer struct{ w *flowSoakWorker }
+
+type flowSoakCommitKey struct{}
+
+func (t flowSoakTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	return context.WithValue(ctx, flowSoakCommitKey{}, isCommit(data.SQL))
+}
+
+func (t flowSoakTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryEndData) {
+	if commit, _ := ctx.Value(flowSoakCommitKey{}).(bool); commit && data.Err == nil {
+		t.committed(ctx)
+	}
+}
+
+func (t flowSoakTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return context.WithValue(ctx, flowSoakCommitKey{}, new(bool))
+}
+
+func (t flowSoakTracer) TraceBatchQuery(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
+	if seen, _ := ctx.Value(flowSoakCommitKey{}).(*bool); seen != nil && data.Err == nil && isCommit(data.SQL) {
+		*seen = true
+	}
+}
+
+func (t flowSoakTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchEndData) {
+	if seen, _ := ctx.Value(flowSoakCommitKey{}).(*bool); seen != nil && *seen && data.Err == nil {
+		t.committed(ctx)
+	}
+}
+
+// committed stops the worker after a COMMIT, if the operation asks for it.
+func (t flowSoakTracer) committed(ctx context.Context) {
+	if f := faultOf(ctx); f.point == killAtCommit && f.armed.CompareAndSwap(true, false) {
+		t.w.at(f, killAtCommit)
+	}
+}
+
+// isCommit reports whether sql is a COMMIT, comments aside.
+func isCommit(sql string) bool {
+	s := strings.TrimSpace(sql)
+	for strings.HasPrefix(s, "--") {
+		_, rest, _ := strings.Cut(s, "\n")
+		s = strings.TrimSpace(rest)
+	}
+	return strings.EqualFold(strings.TrimSuffix(s, ";"), "commit")
+}
+
 // newFlow is the soak's flow: reserve the payment, charge it at the
 // provider with the call's provider key, record the provider's answer.
 func (w *flowSoakWorker) newFlow() *idem.Flow[flowSoakInput, flowSoakAnswer] {
 	return idem.NewFlow(w.spec.Flow, func(s *idem.Steps, in flowSoakInput) (flowSoakAnswer, error) {
-		kill := killPoint(s.Context())
+		fault := faultOf(s.Context())
 		paymentID, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO idem_flowsoak_payment (scope, key, amount_cents, status)
@@ -188,12 +340,11 @@ func (w *flowSoakWorker) newFlow() *idem.Flow[flowSoakInput, flowSoakAnswer] {
 		if err != nil {
 			return flowSoakAnswer{}, err
 		}
-		if kill == killAfterReserve {
-			w.die(kill)
-		}
+		w.at(fault, killAfterReserve)
 		charge, err := idem.Call(s, "charge", func(ctx context.Context, providerKey string) (flowSoakCharge, error) {
-			return w.charge(ctx, providerKey, in.Amount, kill)
-		})
+			w.at(fault, killBeforeSend)
+			return w.charge(ctx, providerKey, s.Scope(), s.Key(), in.Amount, fault)
+		}, w.callOptions()...)
 		if err != nil {
 			return flowSoakAnswer{}, err
 		}
@@ -205,17 +356,14 @@ func (w *flowSoakWorker) newFlow() *idem.Flow[flowSoakInput, flowSoakAnswer] {
 			if err := tx.SendBatch(ctx, b).Close(); err != nil {
 				return struct{}{}, err
 			}
-			if kill == killInRecord {
-				w.die(kill)
-			}
+			w.at(fault, killInRecord)
+			fault.armed.Store(true)
 			return struct{}{}, nil
 		})
 		if err != nil {
 			return flowSoakAnswer{}, err
 		}
-		if kill == killBeforeAnswer {
-			w.die(kill)
-		}
+		w.at(fault, killBeforeAnswer)
 		return flowSoakAnswer{PaymentID: paymentID, ChargeID: charge.ID, Status: charge.Status, Amount: in.Amount}, nil
 	}, idem.WithLease(w.spec.Lease), idem.WithWait(w.spec.Wait))
 }
@@ -230,12 +378,58 @@ type flowSoakProviderError struct {
 func (e *flowSoakProviderError) Error() string { return "provider: " + e.kind + ": " + e.err.Error() }
 func (e *flowSoakProviderError) Unwrap() error { return e.err }
 
-// charge charges amount at the provider under providerKey. An operation
-// marked to die in the call tells the provider, which kills the worker.
-func (w *flowSoakWorker) charge(ctx context.Context, providerKey string, amount int64, kill string) (flowSoakCharge, error) {
+// callOptions are the charge's options, as the spec asks.
+func (w *flowSoakWorker) callOptions() []idem.CallOption {
+	var opts []idem.CallOption
+	if w.spec.Reconcile {
+		opts = append(opts, idem.Reconcile(w.lookup))
+	}
+	if w.spec.AtMostOnce {
+		opts = append(opts, idem.AtMostOnce())
+	}
+	return opts
+}
+
+// lookup asks the provider for the charge made with providerKey as its
+// reference: found, not found (404), or an error (no answer).
+func (w *flowSoakWorker) lookup(ctx context.Context, providerKey string) (flowSoakCharge, bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, w.spec.ProviderTimeout)
 	defer cancel()
-	body, _ := json.Marshal(flowSoakInput{Amount: amount})
+	var c flowSoakCharge
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, w.spec.ProviderURL+"/charges?reference="+url.QueryEscape(providerKey), nil)
+	if err != nil {
+		return c, false, err
+	}
+	resp, err := w.provider.Do(req)
+	if err != nil {
+		return c, false, &flowSoakProviderError{kind: "lookup: no answer", err: err}
+	}
+	defer resp.Body.Close()
+	switch resp.StatusCode {
+	case http.StatusNotFound:
+		return c, false, nil
+	case http.StatusOK:
+		if err := json.NewDecoder(resp.Body).Decode(&c); err != nil {
+			return c, false, &flowSoakProviderError{kind: "lookup: answer cut", err: err}
+		}
+		return c, true, nil
+	}
+	return c, false, &flowSoakProviderError{kind: "lookup: " + resp.Status, err: errors.New("unexpected status")}
+}
+
+// charge charges amount at the provider, with providerKey as its
+// Idempotency-Key and its reference, and the operation in its metadata.
+// An operation marked to die or freeze in the call tells the provider,
+// which kills or freezes the worker.
+//
+// The call says which process sends it and when it was handed to the
+// HTTP client, whose first act is to look at its context, so that the
+// soak can tell a call that arrived after its flow was done because its
+// process was frozen after that look (see flowSoakReport.FrozenLate).
+func (w *flowSoakWorker) charge(ctx context.Context, providerKey, scope, key string, amount int64, fault *flowSoakFault) (flowSoakCharge, error) {
+	ctx, cancel := context.WithTimeout(ctx, w.spec.ProviderTimeout)
+	defer cancel()
+	body, _ := json.Marshal(flowSoakChargeRequest{Amount: amount, Reference: providerKey, Scope: scope, Key: key})
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.spec.ProviderURL+"/charges", bytes.NewReader(body))
 	if err != nil {
 		return flowSoakCharge{}, err
@@ -246,9 +440,17 @@ func (w *flowSoakWorker) charge(ctx context.Context, providerKey string, amount 
 	req.GetBody = nil
 	req.Header.Set("Idempotency-Key", providerKey)
 	req.Header.Set(flowSoakWorkerHeader, strconv.Itoa(w.spec.Slot))
-	if kill == killBeforeApply || kill == killAfterApply {
-		req.Header.Set(flowSoakKillHeader, kill)
+	req.Header.Set(flowSoakProcessHeader, flowSoakProcess(w.spec.Slot, w.spec.Gen))
+	if woke, _ := fault.woke.Load().(string); woke != "" {
+		req.Header.Set(flowSoakWokeHeader, woke)
 	}
+	if (fault.point == killBeforeApply || fault.point == killAfterApply) && fault.fire(fault.point) {
+		req.Header.Set(flowSoakKillHeader, fault.point)
+		if fault.freeze {
+			req.Header.Set(flowSoakFreezeHeader, "1")
+		}
+	}
+	req.Header.Set(flowSoakStartedHeader, strconv.FormatInt(time.Now().UnixNano(), 10))
 	resp, err := w.provider.Do(req)
 	if err != nil {
 		kind := "no answer"
@@ -282,7 +484,12 @@ func (w *flowSoakWorker) serve(rw http.ResponseWriter, r *http.Request) {
 		http.Error(rw, err.Error(), http.StatusBadRequest)
 		return
 	}
-	ctx := context.WithValue(r.Context(), flowSoakKillKey{}, req.Kill)
+	// The flow runs on when its client goes away, as a job would: a frozen
+	// worker whose clients left meanwhile must be stopped by its lease
+	// alone.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), flowSoakAttemptTimeout)
+	defer cancel()
+	ctx = context.WithValue(ctx, flowSoakKillKey{}, &flowSoakFault{point: req.Kill, freeze: req.Freeze, op: req.Scope + "/" + req.Key})
 	res, err := w.flow.Run(ctx, w.pool, req.Scope, req.Key, fp, in)
 	status, reply := http.StatusOK, flowSoakReply{Answer: &res.Value, Replayed: res.Replayed}
 	if err != nil {

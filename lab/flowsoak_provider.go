@@ -12,22 +12,70 @@ import (
 )
 
 // The flow soak's payment provider: an HTTP server on 127.0.0.1 that
+// charges amounts and counts what it applied per operation. Keyed, it
 // honours idempotency keys as Stripe does (a charge made again with a key
 // it knows is answered from its records and not applied again; the same
-// key with another amount is refused), and counts what it applied per key.
-// It injects the soak's provider faults, and kills the calling worker for
-// operations marked to die in the call.
+// key with another amount is refused); keyless, it applies every request
+// it gets. Either way it keeps each charge's reference (the call's
+// provider key, sent as metadata), by which a lookup finds it. It injects
+// the soak's provider faults, kills or freezes the calling worker for
+// operations marked to die or freeze in the call, and keeps when each
+// call arrived, for the count of calls that arrived for an operation whose
+// flow was already done: calls that a fenced executor made.
+
+// The provider's modes.
+const (
+	providerKeyed   = "keyed"
+	providerKeyless = "keyless"
+)
 
 // Headers of a worker's call: which worker calls, and the point at which
-// the provider is to kill it, if any.
+// the provider is to kill or freeze it, if any.
 const (
 	flowSoakWorkerHeader = "X-Flowsoak-Worker"
 	flowSoakKillHeader   = "X-Flowsoak-Kill"
+	flowSoakFreezeHeader = "X-Flowsoak-Freeze"
+	// flowSoakWokeHeader is on a call made after its worker froze and
+	// woke in the same run of the operation: the point of the freeze.
+	flowSoakWokeHeader = "X-Flowsoak-Woke"
+	// flowSoakProcessHeader names the calling process (slot/gen), and
+	// flowSoakStartedHeader says when it handed the call to its HTTP
+	// client, in Unix nanoseconds.
+	flowSoakProcessHeader = "X-Flowsoak-Process"
+	flowSoakStartedHeader = "X-Flowsoak-Started"
 )
 
-// flowSoakCharged is what the provider holds for a key it applied.
+// flowSoakProcess names a worker process: its slot and its start.
+func flowSoakProcess(slot, gen int) string { return strconv.Itoa(slot) + "/" + strconv.Itoa(gen) }
+
+// flowSoakChargeRequest is the body of a charge: the amount, and the
+// metadata the provider keeps with it: the call's provider key as the
+// charge's reference, and the operation it is for.
+type flowSoakChargeRequest struct {
+	Amount    int64  `json:"amount"`
+	Reference string `json:"reference"`
+	Scope     string `json:"scope"`
+	Key       string `json:"key"`
+}
+
+// flowSoakArrival is a call that reached the provider's charging.
+type flowSoakArrival struct {
+	key     string
+	at      time.Time
+	applied bool
+	// proc is the calling process, started when it handed the call to
+	// its HTTP client.
+	proc    string
+	started time.Time
+}
+
+// flowSoakCharged is a charge the provider applied.
 type flowSoakCharged struct {
 	Amount int64
+	Key    string // the operation's key, from the metadata
+	// Woke is the point at which the calling worker froze and woke before
+	// it sent the call, in the same run of the operation, if it did.
+	Woke string
 	flowSoakCharge
 }
 
@@ -37,15 +85,23 @@ type flowSoakProvider struct {
 	listener net.Listener
 	srv      *http.Server
 	closing  chan struct{}
-	// workers kills the callers of calls marked to die; set before the
-	// workers start.
+	// workers kills and freezes the callers of calls marked to; set before
+	// the workers start.
 	workers *flowSoakWorkers
 
 	mu sync.Mutex
-	// charges are the charges applied, by key: the provider's effects.
-	charges map[string]*flowSoakCharged
-	// calls counts the calls by key, applied or not.
+	// charges are the charges applied, by reference: the provider's
+	// effects. Keyed, there is at most one per reference.
+	charges map[string][]*flowSoakCharged
+	applied int
+	// calls counts the calls by reference, applied or not.
 	calls map[string]int
+	// lookups counts the lookups, and found those that found a charge.
+	lookups, found int
+	// arrivals are the calls that got past the faults to be applied: the
+	// operation, when, and whether the provider applied it as a new
+	// charge. The final check compares them with when each flow was done.
+	arrivals []flowSoakArrival
 	// conflicts counts calls that reused a key with another amount.
 	conflicts int
 	// The faults injected.
@@ -58,8 +114,11 @@ func startFlowSoakProvider(cfg flowSoakConfig) (*flowSoakProvider, error) {
 		return nil, fmt.Errorf("fake provider: %w", err)
 	}
 	p := &flowSoakProvider{cfg: cfg, listener: listener, closing: make(chan struct{}),
-		charges: make(map[string]*flowSoakCharged), calls: make(map[string]int)}
-	p.srv = &http.Server{Handler: http.HandlerFunc(p.serve), ReadHeaderTimeout: time.Minute}
+		charges: make(map[string][]*flowSoakCharged), calls: make(map[string]int)}
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /charges", p.serve)
+	mux.HandleFunc("GET /charges", p.lookup)
+	p.srv = &http.Server{Handler: mux, ReadHeaderTimeout: time.Minute}
 	go func() { _ = p.srv.Serve(listener) }()
 	return p, nil
 }
@@ -93,41 +152,51 @@ func (p *flowSoakProvider) fault() int {
 	return noProviderFault
 }
 
-// serve is POST /charges: charge the body's amount once per
-// Idempotency-Key.
+// serve is POST /charges: charge the body's amount, once per
+// Idempotency-Key when keyed.
 func (p *flowSoakProvider) serve(w http.ResponseWriter, r *http.Request) {
 	key := r.Header.Get("Idempotency-Key")
-	var body flowSoakInput
-	if err := json.NewDecoder(r.Body).Decode(&body); err != nil || key == "" || r.Method != http.MethodPost {
-		http.Error(w, "POST a JSON amount with an Idempotency-Key", http.StatusBadRequest)
+	var body flowSoakChargeRequest
+	if err := json.NewDecoder(r.Body).Decode(&body); err != nil || body.Reference == "" ||
+		(p.cfg.Provider == providerKeyed && key != body.Reference) {
+		http.Error(w, "POST a JSON amount and reference, with the reference as Idempotency-Key", http.StatusBadRequest)
 		return
 	}
 	worker, _ := strconv.Atoi(r.Header.Get(flowSoakWorkerHeader))
-	kill := r.Header.Get(flowSoakKillHeader)
+	point, freeze := r.Header.Get(flowSoakKillHeader), r.Header.Get(flowSoakFreezeHeader) != ""
 	fault := noProviderFault
-	if kill == "" {
+	if point == "" {
 		fault = p.fault()
 	}
+	arrived := time.Now()
 	p.mu.Lock()
-	p.calls[key]++
+	p.calls[body.Reference]++
 	p.mu.Unlock()
 
-	if kill == killBeforeApply && p.workers.kill(worker, kill) {
-		return // to a caller that is gone
+	op := body.Scope + "/" + body.Key
+	if point == killBeforeApply && p.stopWorker(worker, point, op, freeze) {
+		// To a caller that is gone, or frozen: a cut connection is what a
+		// frozen caller finds when it wakes.
+		cut(w)
+		return
 	}
 	if fault == failBeforeApply {
 		p.count(&p.failedBefore)
 		http.Error(w, "temporarily unavailable", http.StatusServiceUnavailable)
 		return
 	}
-	charge, ok := p.apply(key, body.Amount)
+	startedNano, _ := strconv.ParseInt(r.Header.Get(flowSoakStartedHeader), 10, 64)
+	arrival := flowSoakArrival{key: body.Key, at: arrived, proc: r.Header.Get(flowSoakProcessHeader), started: time.Unix(0, startedNano)}
+	charge, ok := p.apply(body, arrival, r.Header.Get(flowSoakWokeHeader))
 	if !ok {
 		http.Error(w, "Idempotency-Key reused with another amount", http.StatusConflict)
 		return
 	}
-	if kill == killAfterApply && p.workers.kill(worker, kill) {
+	if point == killAfterApply && p.stopWorker(worker, point, op, freeze) && !freeze {
 		return
 	}
+	// A frozen caller gets its answer when it wakes, after another
+	// executor took its flow over.
 	switch fault {
 	case timeoutAfterApply:
 		// Applied; the answer never comes, and the caller times out.
@@ -138,38 +207,80 @@ func (p *flowSoakProvider) serve(w http.ResponseWriter, r *http.Request) {
 		}
 		return
 	case cutAfterApply:
-		if hj, ok := w.(http.Hijacker); ok {
-			if conn, _, err := hj.Hijack(); err == nil {
-				p.count(&p.cutAfter)
-				_ = conn.Close()
-				return
-			}
+		if cut(w) {
+			p.count(&p.cutAfter)
+			return
 		}
 	}
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(charge)
 }
 
-// apply charges amount under key, once: a key it knows gets its charge
-// back. It reports false for a key known with another amount.
-func (p *flowSoakProvider) apply(key string, amount int64) (flowSoakCharge, bool) {
+// lookup is GET /charges?reference=R: the charge made with reference R,
+// 404 when there is none. With several (a keyless provider charged twice),
+// the first.
+func (p *flowSoakProvider) lookup(w http.ResponseWriter, r *http.Request) {
+	ref := r.URL.Query().Get("reference")
+	p.mu.Lock()
+	p.lookups++
+	cs := p.charges[ref]
+	if len(cs) > 0 {
+		p.found++
+	}
+	p.mu.Unlock()
+	if len(cs) == 0 {
+		http.Error(w, "no such charge", http.StatusNotFound)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(cs[0].flowSoakCharge)
+}
+
+// stopWorker kills or freezes the calling worker, as the call asks, and
+// reports whether it did.
+func (p *flowSoakProvider) stopWorker(worker int, point, op string, freeze bool) bool {
+	if freeze {
+		return p.workers.freeze(worker, point, op)
+	}
+	return p.workers.kill(worker, point)
+}
+
+// cut closes the connection of w without an answer, and reports whether
+// it could.
+func cut(w http.ResponseWriter) bool {
+	if hj, ok := w.(http.Hijacker); ok {
+		if conn, _, err := hj.Hijack(); err == nil {
+			_ = conn.Close()
+			return true
+		}
+	}
+	return false
+}
+
+// apply charges the request's amount: keyed, once per reference (a
+// reference it knows gets its charge back, or false when it was charged
+// with another amount); keyless, every time.
+func (p *flowSoakProvider) apply(body flowSoakChargeRequest, arrival flowSoakArrival, woke string) (flowSoakCharge, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if c, ok := p.charges[key]; ok {
-		if c.Amount != amount {
+	p.arrivals = append(p.arrivals, arrival)
+	if cs := p.charges[body.Reference]; len(cs) > 0 && p.cfg.Provider == providerKeyed {
+		if cs[0].Amount != body.Amount {
 			p.conflicts++
 			return flowSoakCharge{}, false
 		}
-		return c.flowSoakCharge, true
+		return cs[0].flowSoakCharge, true
 	}
 	// A twentieth of the amounts are declined: a definite outcome, which
 	// the provider records under the key as Stripe records a failed charge.
 	status := "charged"
-	if amount%20 == 0 {
+	if body.Amount%20 == 0 {
 		status = "declined"
 	}
-	c := &flowSoakCharged{Amount: amount, flowSoakCharge: flowSoakCharge{ID: fmt.Sprintf("ch_%d", len(p.charges)+1), Status: status}}
-	p.charges[key] = c
+	p.applied++
+	p.arrivals[len(p.arrivals)-1].applied = true
+	c := &flowSoakCharged{Amount: body.Amount, Key: body.Key, Woke: woke, flowSoakCharge: flowSoakCharge{ID: fmt.Sprintf("ch_%d", p.applied), Status: status}}
+	p.charges[body.Reference] = append(p.charges[body.Reference], c)
 	return c.flowSoakCharge, true
 }
 
@@ -179,17 +290,15 @@ func (p *flowSoakProvider) count(n *int64) {
 	p.mu.Unlock()
 }
 
-// snapshot returns copies of the provider's charges and calls by key.
-func (p *flowSoakProvider) snapshot() (map[string]flowSoakCharged, map[string]int) {
+// snapshot returns copies of the provider's charges by reference.
+func (p *flowSoakProvider) snapshot() map[string][]flowSoakCharged {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	charges := make(map[string]flowSoakCharged, len(p.charges))
-	for k, c := range p.charges {
-		charges[k] = *c
+	charges := make(map[string][]flowSoakCharged, len(p.charges))
+	for k, cs := range p.charges {
+		for _, c := range cs {
+			charges[k] = append(charges[k], *c)
+		}
 	}
-	calls := make(map[string]int, len(p.calls))
-	for k, n := range p.calls {
-		calls[k] = n
-	}
-	return charges, calls
+	return charges
 }

@@ -122,6 +122,10 @@ type soakConfig struct {
 	Failover string
 	// Failovers is how many failovers the failover soak makes.
 	Failovers int
+	// Flows is the least number of flows (reserve, a call to a provider,
+	// record) the failover soak runs beside its payments, from clients of
+	// their own, counting the provider's charges per operation.
+	Flows int
 
 	// startupDelay makes every connection through the proxy that much
 	// slower to start, as on a busy machine. Tests set it.
@@ -174,6 +178,10 @@ func (c soakConfig) validate() error {
 		return errors.New("-restart-every must be positive when -restart is set")
 	case c.Failover != "" && c.Failover != replicationSync && c.Failover != replicationAsync:
 		return fmt.Errorf("-failover must be %s or %s, got %q", replicationSync, replicationAsync, c.Failover)
+	case c.Flows < 0 || c.Flows > maxSoakPayments:
+		return fmt.Errorf("-flows must be between 0 and %d, got %d", maxSoakPayments, c.Flows)
+	case c.Flows > 0 && c.Failover == "":
+		return errors.New("-flows is for the failover soak (-failover sync|async); the flows' own soak is flowsoak")
 	case c.Failover != "" && (c.Failovers < 1 || c.Failovers > maxFailovers):
 		return fmt.Errorf("-failovers must be between 1 and %d, got %d", maxFailovers, c.Failovers)
 	case c.Failover != "" && (c.TerminateEvery > 0 || c.CutEvery > 0 || c.TerminateEveryWrites > 0 || c.CutEveryWrites > 0 ||
@@ -205,10 +213,13 @@ and makes at least -payments payments through a connection string naming
 both (target_session_attrs=read-write) while it kills the primary,
 promotes the standby and rebuilds the old primary as the new standby,
 -failovers times, each after a number of answers. Each payment enqueues a
-receipt, which a relay delivers to a consumer using idem.Once. It checks,
-per payment, its effect, its record, its receipt, and whether the answer
-the client got is the one finally stored; with async it counts the
-answered payments that a failover lost. Its only other fault is
+receipt, which a relay delivers to a consumer using idem.Once. Beside the
+payments, at least -flows flows (reserve locally, charge at a provider
+that honours idempotency keys, record locally) run through the same
+failovers. It checks, per payment, its effect, its record, its receipt,
+and whether the answer the client got is the one finally stored, and per
+flow, the provider's charges; with async it counts the answered payments
+and flows that a failover lost. Its only other fault is
 -timeout-rate, off by default; the other faults' flags do not apply.`)
 	fs.IntVar(&cfg.Payments, "payments", cfg.Payments, fmt.Sprintf("logical payments to make (at most %d; with -failover, at least, and %d by default)", maxSoakPayments, defaultFailoverPayments))
 	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "concurrent clients, one connection each")
@@ -226,6 +237,7 @@ answered payments that a failover lost. Its only other fault is
 	fs.BoolVar(&cfg.Verbose, "v", cfg.Verbose, "print an example error of every kind of failed attempt")
 	fs.StringVar(&cfg.Failover, "failover", cfg.Failover, "run the failover soak, with `sync` or async replication, on servers of its own")
 	fs.IntVar(&cfg.Failovers, "failovers", defaultFailovers, fmt.Sprintf("failovers the failover soak makes (at most %d)", maxFailovers))
+	fs.IntVar(&cfg.Flows, "flows", cfg.Flows, fmt.Sprintf("with -failover: the least number of flows (reserve, a call to a provider that honours keys, record) run beside the payments (%d by default)", defaultFailoverFlows))
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -515,6 +527,9 @@ func describeFaults(cfg soakConfig) string {
 func failoverDefaults(cfg *soakConfig, set map[string]bool) {
 	if !set["payments"] {
 		cfg.Payments = defaultFailoverPayments
+	}
+	if !set["flows"] {
+		cfg.Flows = defaultFailoverFlows
 	}
 	for name, field := range map[string]*time.Duration{"terminate-every": &cfg.TerminateEvery, "cut-every": &cfg.CutEvery} {
 		if !set[name] {

@@ -31,6 +31,7 @@ import (
 const (
 	defaultFailoverPayments = 20_000
 	defaultFailovers        = 5
+	defaultFailoverFlows    = 1000
 	maxFailovers            = 100
 	// soakLateBound is how long after its deadline an attempt may return
 	// before the failover soak calls it a violation: idem's bound is about
@@ -120,7 +121,9 @@ func failoverSoak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*failo
 	f.onAnswer = func(i int) { f.answeredAt[i].Store(time.Now().UnixNano()) }
 	f.keepPaying = func() bool { return !f.done.Load() }
 	f.beforeStart = f.mayStart
-	if f.pool, err = connectTo(ctx, cl.url(), int32(cfg.Clients)); err != nil {
+	// The flows' clients share the payments' pool, with connections of
+	// their own in it: one connection less to open on a loaded machine.
+	if f.pool, err = connectTo(ctx, cl.url(), int32(cfg.Clients+2*failoverFlowClients)); err != nil {
 		return nil, err
 	}
 	defer f.pool.Close()
@@ -142,6 +145,13 @@ func failoverSoak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*failo
 	}
 	defer func() { stopRelay(); <-relayDone }()
 
+	flows := newFailoverFlows(f, f.pool)
+	var flowing sync.WaitGroup
+	if cfg.Flows > 0 {
+		fmt.Fprintf(stdout, "  beside them, at least %d flows from %d clients: reserve, a charge at a provider that honours keys, record\n", cfg.Flows, failoverFlowClients)
+		flowing.Go(func() { flows.runAll(ctx) })
+	}
+
 	paying := make(chan struct{})
 	var loopErr error
 	var loop sync.WaitGroup
@@ -151,6 +161,7 @@ func failoverSoak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*failo
 	elapsed := time.Since(started)
 	close(paying)
 	loop.Wait()
+	flowing.Wait()
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("interrupted after %d payments: %w", operations, err)
 	}
@@ -169,6 +180,11 @@ func failoverSoak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*failo
 		return rep, databaseError{err}
 	}
 	verified, verifyErrs := f.retryAll(ctx, answers, errs)
+	if cfg.Flows > 0 {
+		if rep.Flows, err = flows.check(ctx, admin); err != nil {
+			return rep, databaseError{err}
+		}
+	}
 	if err := f.waitDelivered(ctx, rep); err != nil {
 		return rep, databaseError{err}
 	}
@@ -193,7 +209,7 @@ func createFailoverTables(ctx context.Context, admin *pgxpool.Pool) error {
 	if err := idem.Migrate(ctx, sqlDB); err != nil {
 		return databaseError{err}
 	}
-	for _, ddl := range []string{soakSchema, soakIndex, soakReceiptSchema} {
+	for _, ddl := range append([]string{soakSchema, soakIndex, soakReceiptSchema}, flowSoakSchema...) {
 		if _, err := admin.Exec(ctx, ddl); err != nil {
 			return databaseError{fmt.Errorf("create the soak's tables: %w", err)}
 		}

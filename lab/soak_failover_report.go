@@ -53,6 +53,10 @@ type failoverReport struct {
 	Undelivered, ReceiptsTwice, ReceiptsOfLost int
 	AppliedTwice                               int
 	Pending, Parked                            int
+
+	// Flows is what the flows run beside the payments found; nil without
+	// flows.
+	Flows *failoverFlowReport
 }
 
 // checkLost counts the answered payments that have no row once the
@@ -207,6 +211,9 @@ func (r *failoverReport) violations() error {
 	add(r.Undelivered > 0 || r.Pending > 0 || r.Parked > 0, "%d payments without a receipt (%d messages pending, %d parked)", r.Undelivered, r.Pending, r.Parked)
 	add(r.ReceiptsTwice > 0, "%d receipts applied twice", r.ReceiptsTwice)
 	add(r.LongestLate > soakLateBound, "an attempt returned %s after its deadline", r.LongestLate.Round(time.Millisecond))
+	if r.Flows != nil {
+		v = append(v, r.Flows.violations(r.Mode)...)
+	}
 	if r.Mode == replicationSync {
 		add(r.Lost > 0, "%d answered payments lost", r.Lost)
 		add(r.ReRun > 0, "%d answered payments ran again", r.ReRun)
@@ -222,10 +229,18 @@ func (r *failoverReport) violations() error {
 
 // verdict says what held, for the run's last line.
 func (r *failoverReport) verdict() string {
-	if r.Mode == replicationSync {
-		return "no answered payment lost or changed, every payment applied exactly once, every receipt delivered and applied once."
+	flows := ""
+	if r.Flows != nil {
+		flows = fmt.Sprintf(" Flows: %d provider charges for %d answered flows, none charged twice", r.Flows.Charges, r.Flows.Answered)
+		if r.Mode == replicationAsync {
+			flows += fmt.Sprintf("; %d answered flows lost and run again, their calls reaching the provider with the key it had charged (%d)", r.Flows.Lost, r.Flows.SameKey)
+		}
+		flows += "."
 	}
-	return fmt.Sprintf("%d answered payments lost in the failovers and run again by their retry, with a new answer; every payment applied exactly once, every receipt delivered and applied once.", r.Lost)
+	if r.Mode == replicationSync {
+		return "no answered payment lost or changed, every payment applied exactly once, every receipt delivered and applied once." + flows
+	}
+	return fmt.Sprintf("%d answered payments lost in the failovers and run again by their retry, with a new answer; every payment applied exactly once, every receipt delivered and applied once.", r.Lost) + flows
 }
 
 func (r *failoverReport) print(w io.Writer, verbose bool, samples map[string]string) {
@@ -261,6 +276,9 @@ func (r *failoverReport) print(w io.Writer, verbose bool, samples map[string]str
 	fmt.Fprintf(w, "  not delivered / pending / parked: %d / %d / %d\n", r.Undelivered, r.Pending, r.Parked)
 	fmt.Fprintf(w, "  applied twice:                  %d (by acknowledged calls of Once: %d)\n", r.ReceiptsTwice, r.AppliedTwice)
 	fmt.Fprintf(w, "  of a payment a failover lost:   %d\n", r.ReceiptsOfLost)
+	if r.Flows != nil {
+		r.Flows.print(w)
+	}
 }
 
 // lostSpan says how far from the kill the lost payments were answered.
