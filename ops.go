@@ -113,6 +113,9 @@ func ReadStats(ctx context.Context, db TxBeginner) (Stats, error) {
 		if err != nil {
 			return fmt.Errorf("idem: stats: records: %w", err)
 		}
+		if k.TableBytes, k.IndexBytes, err = citusSizes(ctx, tx, k.TableBytes, k.IndexBytes); err != nil {
+			return fmt.Errorf("idem: stats: records' size: %w", err)
+		}
 		o, err := q.OutboxStats(ctx)
 		if err != nil {
 			return fmt.Errorf("idem: stats: outbox: %w", err)
@@ -133,6 +136,29 @@ func ReadStats(ctx context.Context, db TxBeginner) (Stats, error) {
 		return nil
 	})
 	return s, err
+}
+
+// citusSizes returns the size of the records' shards on a Citus
+// coordinator whose idempotency_key is distributed (see docs/citus.sql),
+// where the table's own size is that of an empty shell; elsewhere, table
+// and index, as they are.
+func citusSizes(ctx context.Context, tx pgx.Tx, table, index int64) (int64, int64, error) {
+	q := dbsqlc.New(tx)
+	citus, err := q.CitusInstalled(ctx)
+	if err != nil || !citus {
+		return table, index, err
+	}
+	// Citus refuses the size of a table it does not distribute: the
+	// savepoint keeps the transaction usable then.
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return table, index, err
+	}
+	s, err := dbsqlc.New(sp).KeySizesCitus(ctx)
+	if err != nil {
+		return table, index, sp.Rollback(ctx)
+	}
+	return s.TableBytes, s.IndexBytes, sp.Commit(ctx)
 }
 
 // KeyInfo is what idem holds for one key: its record, and whether an

@@ -43,6 +43,11 @@ SELECT CASE
 -- KeyLockWait waits for the key's lock under the wait budget, then restores
 -- the caller's lock_timeout, in one statement: reading waited runs the wait
 -- before the restore.
+--
+-- It names the key's row, which it never reads (LIMIT 0), so that Citus
+-- runs it on the node of the scope's shard, where KeyLock, whose lookup
+-- names the row too, took the lock (see docs/large-deployments.md): on
+-- PostgreSQL the lookup is never executed.
 WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
            set_config('lock_timeout', @lock_timeout::text, true) AS applied
@@ -54,7 +59,13 @@ waited AS MATERIALIZED (
 )
 SELECT set_config('lock_timeout', budget.saved, waited.done IS NOT NULL)
 FROM budget
-CROSS JOIN waited;
+CROSS JOIN waited
+WHERE NOT EXISTS (
+    SELECT FROM idempotency_key
+    WHERE scope = @scope::text
+      AND key = @key::text
+    LIMIT 0
+);
 
 -- name: KeyGet :one
 -- KeyGet reads the key's record, live or expired. Sent after KeyLock or
@@ -333,6 +344,31 @@ WITH purged AS (
 SELECT count(*) AS deleted, max(purged.expires_at)::timestamptz AS reached
 FROM purged;
 
+-- name: KeyPurgeExpiredCitus :one
+-- KeyPurgeExpiredCitus is KeyPurgeExpired for a database with Citus,
+-- where row locks are refused in a statement that spans shards: it
+-- deletes by primary key what its subquery found, without locking it
+-- first, and checks the expiry again on the row it deletes, so that a
+-- record a claim took over (at REPEATABLE READ, with a new expiry) after
+-- the subquery saw it is left alone. Such a row is waited for, not
+-- skipped. It works on tables Citus distributes and on tables it does
+-- not.
+WITH purged AS (
+    DELETE FROM idempotency_key AS doomed
+    WHERE (doomed.scope, doomed.key) IN (
+        SELECT expired.scope, expired.key
+        FROM idempotency_key AS expired
+        WHERE expired.expires_at <= now()
+          AND expired.expires_at >= @after::timestamptz
+        ORDER BY expired.expires_at
+        LIMIT @max_rows::int
+    )
+      AND doomed.expires_at <= now()
+    RETURNING doomed.expires_at
+)
+SELECT count(*) AS deleted, max(purged.expires_at)::timestamptz AS reached
+FROM purged;
+
 -- name: KeyStats :one
 -- KeyStats summarizes the table for operators. It reads every row: run it
 -- from a console, not from a hot path.
@@ -475,3 +511,16 @@ WHERE restored.setting IS NOT NULL;
 DELETE FROM idempotency_key
 WHERE scope = @scope::text
   AND key = ANY(@keys::text[]);
+
+-- name: KeySizesCitus :one
+-- KeySizesCitus is the size of idempotency_key's shards, on every node,
+-- for KeyStats on a Citus coordinator, whose own table is an empty shell.
+-- It fails when the table is not distributed.
+SELECT citus_table_size('idempotency_key'::regclass)::bigint AS table_bytes,
+       (citus_total_relation_size('idempotency_key'::regclass) - citus_table_size('idempotency_key'::regclass))::bigint AS index_bytes;
+
+-- name: CitusInstalled :one
+-- CitusInstalled reports whether the database has the citus extension (and
+-- with it Citus's catalog of distributed tables): idem then purges and
+-- measures in the forms Citus runs (docs/citus.sql).
+SELECT (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL)::bool AS installed;

@@ -11,6 +11,20 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+const citusInstalled = `-- name: CitusInstalled :one
+SELECT (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL)::bool AS installed
+`
+
+// CitusInstalled reports whether the database has the citus extension (and
+// with it Citus's catalog of distributed tables): idem then purges and
+// measures in the forms Citus runs (docs/citus.sql).
+func (q *Queries) CitusInstalled(ctx context.Context) (bool, error) {
+	row := q.db.QueryRow(ctx, citusInstalled)
+	var installed bool
+	err := row.Scan(&installed)
+	return installed, err
+}
+
 const keyClaim = `-- name: KeyClaim :one
 WITH claimed AS (
     INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, expires_at)
@@ -608,19 +622,27 @@ func (q *Queries) KeyLock(ctx context.Context, arg KeyLockParams) (KeyLockRow, e
 const keyLockWait = `-- name: KeyLockWait :exec
 WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
-           set_config('lock_timeout', $1::text, true) AS applied
+           set_config('lock_timeout', $3::text, true) AS applied
 ),
 waited AS MATERIALIZED (
-    SELECT pg_advisory_xact_lock($2::bigint)::text AS done
+    SELECT pg_advisory_xact_lock($4::bigint)::text AS done
     FROM budget
     WHERE budget.applied IS NOT NULL
 )
 SELECT set_config('lock_timeout', budget.saved, waited.done IS NOT NULL)
 FROM budget
 CROSS JOIN waited
+WHERE NOT EXISTS (
+    SELECT FROM idempotency_key
+    WHERE scope = $1::text
+      AND key = $2::text
+    LIMIT 0
+)
 `
 
 type KeyLockWaitParams struct {
+	Scope       string
+	Key         string
 	LockTimeout string
 	LockID      int64
 }
@@ -628,8 +650,18 @@ type KeyLockWaitParams struct {
 // KeyLockWait waits for the key's lock under the wait budget, then restores
 // the caller's lock_timeout, in one statement: reading waited runs the wait
 // before the restore.
+//
+// It names the key's row, which it never reads (LIMIT 0), so that Citus
+// runs it on the node of the scope's shard, where KeyLock, whose lookup
+// names the row too, took the lock (see docs/large-deployments.md): on
+// PostgreSQL the lookup is never executed.
 func (q *Queries) KeyLockWait(ctx context.Context, arg KeyLockWaitParams) error {
-	_, err := q.db.Exec(ctx, keyLockWait, arg.LockTimeout, arg.LockID)
+	_, err := q.db.Exec(ctx, keyLockWait,
+		arg.Scope,
+		arg.Key,
+		arg.LockTimeout,
+		arg.LockID,
+	)
 	return err
 }
 
@@ -683,6 +715,49 @@ type KeyPurgeExpiredRow struct {
 func (q *Queries) KeyPurgeExpired(ctx context.Context, arg KeyPurgeExpiredParams) (KeyPurgeExpiredRow, error) {
 	row := q.db.QueryRow(ctx, keyPurgeExpired, arg.After, arg.MaxRows)
 	var i KeyPurgeExpiredRow
+	err := row.Scan(&i.Deleted, &i.Reached)
+	return i, err
+}
+
+const keyPurgeExpiredCitus = `-- name: KeyPurgeExpiredCitus :one
+WITH purged AS (
+    DELETE FROM idempotency_key AS doomed
+    WHERE (doomed.scope, doomed.key) IN (
+        SELECT expired.scope, expired.key
+        FROM idempotency_key AS expired
+        WHERE expired.expires_at <= now()
+          AND expired.expires_at >= $1::timestamptz
+        ORDER BY expired.expires_at
+        LIMIT $2::int
+    )
+      AND doomed.expires_at <= now()
+    RETURNING doomed.expires_at
+)
+SELECT count(*) AS deleted, max(purged.expires_at)::timestamptz AS reached
+FROM purged
+`
+
+type KeyPurgeExpiredCitusParams struct {
+	After   pgtype.Timestamptz
+	MaxRows int32
+}
+
+type KeyPurgeExpiredCitusRow struct {
+	Deleted int64
+	Reached pgtype.Timestamptz
+}
+
+// KeyPurgeExpiredCitus is KeyPurgeExpired for a database with Citus,
+// where row locks are refused in a statement that spans shards: it
+// deletes by primary key what its subquery found, without locking it
+// first, and checks the expiry again on the row it deletes, so that a
+// record a claim took over (at REPEATABLE READ, with a new expiry) after
+// the subquery saw it is left alone. Such a row is waited for, not
+// skipped. It works on tables Citus distributes and on tables it does
+// not.
+func (q *Queries) KeyPurgeExpiredCitus(ctx context.Context, arg KeyPurgeExpiredCitusParams) (KeyPurgeExpiredCitusRow, error) {
+	row := q.db.QueryRow(ctx, keyPurgeExpiredCitus, arg.After, arg.MaxRows)
+	var i KeyPurgeExpiredCitusRow
 	err := row.Scan(&i.Deleted, &i.Reached)
 	return i, err
 }
@@ -852,6 +927,26 @@ func (q *Queries) KeyReplace(ctx context.Context, arg KeyReplaceParams) error {
 		arg.Retention,
 	)
 	return err
+}
+
+const keySizesCitus = `-- name: KeySizesCitus :one
+SELECT citus_table_size('idempotency_key'::regclass)::bigint AS table_bytes,
+       (citus_total_relation_size('idempotency_key'::regclass) - citus_table_size('idempotency_key'::regclass))::bigint AS index_bytes
+`
+
+type KeySizesCitusRow struct {
+	TableBytes int64
+	IndexBytes int64
+}
+
+// KeySizesCitus is the size of idempotency_key's shards, on every node,
+// for KeyStats on a Citus coordinator, whose own table is an empty shell.
+// It fails when the table is not distributed.
+func (q *Queries) KeySizesCitus(ctx context.Context) (KeySizesCitusRow, error) {
+	row := q.db.QueryRow(ctx, keySizesCitus)
+	var i KeySizesCitusRow
+	err := row.Scan(&i.TableBytes, &i.IndexBytes)
+	return i, err
 }
 
 const keyStats = `-- name: KeyStats :one
