@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -137,7 +138,12 @@ func TestCitus(t *testing.T) {
 	t.Run("DoInCallersTransaction", func(t *testing.T) { citusDo(t, ctx, c, pool) })
 	t.Run("CrashMidTransaction", func(t *testing.T) { citusCrash(t, ctx, pool) })
 	t.Run("OnceAndAdvance", func(t *testing.T) { citusOnceAdvance(t, ctx, pool) })
+	t.Run("KeyLocksPerWorker", func(t *testing.T) { citusKeyLocks(t, ctx, c, pool) })
+	t.Run("ExpiredRecordsTakenOver", func(t *testing.T) { citusExpired(t, ctx, pool) })
+	t.Run("OnceEach", func(t *testing.T) { citusOnceEach(t, ctx, c, pool) })
 	t.Run("Flows", func(t *testing.T) { citusFlows(t, ctx, pool) })
+	t.Run("FlowsReconcile", func(t *testing.T) { citusReconcile(t, ctx, pool) })
+	t.Run("FlowCrashes", func(t *testing.T) { citusFlowCrashes(t, ctx, c, pool) })
 	t.Run("Outbox", func(t *testing.T) { citusOutbox(t, ctx, pool) })
 	t.Run("Purge", func(t *testing.T) { citusPurge(t, ctx, pool) })
 	t.Run("ReadStatsCountsTheShards", func(t *testing.T) { citusStats(t, ctx, pool) })
@@ -206,8 +212,8 @@ func citusRunStorm(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	}
 }
 
-// citusDo runs Do in the caller's transaction, with the business write and
-// an outbox message, and its duplicate waiting on the key's lock.
+// citusDo runs Do in the caller's transaction, its duplicate waiting on
+// the key's lock, which ReadStats and Inspect count on the worker.
 func citusDo(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool *pgxpool.Pool) {
 	scope, key := testdb.Name("do"), "k"
 	var calls atomic.Int64
@@ -242,6 +248,17 @@ func citusDo(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool *pgxp
 		second <- res
 	}()
 	waitWaiting(t, ctx, c)
+	// The lock and its waiter are on a worker: ReadStats and Inspect
+	// count them there.
+	s, err := idem.ReadStats(ctx, pool)
+	if err != nil || s.Running != 1 || s.Waiting != 1 || s.OldestRunning.IsZero() {
+		t.Errorf("ReadStats while the key is held: %d running since %v, %d waiting, %v; want 1, 1",
+			s.Running, s.OldestRunning, s.Waiting, err)
+	}
+	info, err := idem.Inspect(ctx, pool, scope, key)
+	if err != nil || !info.Running || info.Waiting != 1 || info.RunningSince.IsZero() {
+		t.Errorf("Inspect while the key is held: %+v, %v; want running, 1 waiting", info, err)
+	}
 	close(release)
 	if err := <-first; err != nil {
 		t.Fatal(err)
@@ -260,6 +277,14 @@ func citusDo(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool *pgxp
 // of the scope's shard.
 func waitWaiting(t *testing.T, ctx context.Context, c *citustemp.Cluster) {
 	t.Helper()
+	waitWorkerLock(t, ctx, c, "advisory")
+}
+
+// waitWorkerLock waits until a worker has a session waiting for a lock of
+// type locktype: progress, not a clock, says that a statement the
+// coordinator routed there waits.
+func waitWorkerLock(t *testing.T, ctx context.Context, c *citustemp.Cluster, locktype string) {
+	t.Helper()
 	for {
 		for i := range c.Workers {
 			conn, err := pgx.Connect(ctx, c.WorkerURL(i, "idem_citus"))
@@ -267,7 +292,7 @@ func waitWaiting(t *testing.T, ctx context.Context, c *citustemp.Cluster) {
 				t.Fatal(err)
 			}
 			var n int
-			err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted`).Scan(&n)
+			err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = $1 AND NOT granted`, locktype).Scan(&n)
 			conn.Close(ctx)
 			if err != nil {
 				t.Fatal(err)
@@ -426,6 +451,341 @@ func citusFlows(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	if info, _ := idem.InspectFlow(ctx, pool, scope, "f3"); info.State != "ended" {
 		t.Fatalf("after EndFlow: %+v", info)
 	}
+}
+
+// citusOnceEach claims batches of messages with OnceEach through the
+// coordinator: a new batch, a redelivered one, an expired record taken
+// over, a key Do recorded refused, another consumer's open batch waited
+// for (on the worker, where the records' shard is), and the caller's
+// lock_timeout kept.
+func citusOnceEach(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool *pgxpool.Pool) {
+	scope := testdb.Name("batch")
+	ran, calls, err := applyBatch(ctx, pool, scope, batchOf(0, 50))
+	if err != nil || calls != 50 || count(ran) != 50 {
+		t.Fatalf("a new batch: %v, %d calls, %d ran; want 50", err, calls, count(ran))
+	}
+	ran, calls, err = applyBatch(ctx, pool, scope, batchOf(25, 75))
+	if err != nil || calls != 25 || slices.Index(ran, true) != 25 {
+		t.Fatalf("a batch half redelivered: %v, %d calls, ran %v; want the last 25", err, calls, ran)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idempotency_key SET expires_at = now() - interval '1 second' WHERE scope = $1 AND key = 'm-1'`, scope); err != nil {
+		t.Fatal(err)
+	}
+	ran, calls, err = applyBatch(ctx, pool, scope, batchOf(0, 3))
+	if err != nil || calls != 1 || !slices.Equal(ran, []bool{false, true, false}) {
+		t.Fatalf("m-1 expired: %v, %d calls, ran %v", err, calls, ran)
+	}
+	if n := countPayments(t, pool, scope); n != 76 {
+		t.Fatalf("%d payments, want 76", n)
+	}
+	var doCalls atomic.Int64
+	if _, err := idem.Run(ctx, pool, scope, "paid", fpA, pay(scope, "paid", 1, &doCalls)); err != nil {
+		t.Fatal(err)
+	}
+	if _, calls, err := applyBatch(ctx, pool, scope, []string{"new-1", "paid"}); !errors.Is(err, idem.ErrFingerprintMismatch) || calls != 0 {
+		t.Fatalf("a key Do recorded: %v, %d calls; want ErrFingerprintMismatch and none", err, calls)
+	}
+
+	// Another consumer holds m-0..m-19 in an open transaction: m-1 on its
+	// key lock and an uncommitted record, m-19, past MaxKeyLocks, on its
+	// record alone (KeyClaimIfFull).
+	const held = idem.MaxKeyLocks + 4
+	// The batch waits for it on the worker, as long as the holder is open:
+	// the wait budget, set in the coordinator's session, does not reach
+	// the worker (docs/large-deployments.md).
+	for _, end := range []string{"commits", "rolls back"} {
+		scope := scope + " " + end
+		_, finish := holdBatch(t, ctx, pool, scope, held)
+		ids := []string{"m-1", fmt.Sprintf("m-%d", held-1), "fresh"}
+		type result struct {
+			ran   []bool
+			calls int64
+			err   error
+		}
+		done := make(chan result, 1)
+		go func() {
+			ran, calls, err := applyBatch(ctx, pool, scope, ids, idem.WithWait(time.Minute))
+			done <- result{ran, calls, err}
+		}()
+		waitWorkerLock(t, ctx, c, "transactionid")
+		commit := end == "commits"
+		finish(commit)
+		r := <-done
+		want := []bool{!commit, !commit, true}
+		if r.err != nil || !slices.Equal(r.ran, want) || r.calls != int64(count(want)) {
+			t.Fatalf("other batch %s: %v, ran %v with %d calls; want %v", end, r.err, r.ran, r.calls, want)
+		}
+	}
+
+	err = idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '7s'`); err != nil {
+			return err
+		}
+		if _, err := idem.OnceEach(ctx, tx, scope, batchOf(70, 80), func(context.Context, pgx.Tx, int) error { return nil },
+			idem.WithWait(300*time.Millisecond)); err != nil {
+			return err
+		}
+		var got string
+		if err := tx.QueryRow(ctx, `SHOW lock_timeout`).Scan(&got); err != nil {
+			return err
+		}
+		if got != "7s" {
+			t.Errorf("lock_timeout = %s after OnceEach, want the caller's 7s", got)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// citusKeyLocks claims 20 keys of a scope on each worker in one
+// transaction with Once, one scope after the other: each worker holds
+// MaxKeyLocks key locks, and the rest of its keys are claimed by records
+// in progress. (The count restarts when a transaction's claims move to
+// another worker, whose part of the transaction starts anew: see
+// docs/large-deployments.md.)
+func citusKeyLocks(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool *pgxpool.Pool) {
+	prefix := testdb.Name("locks")
+	scopes := make([]string, len(c.Workers))
+	for i, found := 0, 0; found < len(scopes); i++ {
+		s := fmt.Sprintf("%s-%d", prefix, i)
+		var port int
+		if err := pool.QueryRow(ctx, `SELECT nodeport FROM citus_shards
+			WHERE shardid = get_shard_id_for_distribution_column('idempotency_key', $1::text)`, s).Scan(&port); err != nil {
+			t.Fatal(err)
+		}
+		for w, node := range c.Workers {
+			if node.Port == port && scopes[w] == "" {
+				scopes[w] = s
+				found++
+			}
+		}
+	}
+	err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+		for _, scope := range scopes {
+			for i := range 20 {
+				if _, err := idem.Once(ctx, tx, scope, fmt.Sprint(i), func(context.Context, pgx.Tx) error { return nil }); err != nil {
+					return err
+				}
+			}
+		}
+		for i := range c.Workers {
+			conn, err := pgx.Connect(ctx, c.WorkerURL(i, "idem_citus"))
+			if err != nil {
+				return err
+			}
+			var locks int
+			err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted`).Scan(&locks)
+			conn.Close(ctx)
+			if err != nil {
+				return err
+			}
+			if locks != idem.MaxKeyLocks {
+				t.Errorf("worker %d holds %d key locks, want MaxKeyLocks, %d", i, locks, idem.MaxKeyLocks)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// citusExpired runs each claim over an expired record through the
+// coordinator, which takes it over (an ON CONFLICT DO UPDATE whose WHERE
+// Citus runs only without functions): Run at READ COMMITTED (KeyReplace),
+// Do at REPEATABLE READ (KeyClaim), and Once past MaxKeyLocks in one
+// transaction (KeyClaimIfFull). Each runs its function again, once.
+func citusExpired(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
+	scope := testdb.Name("expired")
+	var calls atomic.Int64
+	for range 2 {
+		if res, err := idem.Run(ctx, pool, scope, "run", fpA, pay(scope, "run", 1, &calls)); err != nil || res.Replayed {
+			t.Fatalf("Run: %+v, %v; want a first execution", res, err)
+		}
+		expire(t, pool, scope, "run")
+	}
+	for range 2 {
+		err := idem.WithTx(ctx, pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, func(ctx context.Context, tx pgx.Tx) error {
+			res, err := idem.Do(ctx, tx, scope, "do", fpA, pay(scope, "do", 1, &calls))
+			if err == nil && res.Replayed {
+				t.Error("Do at REPEATABLE READ replayed an expired record")
+			}
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		expire(t, pool, scope, "do")
+	}
+	ids := batchOf(0, idem.MaxKeyLocks+4)
+	for round := range 3 {
+		var ran int
+		err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+			ran = 0
+			for _, id := range ids {
+				r, err := idem.Once(ctx, tx, scope, id, func(ctx context.Context, tx pgx.Tx) error {
+					_, err := pay(scope, id, 1, &calls)(ctx, tx)
+					return err
+				})
+				if err != nil {
+					return err
+				}
+				if r {
+					ran++
+				}
+			}
+			return nil
+		})
+		if want := []int{len(ids), 0, len(ids)}[round]; err != nil || ran != want {
+			t.Fatalf("Once, round %d: %d ran, %v; want %d", round, ran, err, want)
+		}
+		if round == 1 {
+			if _, err := pool.Exec(ctx, `UPDATE idempotency_key SET expires_at = now() - interval '1 second' WHERE scope = $1 AND key LIKE 'm-%'`, scope); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if want := 4 + 2*len(ids); calls.Load() != int64(want) || countPayments(t, pool, scope) != want {
+		t.Fatalf("fn ran %d times, %d payments; want %d each", calls.Load(), countPayments(t, pool, scope), want)
+	}
+}
+
+// citusReconcile runs calls whose outcome is not known through the
+// coordinator: a lookup that finds the charge whose answer was lost, one
+// that finds nothing (the call made again, with the same key), and an
+// attempt that surely never left (ErrNotSent), recorded as unsent.
+func citusReconcile(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
+	scope := testdb.Name("reconcile")
+	p := newProvider()
+	p.keyless = true
+	flow := keylessFlow(p, []idem.CallOption{lookupByRef(p, scope, "found")})
+	loseFirstAnswer(p)
+	if _, err := flow.Run(ctx, pool, scope, "found", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrFlowIncomplete) {
+		t.Fatalf("the attempt whose answer was lost: %v", err)
+	}
+	res, err := flow.Run(ctx, pool, scope, "found", fpCharge, chargeIn{Amount: 2500})
+	if err != nil || res.Value != "ch_1" || p.calls.Load() != 1 || p.lookups.Load() != 1 {
+		t.Fatalf("the retry: %+v, %v, %d calls, %d lookups; want ch_1 found, one call, one lookup", res, err, p.calls.Load(), p.lookups.Load())
+	}
+	if info, err := idem.InspectFlow(ctx, pool, scope, "found"); err != nil || info.Steps[0].Reconciles != 1 || info.Steps[0].LastReconcile != "found" {
+		t.Fatalf("the call's lookups: %+v, %v", info.Steps, err)
+	}
+
+	p = newProvider()
+	p.keyless = true
+	p.before = func(_ string, attempt int) error {
+		if attempt == 1 {
+			return errors.New("timeout")
+		}
+		return nil
+	}
+	flow = keylessFlow(p, []idem.CallOption{lookupByRef(p, scope, "not-found"), idem.AtMostOnce()}, idem.WithProviderWindow(0))
+	if _, err := flow.Run(ctx, pool, scope, "not-found", fpCharge, chargeIn{Amount: 2500}); err == nil {
+		t.Fatal("the first attempt succeeded")
+	}
+	if _, err := flow.Run(ctx, pool, scope, "not-found", fpCharge, chargeIn{Amount: 2500}); err != nil {
+		t.Fatalf("the retry: %v", err)
+	}
+	if charges, keys := p.effects(); charges != 1 || len(keys) != 1 || p.lookups.Load() != 1 {
+		t.Fatalf("charges %d, keys %v, lookups %d; want 1 charge, one key, 1 lookup", charges, keys, p.lookups.Load())
+	}
+	if info, err := idem.InspectFlow(ctx, pool, scope, "not-found"); err != nil || info.Steps[0].LastReconcile != "not_found" || info.Steps[0].Attempts != 2 {
+		t.Fatalf("the call: %+v, %v", info.Steps, err)
+	}
+
+	p = newProvider()
+	var refused atomic.Bool
+	refused.Store(true)
+	unsent := idem.NewFlow(testdb.Name("unsent"), func(s *idem.Steps, in chargeIn) (string, error) {
+		return idem.Call(s, "notify", func(ctx context.Context, key string) (string, error) {
+			if refused.Load() {
+				return "", fmt.Errorf("connection refused: %w", idem.ErrNotSent)
+			}
+			id, _, err := p.charge(ctx, key, in.Amount)
+			return id, err
+		}, idem.AtMostOnce())
+	}, idem.WithProviderWindow(0))
+	if _, err := unsent.Run(ctx, pool, scope, "unsent", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrNotSent) {
+		t.Fatalf("an attempt that was refused: %v, want ErrNotSent", err)
+	}
+	if info, _ := idem.InspectFlow(ctx, pool, scope, "unsent"); info.Steps[0].State != "unsent" {
+		t.Fatalf("the call after a refused attempt: %+v", info.Steps[0])
+	}
+	refused.Store(false)
+	if res, err := unsent.Run(ctx, pool, scope, "unsent", fpCharge, chargeIn{Amount: 2500}); err != nil || res.Value != "ch_1" {
+		t.Fatalf("the attempt once the other system is up: %+v, %v", res, err)
+	}
+}
+
+// citusFlowCrashes kills a flow's executor, a child process connected to
+// the coordinator, after the provider applied its call and before the
+// result was recorded, and before a call, after its local step committed;
+// the client's retry, or a completer, finishes each flow with one charge
+// and one payment. At a provider that ignores keys, the lookup finds the
+// charge.
+func citusFlowCrashes(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool *pgxpool.Pool) {
+	url := c.URL("idem_citus")
+	t.Run("AfterTheCallRetried", func(t *testing.T) {
+		scope, p := testdb.Name("crash"), newProvider()
+		providerURL, crash := crashRunner(t, ctx, url, scope, p)
+		name := testdb.Name("crash")
+		crash(name, "k", crashAfterCall)
+		if charges, _ := p.effects(); charges != 1 {
+			t.Fatalf("the provider applied %d charges before the crash, want 1", charges)
+		}
+		flow := crashFlow(name, providerURL, "")
+		res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
+		if err != nil || res.Replayed {
+			t.Fatalf("the retry: %+v, %v; want the flow completed now", res, err)
+		}
+		again, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+		if err != nil || !again.Replayed || again.Value != res.Value {
+			t.Fatalf("a later retry: %+v, %v; want %+v replayed", again, err, res.Value)
+		}
+		checkOneCharge(t, pool, scope, "k", p, 2)
+	})
+	t.Run("AfterTheCallResumed", func(t *testing.T) {
+		scope, p := testdb.Name("crash"), newProvider()
+		providerURL, crash := crashRunner(t, ctx, url, scope, p)
+		name := testdb.Name("crash")
+		crash(name, "k", crashAfterCall)
+		leaseRanOut(t, ctx, pool, scope, "k")
+		if resumed, err := crashFlow(name, providerURL, "").Resume(ctx, pool); err != nil || resumed != 1 {
+			t.Fatalf("Resume = %d, %v; want 1", resumed, err)
+		}
+		checkOneCharge(t, pool, scope, "k", p, 2)
+	})
+	t.Run("BeforeTheCall", func(t *testing.T) {
+		scope, p := testdb.Name("crash"), newProvider()
+		providerURL, crash := crashRunner(t, ctx, url, scope, p)
+		name := testdb.Name("crash")
+		crash(name, "k", crashBeforeCall)
+		if countPayments(t, pool, scope) != 1 || p.calls.Load() != 0 {
+			t.Fatalf("before the retry: %d payments, %d calls; want 1, 0", countPayments(t, pool, scope), p.calls.Load())
+		}
+		res, err := crashFlow(name, providerURL, "").Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
+		if err != nil || res.Value.ChargeID != "ch_1" {
+			t.Fatalf("the retry: %+v, %v", res, err)
+		}
+		checkOneCharge(t, pool, scope, "k", p, 1)
+	})
+	t.Run("AfterTheCallAtAKeylessProvider", func(t *testing.T) {
+		scope, p := testdb.Name("crash"), newProvider()
+		p.keyless = true
+		providerURL, crash := crashRunner(t, ctx, url, scope, p)
+		name := testdb.Name("crash")
+		crash(name, "k", crashAfterCall, true)
+		reconcile := true
+		res, err := crashFlowWith(name, providerURL, "", &reconcile).Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
+		if err != nil || res.Value.ChargeID != "ch_1" {
+			t.Fatalf("the retry: %+v, %v; want the charge the lookup found", res, err)
+		}
+		if p.calls.Load() != 1 || p.lookups.Load() != 1 || countPayments(t, pool, scope) != 1 {
+			t.Fatalf("%d calls, %d lookups, %d payments; want 1, 1, 1", p.calls.Load(), p.lookups.Load(), countPayments(t, pool, scope))
+		}
+	})
 }
 
 // citusOutbox enqueues with the coordinator's outbox table in transactions

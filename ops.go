@@ -105,7 +105,7 @@ func ReadStats(ctx context.Context, db TxBeginner) (Stats, error) {
 	var s Stats
 	err := WithTx(ctx, db, readOnly, func(ctx context.Context, tx pgx.Tx) error {
 		q := dbsqlc.New(tx)
-		f, err := q.KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: keylock.Tag})
+		f, err := keyInFlight(ctx, tx, 0)
 		if err != nil {
 			return fmt.Errorf("idem: stats: operations running: %w", err)
 		}
@@ -161,6 +161,36 @@ func citusSizes(ctx context.Context, tx pgx.Tx, table, index int64) (int64, int6
 	return s.TableBytes, s.IndexBytes, sp.Commit(ctx)
 }
 
+// keyInFlight counts the key locks held and waited for (KeyInFlight), for
+// every key, or with lockID not zero, for that key's. On a Citus
+// coordinator it adds the workers' (KeyInFlightCitus): there a call takes
+// its key's lock on the node of its scope's shard, never on the
+// coordinator, whose own count is then zero.
+func keyInFlight(ctx context.Context, tx pgx.Tx, lockID int64) (dbsqlc.KeyInFlightRow, error) {
+	q := dbsqlc.New(tx)
+	f, err := q.KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: keylock.Tag, LockID: lockID})
+	if err != nil {
+		return f, err
+	}
+	citus, err := q.CitusInstalled(ctx)
+	if err != nil || !citus {
+		return f, err
+	}
+	w, err := q.KeyInFlightCitus(ctx, dbsqlc.KeyInFlightCitusParams{LockTag: keylock.Tag, LockID: lockID})
+	switch {
+	case err != nil:
+		return f, fmt.Errorf("the workers' locks: %w", err)
+	case w.Unanswered > 0:
+		return f, fmt.Errorf("the workers' locks: %d of the Citus workers did not answer", w.Unanswered)
+	}
+	f.Running += w.Running
+	f.Waiting += w.Waiting
+	if w.OldestStart.Valid && (!f.OldestStart.Valid || w.OldestStart.Time.Before(f.OldestStart.Time)) {
+		f.OldestStart = w.OldestStart
+	}
+	return f, nil
+}
+
 // KeyInfo is what idem holds for one key: its record, and whether an
 // operation holds its lock now. See [Inspect].
 type KeyInfo struct {
@@ -208,7 +238,7 @@ func Inspect(ctx context.Context, db TxBeginner, scope, key string) (KeyInfo, er
 	var info KeyInfo
 	err = WithTx(ctx, db, readOnly, func(ctx context.Context, tx pgx.Tx) error {
 		q := dbsqlc.New(tx)
-		f, err := q.KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: keylock.Tag, LockID: k.lockID})
+		f, err := keyInFlight(ctx, tx, k.lockID)
 		if err != nil {
 			return fmt.Errorf("idem: inspect: lock: %w", err)
 		}

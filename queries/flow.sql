@@ -6,16 +6,18 @@
 -- holds the key, it returns no row, and the caller restarts the flow if
 -- it expired (FlowRestart), takes it over if its lease ran out
 -- (FlowTakeOver), or judges it (FlowGet), in the same round trip. Leases
--- are dated by the start of the statement, not by the start of the
--- transaction, which may have waited: statement_timestamp(), which Citus
--- evaluates on the coordinator, where it refuses clock_timestamp() (a
--- volatile function) in a statement on a distributed table. The flows'
--- statements that date leases wait for no row. Stored values are sent as
--- text, as KeyInsert's are.
+-- are dated by the clock, not by the start of the transaction, which may
+-- have waited: clock_timestamp() here and in SELECTs; in UPDATEs,
+-- statement_timestamp(), when the server received the statement, since
+-- Citus refuses volatile functions in an UPDATE of a distributed table
+-- (it evaluates statement_timestamp() on the coordinator). Either is no
+-- earlier than the moment the executor sent the statement, from which it
+-- counts its lease (flow_lease.go). Stored values are sent as text, as
+-- KeyInsert's are.
 INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, runs, retention)
 SELECT @scope::text, @key::text, @flow_name::text, @fingerprint::bytea, 'running',
        sqlc.arg(input)::text::jsonb, (SELECT id FROM idem_installation), @epoch::bigint,
-       statement_timestamp() + @lease::interval, 1, @retention::interval
+       clock_timestamp() + @lease::interval, 1, @retention::interval
 -- Without a row to see, the INSERT is not tried: the unique index would
 -- otherwise wait for a transaction that holds the row (a local step's).
 WHERE NOT EXISTS (
@@ -107,7 +109,7 @@ RETURNING f.provider_namespace, f.operation, f.input;
 -- operation's, which another caller is starting again (FlowRestart
 -- skipped its row): neither to replay nor to judge.
 SELECT name, fingerprint, state, output, last_error,
-       coalesce(leased_until > statement_timestamp(), false)::bool AS leased,
+       coalesce(leased_until > clock_timestamp(), false)::bool AS leased,
        coalesce(expires_at <= now(), false)::bool AS expired,
        -- As KeyGet's standby_wait: a completed flow's answer is replayed
        -- once a synchronous standby has it.

@@ -36,7 +36,7 @@ WITH claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 )
@@ -173,7 +173,7 @@ claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 ),
@@ -245,7 +245,7 @@ claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 ),
@@ -448,6 +448,52 @@ func (q *Queries) KeyInFlight(ctx context.Context, arg KeyInFlightParams) (KeyIn
 	row := q.db.QueryRow(ctx, keyInFlight, arg.LockTag, arg.LockID)
 	var i KeyInFlightRow
 	err := row.Scan(&i.Running, &i.Waiting, &i.OldestStart)
+	return i, err
+}
+
+const keyInFlightCitus = `-- name: KeyInFlightCitus :one
+WITH nodes AS (
+    SELECT (to_jsonb(n)->>'success')::bool AS answered, (to_jsonb(n)->>'result') AS counts
+    FROM run_command_on_workers(format(
+        'SELECT json_build_array(count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted), '
+        'min(xact_start) FILTER (WHERE granted)) FROM idem_key_lock(%s) WHERE %s IN (0, lock_id)',
+        $1::bigint, $2::bigint)) AS n
+)
+SELECT coalesce(sum((nodes.counts::jsonb->>0)::bigint) FILTER (WHERE nodes.answered), 0)::bigint AS running,
+       coalesce(sum((nodes.counts::jsonb->>1)::bigint) FILTER (WHERE nodes.answered), 0)::bigint AS waiting,
+       min((nodes.counts::jsonb->>2)::timestamptz) FILTER (WHERE nodes.answered)::timestamptz AS oldest_start,
+       count(*) FILTER (WHERE NOT nodes.answered)::bigint AS unanswered
+FROM nodes
+`
+
+type KeyInFlightCitusParams struct {
+	LockTag int64
+	LockID  int64
+}
+
+type KeyInFlightCitusRow struct {
+	Running     int64
+	Waiting     int64
+	OldestStart pgtype.Timestamptz
+	Unanswered  int64
+}
+
+// KeyInFlightCitus is KeyInFlight for the workers of a Citus coordinator,
+// which holds no lock of a key whose record is distributed: a call takes
+// it on the node of its scope's shard (see KeyLockWait). It asks every
+// worker (run_command_on_workers, which runs the text of a query on each
+// on a connection of its own, the lock tag and id written into it as
+// numbers) and adds their counts up; unanswered counts the workers that
+// failed to answer.
+func (q *Queries) KeyInFlightCitus(ctx context.Context, arg KeyInFlightCitusParams) (KeyInFlightCitusRow, error) {
+	row := q.db.QueryRow(ctx, keyInFlightCitus, arg.LockTag, arg.LockID)
+	var i KeyInFlightCitusRow
+	err := row.Scan(
+		&i.Running,
+		&i.Waiting,
+		&i.OldestStart,
+		&i.Unanswered,
+	)
 	return i, err
 }
 
@@ -779,7 +825,7 @@ claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING existing.key
 ),
@@ -890,8 +936,11 @@ stored AS (
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
     -- An expired record is taken over, and so is one committed in
-    -- progress, which idem never commits (see KeyClaim).
-    WHERE existing.expires_at <= now()
+    -- progress, which idem never commits (see KeyClaim). The new row's
+    -- created_at is now(), the column's default: here and in the claims
+    -- below it stands for now(), since Citus refuses a function in this
+    -- WHERE on a distributed table.
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 ),
