@@ -13,8 +13,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -25,6 +29,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemhttp"
 	"github.com/pgidem/idem/internal/citustemp"
 	"github.com/pgidem/idem/internal/pgtemp"
 	"github.com/pgidem/idem/internal/testdb"
@@ -145,6 +150,7 @@ func TestCitus(t *testing.T) {
 	t.Run("FlowsReconcile", func(t *testing.T) { citusReconcile(t, ctx, pool) })
 	t.Run("FlowCrashes", func(t *testing.T) { citusFlowCrashes(t, ctx, c, pool) })
 	t.Run("Outbox", func(t *testing.T) { citusOutbox(t, ctx, pool) })
+	t.Run("IdemHTTP", func(t *testing.T) { citusHTTP(t, ctx, pool) })
 	t.Run("Purge", func(t *testing.T) { citusPurge(t, ctx, pool) })
 	t.Run("ReadStatsCountsTheShards", func(t *testing.T) { citusStats(t, ctx, pool) })
 }
@@ -786,6 +792,73 @@ func citusFlowCrashes(t *testing.T, ctx context.Context, c *citustemp.Cluster, p
 			t.Fatalf("%d calls, %d lookups, %d payments; want 1, 1, 1", p.calls.Load(), p.lookups.Load(), countPayments(t, pool, scope))
 		}
 	})
+}
+
+// citusHTTP puts idemhttp's middleware over the coordinator: concurrent
+// duplicates of each keyed POST run the handler once and get its answer,
+// and a key reused with another body is refused.
+func citusHTTP(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
+	scope := testdb.Name("http")
+	mw, err := idemhttp.NewMiddleware(pool, idemhttp.Config{
+		Scope: func(*http.Request) (string, error) { return scope, nil },
+		Wait:  time.Minute,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	srv := httptest.NewServer(mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		var id int64
+		if err := idemhttp.Tx(r.Context()).QueryRow(r.Context(), `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, 100) RETURNING id`,
+			scope, idemhttp.Key(r.Context())).Scan(&id); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, "payment %d", id)
+	})))
+	defer srv.Close()
+	post := func(key, body string) (int, string) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, strings.NewReader(body))
+		if err != nil {
+			t.Error(err)
+			return 0, ""
+		}
+		req.Header.Set(idemhttp.DefaultHeader, key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Error(err)
+			return 0, ""
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	const keys, dups = 10, 3
+	var answers sync.Map
+	var wg sync.WaitGroup
+	for k := range keys {
+		for range dups {
+			wg.Go(func() {
+				key := fmt.Sprintf("k%d", k)
+				code, body := post(key, `{"amount":100}`)
+				if code != http.StatusCreated {
+					t.Errorf("%s: %d %s", key, code, body)
+				}
+				if first, loaded := answers.LoadOrStore(key, body); loaded && first != body {
+					t.Errorf("%s: answered %q and %q", key, first, body)
+				}
+			})
+		}
+	}
+	wg.Wait()
+	if calls.Load() != keys || countPayments(t, pool, scope) != keys {
+		t.Fatalf("the handler ran %d times, %d payments; want %d each", calls.Load(), countPayments(t, pool, scope), keys)
+	}
+	if code, body := post("k0", `{"amount":999}`); code < 400 || code >= 500 || calls.Load() != keys {
+		t.Fatalf("a key reused with another body: %d %s, the handler ran %d times", code, body, calls.Load())
+	}
 }
 
 // citusOutbox enqueues with the coordinator's outbox table in transactions
