@@ -245,6 +245,14 @@ func crashChild() int {
 // named flow in a child process killed at the point at.
 func setupCrash(t *testing.T) (context.Context, *pgxpool.Pool, string, *provider, string, func(flow, key, at string, reconcile ...bool)) {
 	ctx, pool, scope, p := setupFlow(t)
+	providerURL, crash := crashRunner(t, ctx, env.URL(t), scope, p)
+	return ctx, pool, scope, p, providerURL, crash
+}
+
+// crashRunner serves p over HTTP for the test, and returns its URL and the
+// function that runs the flow named flow in a child process connected to
+// dbURL, for the operation (scope, key), killed at the point at.
+func crashRunner(t *testing.T, ctx context.Context, dbURL, scope string, p *provider) (string, func(flow, key, at string, reconcile ...bool)) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		q := r.URL.Query()
 		if r.URL.Path == "/lookup" {
@@ -265,7 +273,6 @@ func setupCrash(t *testing.T) (context.Context, *pgxpool.Pool, string, *provider
 		_ = json.NewEncoder(w).Encode(id)
 	}))
 	t.Cleanup(srv.Close)
-	dbURL := env.URL(t)
 	crash := func(flow, key, at string, reconcile ...bool) {
 		t.Helper()
 		job, _ := json.Marshal(crashJob{URL: dbURL, Flow: flow, Scope: scope, Key: key, Provider: srv.URL, At: at,
@@ -278,7 +285,7 @@ func setupCrash(t *testing.T) (context.Context, *pgxpool.Pool, string, *provider
 			t.Fatalf("the child was not killed: %v\n%s", err, out)
 		}
 	}
-	return ctx, pool, scope, p, srv.URL, crash
+	return srv.URL, crash
 }
 
 func TestFlowCrashAfterTheCallIsResumedByTheClientsRetry(t *testing.T) {

@@ -34,8 +34,9 @@ import (
 
 // flowLease is what an executor knows of its lease, by its own monotonic
 // clock: a lease renewed by a statement sent at t holds at least until
-// t + the lease, since the server dates it from when it ran the
-// statement. It is held to end a tenth of the lease sooner, for clocks
+// t + the lease, since the server dates it from when it received or ran
+// the statement (statement_timestamp() or clock_timestamp(), never the
+// transaction's start; see queries/flow.sql). It is held to end a tenth of the lease sooner, for clocks
 // that run at slightly different rates.
 type flowLease struct {
 	d    time.Duration

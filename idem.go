@@ -312,7 +312,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	case lockBusy:
 		started := time.Now()
 		wait := &pgx.Batch{}
-		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: millis(o.wait), LockID: k.lockID})
+		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: millis(o.wait), LockID: k.lockID, Scope: k.scope, Key: k.key})
 		dbsqlc.QueueKeyGet(wait, get, rec, found)
 		err := tx.SendBatch(ctx, wait).Close()
 		waited = time.Since(started)

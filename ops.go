@@ -105,13 +105,16 @@ func ReadStats(ctx context.Context, db TxBeginner) (Stats, error) {
 	var s Stats
 	err := WithTx(ctx, db, readOnly, func(ctx context.Context, tx pgx.Tx) error {
 		q := dbsqlc.New(tx)
-		f, err := q.KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: keylock.Tag})
+		f, err := keyInFlight(ctx, tx, 0)
 		if err != nil {
 			return fmt.Errorf("idem: stats: operations running: %w", err)
 		}
 		k, err := q.KeyStats(ctx)
 		if err != nil {
 			return fmt.Errorf("idem: stats: records: %w", err)
+		}
+		if k.TableBytes, k.IndexBytes, err = citusSizes(ctx, tx, k.TableBytes, k.IndexBytes); err != nil {
+			return fmt.Errorf("idem: stats: records' size: %w", err)
 		}
 		o, err := q.OutboxStats(ctx)
 		if err != nil {
@@ -133,6 +136,59 @@ func ReadStats(ctx context.Context, db TxBeginner) (Stats, error) {
 		return nil
 	})
 	return s, err
+}
+
+// citusSizes returns the size of the records' shards on a Citus
+// coordinator whose idempotency_key is distributed (see docs/citus.sql),
+// where the table's own size is that of an empty shell; elsewhere, table
+// and index, as they are.
+func citusSizes(ctx context.Context, tx pgx.Tx, table, index int64) (int64, int64, error) {
+	q := dbsqlc.New(tx)
+	citus, err := q.CitusInstalled(ctx)
+	if err != nil || !citus {
+		return table, index, err
+	}
+	// Citus refuses the size of a table it does not distribute: the
+	// savepoint keeps the transaction usable then.
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return table, index, err
+	}
+	s, err := dbsqlc.New(sp).KeySizesCitus(ctx)
+	if err != nil {
+		return table, index, sp.Rollback(ctx)
+	}
+	return s.TableBytes, s.IndexBytes, sp.Commit(ctx)
+}
+
+// keyInFlight counts the key locks held and waited for (KeyInFlight), for
+// every key, or with lockID not zero, for that key's. On a Citus
+// coordinator it adds the workers' (KeyInFlightCitus): there a call takes
+// its key's lock on the node of its scope's shard, never on the
+// coordinator, whose own count is then zero.
+func keyInFlight(ctx context.Context, tx pgx.Tx, lockID int64) (dbsqlc.KeyInFlightRow, error) {
+	q := dbsqlc.New(tx)
+	f, err := q.KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: keylock.Tag, LockID: lockID})
+	if err != nil {
+		return f, err
+	}
+	citus, err := q.CitusInstalled(ctx)
+	if err != nil || !citus {
+		return f, err
+	}
+	w, err := q.KeyInFlightCitus(ctx, dbsqlc.KeyInFlightCitusParams{LockTag: keylock.Tag, LockID: lockID})
+	switch {
+	case err != nil:
+		return f, fmt.Errorf("the workers' locks: %w", err)
+	case w.Unanswered > 0:
+		return f, fmt.Errorf("the workers' locks: %d of the Citus workers did not answer", w.Unanswered)
+	}
+	f.Running += w.Running
+	f.Waiting += w.Waiting
+	if w.OldestStart.Valid && (!f.OldestStart.Valid || w.OldestStart.Time.Before(f.OldestStart.Time)) {
+		f.OldestStart = w.OldestStart
+	}
+	return f, nil
 }
 
 // KeyInfo is what idem holds for one key: its record, and whether an
@@ -182,7 +238,7 @@ func Inspect(ctx context.Context, db TxBeginner, scope, key string) (KeyInfo, er
 	var info KeyInfo
 	err = WithTx(ctx, db, readOnly, func(ctx context.Context, tx pgx.Tx) error {
 		q := dbsqlc.New(tx)
-		f, err := q.KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: keylock.Tag, LockID: k.lockID})
+		f, err := keyInFlight(ctx, tx, k.lockID)
 		if err != nil {
 			return fmt.Errorf("idem: inspect: lock: %w", err)
 		}

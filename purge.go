@@ -74,6 +74,10 @@ type purgeWalk struct {
 	// flows is set once no expired record is left: the pass goes on with
 	// the flows.
 	flows bool
+	// citus is whether the database has Citus, which refuses row locks in
+	// a statement that spans shards: the batches are then deleted without
+	// them (KeyPurgeExpiredCitus). Nil until the first batch asks.
+	citus *bool
 }
 
 func newPurgeWalk(db TxBeginner, batch int) *purgeWalk {
@@ -87,17 +91,39 @@ func newPurgeWalk(db TxBeginner, batch int) *purgeWalk {
 //
 // On a pool or a connection the batch is one statement sent on its own
 // (see onDB). It cannot deadlock or fail to serialize, since it waits for
-// no row (SKIP LOCKED).
+// no row (SKIP LOCKED). On Citus it waits for a row another transaction
+// holds: a claim written early over an expired record, at REPEATABLE READ
+// or SERIALIZABLE, until that transaction ends.
 func (w *purgeWalk) next(ctx context.Context) (deleted int64, done bool, err error) {
-	var row dbsqlc.KeyPurgeExpiredRow
-	flows := w.flows
-	err = onDB(ctx, w.db, func(q *dbsqlc.Queries) (err error) {
-		if flows {
-			deleted, err = q.FlowPurgeExpired(ctx, int32(w.batch))
+	if w.citus == nil {
+		var citus bool
+		err := onDB(ctx, w.db, func(q *dbsqlc.Queries) (err error) {
+			citus, err = q.CitusInstalled(ctx)
 			return err
+		})
+		if err != nil {
+			return 0, true, translate("idem: purge", err)
 		}
-		row, err = q.KeyPurgeExpired(ctx, dbsqlc.KeyPurgeExpiredParams{After: w.after, MaxRows: int32(w.batch)})
-		deleted = row.Deleted
+		w.citus = &citus
+	}
+	var row dbsqlc.KeyPurgeExpiredRow
+	flows, citus := w.flows, *w.citus
+	err = onDB(ctx, w.db, func(q *dbsqlc.Queries) (err error) {
+		switch {
+		case flows && citus:
+			deleted, err = q.FlowPurgeExpiredCitus(ctx, int32(w.batch))
+		case flows:
+			deleted, err = q.FlowPurgeExpired(ctx, int32(w.batch))
+		case citus:
+			var r dbsqlc.KeyPurgeExpiredCitusRow
+			r, err = q.KeyPurgeExpiredCitus(ctx, dbsqlc.KeyPurgeExpiredCitusParams{After: w.after, MaxRows: int32(w.batch)})
+			row = dbsqlc.KeyPurgeExpiredRow(r)
+		default:
+			row, err = q.KeyPurgeExpired(ctx, dbsqlc.KeyPurgeExpiredParams{After: w.after, MaxRows: int32(w.batch)})
+		}
+		if !flows {
+			deleted = row.Deleted
+		}
 		return err
 	})
 	if err != nil {

@@ -12,5 +12,5 @@ INSERT INTO entity_version (scope, entity, version)
 VALUES (@scope::text, @entity::text, @version::bigint)
 ON CONFLICT (scope, entity) DO UPDATE
 SET version = excluded.version,
-    updated_at = now()
+    updated_at = excluded.updated_at
 WHERE entity_version.version < excluded.version;

@@ -7,7 +7,13 @@
 -- it expired (FlowRestart), takes it over if its lease ran out
 -- (FlowTakeOver), or judges it (FlowGet), in the same round trip. Leases
 -- are dated by the clock, not by the start of the transaction, which may
--- have waited. Stored values are sent as text, as KeyInsert's are.
+-- have waited: clock_timestamp() here and in SELECTs; in UPDATEs,
+-- statement_timestamp(), when the server received the statement, since
+-- Citus refuses volatile functions in an UPDATE of a distributed table
+-- (it evaluates statement_timestamp() on the coordinator). Either is no
+-- earlier than the moment the executor sent the statement, from which it
+-- counts its lease (flow_lease.go). Stored values are sent as text, as
+-- KeyInsert's are.
 INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, runs, retention)
 SELECT @scope::text, @key::text, @flow_name::text, @fingerprint::bytea, 'running',
        sqlc.arg(input)::text::jsonb, (SELECT id FROM idem_installation), @epoch::bigint,
@@ -47,7 +53,7 @@ restarted AS (
         provider_namespace = (SELECT id FROM idem_installation),
         operation = NULL,
         epoch = @epoch::bigint,
-        leased_until = clock_timestamp() + @lease::interval,
+        leased_until = statement_timestamp() + @lease::interval,
         step = NULL,
         runs = 1,
         last_error = NULL,
@@ -79,7 +85,7 @@ SELECT provider_namespace, operation FROM restarted;
 -- request differs.
 UPDATE idem_flow AS f
 SET epoch = @epoch::bigint,
-    leased_until = clock_timestamp() + @lease::interval,
+    leased_until = statement_timestamp() + @lease::interval,
     runs = f.runs + 1
 FROM (
     SELECT scope, key
@@ -89,7 +95,7 @@ FROM (
       AND name = @flow_name::text
       AND fingerprint = @fingerprint::bytea
       AND state = 'running'
-      AND leased_until <= clock_timestamp()
+      AND leased_until <= statement_timestamp()
     FOR UPDATE SKIP LOCKED
 ) AS free
 WHERE f.scope = free.scope
@@ -142,7 +148,7 @@ ORDER BY s.seq;
 -- it also locks the flow's row until that transaction ends, so that no
 -- one takes the flow over while the step's writes are open.
 UPDATE idem_flow
-SET leased_until = clock_timestamp() + @lease::interval,
+SET leased_until = statement_timestamp() + @lease::interval,
     step = @step::text
 WHERE scope = @scope::text
   AND key = @key::text
@@ -171,7 +177,7 @@ VALUES (@scope::text, @key::text, @seq::int, @step::text, 'local', 'done',
 -- have forgotten the key, and calling again could apply the call twice.
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = clock_timestamp() + @lease::interval,
+    SET leased_until = statement_timestamp() + @lease::interval,
         step = @step::text
     WHERE scope = @scope::text
       AND key = @key::text
@@ -193,7 +199,7 @@ called AS (
     ON CONFLICT (scope, key, seq) DO UPDATE
     SET attempts = s.attempts + 1,
         state = 'calling',
-        first_called_at = CASE WHEN s.state = 'unsent' THEN now() ELSE s.first_called_at END
+        first_called_at = CASE WHEN s.state = 'unsent' THEN excluded.first_called_at ELSE s.first_called_at END
     WHERE s.state IN ('calling', 'unsent')
     RETURNING s.attempts
 )
@@ -209,7 +215,7 @@ SELECT EXISTS (SELECT FROM leased)::bool AS leased,
 -- longer holds the flow (see FlowLease), and then records nothing.
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = clock_timestamp() + @lease::interval
+    SET leased_until = statement_timestamp() + @lease::interval
     WHERE scope = @scope::text
       AND key = @key::text
       AND epoch = @epoch::bigint
@@ -274,11 +280,16 @@ SET state = 'done',
     step = NULL,
     last_error = NULL,
     completed_at = now(),
-    expires_at = now() + retention
+    expires_at = to_timestamp((extract(epoch FROM now()) + extract(epoch FROM retention))::float8)
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
   AND state = 'running';
+
+-- (FlowComplete and FlowEnd date the expiry as now() + retention in
+-- seconds: Citus refuses timestamptz + interval, a stable operator, on a
+-- column in an UPDATE of a distributed table. A retention is a duration,
+-- with no days or months, so the two are the same.)
 
 -- name: FlowRelease :execrows
 -- FlowRelease gives the lease up when the flow's function returned an
@@ -287,7 +298,7 @@ WHERE scope = @scope::text
 -- operators. It affects no row when the executor no longer holds the flow
 -- (see FlowLease).
 UPDATE idem_flow
-SET leased_until = least(leased_until, clock_timestamp()),
+SET leased_until = least(leased_until, statement_timestamp()),
     last_error = @last_error::text
 WHERE scope = @scope::text
   AND key = @key::text
@@ -330,7 +341,7 @@ LIMIT @max_rows::int;
 -- the input to run it with.
 UPDATE idem_flow AS f
 SET epoch = @epoch::bigint,
-    leased_until = clock_timestamp() + @lease::interval,
+    leased_until = statement_timestamp() + @lease::interval,
     runs = f.runs + 1
 FROM (
     SELECT scope, key
@@ -357,7 +368,7 @@ UPDATE idem_flow
 SET state = 'ended',
     leased_until = NULL,
     completed_at = now(),
-    expires_at = now() + retention,
+    expires_at = to_timestamp((extract(epoch FROM now()) + extract(epoch FROM retention))::float8),
     last_error = @reason::text
 WHERE scope = @scope::text
   AND key = @key::text
@@ -379,6 +390,30 @@ WITH purged AS (
         FOR UPDATE SKIP LOCKED
     )
     RETURNING scope, key
+),
+steps AS (
+    DELETE FROM idem_flow_step AS s
+    USING purged
+    WHERE s.scope = purged.scope
+      AND s.key = purged.key
+)
+SELECT count(*) FROM purged;
+
+-- name: FlowPurgeExpiredCitus :one
+-- FlowPurgeExpiredCitus is FlowPurgeExpired for a database with Citus (see
+-- KeyPurgeExpiredCitus): no row locks, the expiry checked again on the row
+-- it deletes.
+WITH purged AS (
+    DELETE FROM idem_flow AS f
+    WHERE (f.scope, f.key) IN (
+        SELECT expired.scope, expired.key
+        FROM idem_flow AS expired
+        WHERE expired.expires_at <= now()
+        ORDER BY expired.expires_at
+        LIMIT @max_rows::int
+    )
+      AND f.expires_at <= now()
+    RETURNING f.scope, f.key
 ),
 steps AS (
     DELETE FROM idem_flow_step AS s

@@ -43,6 +43,11 @@ SELECT CASE
 -- KeyLockWait waits for the key's lock under the wait budget, then restores
 -- the caller's lock_timeout, in one statement: reading waited runs the wait
 -- before the restore.
+--
+-- It names the key's row, which it never reads (LIMIT 0), so that Citus
+-- runs it on the node of the scope's shard, where KeyLock, whose lookup
+-- names the row too, took the lock (see docs/large-deployments.md): on
+-- PostgreSQL the lookup is never executed.
 WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
            set_config('lock_timeout', @lock_timeout::text, true) AS applied
@@ -54,7 +59,13 @@ waited AS MATERIALIZED (
 )
 SELECT set_config('lock_timeout', budget.saved, waited.done IS NOT NULL)
 FROM budget
-CROSS JOIN waited;
+CROSS JOIN waited
+WHERE NOT EXISTS (
+    SELECT FROM idempotency_key
+    WHERE scope = @scope::text
+      AND key = @key::text
+    LIMIT 0
+);
 
 -- name: KeyGet :one
 -- KeyGet reads the key's record, live or expired. Sent after KeyLock or
@@ -147,8 +158,11 @@ stored AS (
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
     -- An expired record is taken over, and so is one committed in
-    -- progress, which idem never commits (see KeyClaim).
-    WHERE existing.expires_at <= now()
+    -- progress, which idem never commits (see KeyClaim). The new row's
+    -- created_at is now(), the column's default: here and in the claims
+    -- below it stands for now(), since Citus refuses a function in this
+    -- WHERE on a distributed table.
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 ),
@@ -181,7 +195,7 @@ WITH claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 )
@@ -213,7 +227,7 @@ claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 ),
@@ -262,7 +276,7 @@ claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 ),
@@ -328,6 +342,31 @@ WITH purged AS (
         LIMIT @max_rows::int
         FOR UPDATE SKIP LOCKED
     )
+    RETURNING doomed.expires_at
+)
+SELECT count(*) AS deleted, max(purged.expires_at)::timestamptz AS reached
+FROM purged;
+
+-- name: KeyPurgeExpiredCitus :one
+-- KeyPurgeExpiredCitus is KeyPurgeExpired for a database with Citus,
+-- where row locks are refused in a statement that spans shards: it
+-- deletes by primary key what its subquery found, without locking it
+-- first, and checks the expiry again on the row it deletes, so that a
+-- record a claim took over (at REPEATABLE READ, with a new expiry) after
+-- the subquery saw it is left alone. Such a row is waited for, not
+-- skipped. It works on tables Citus distributes and on tables it does
+-- not.
+WITH purged AS (
+    DELETE FROM idempotency_key AS doomed
+    WHERE (doomed.scope, doomed.key) IN (
+        SELECT expired.scope, expired.key
+        FROM idempotency_key AS expired
+        WHERE expired.expires_at <= now()
+          AND expired.expires_at >= @after::timestamptz
+        ORDER BY expired.expires_at
+        LIMIT @max_rows::int
+    )
+      AND doomed.expires_at <= now()
     RETURNING doomed.expires_at
 )
 SELECT count(*) AS deleted, max(purged.expires_at)::timestamptz AS reached
@@ -453,7 +492,7 @@ claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING existing.key
 ),
@@ -475,3 +514,37 @@ WHERE restored.setting IS NOT NULL;
 DELETE FROM idempotency_key
 WHERE scope = @scope::text
   AND key = ANY(@keys::text[]);
+
+-- name: KeyInFlightCitus :one
+-- KeyInFlightCitus is KeyInFlight for the workers of a Citus coordinator,
+-- which holds no lock of a key whose record is distributed: a call takes
+-- it on the node of its scope's shard (see KeyLockWait). It asks every
+-- worker (run_command_on_workers, which runs the text of a query on each
+-- on a connection of its own, the lock tag and id written into it as
+-- numbers) and adds their counts up; unanswered counts the workers that
+-- failed to answer.
+WITH nodes AS (
+    SELECT (to_jsonb(n)->>'success')::bool AS answered, (to_jsonb(n)->>'result') AS counts
+    FROM run_command_on_workers(format(
+        'SELECT json_build_array(count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted), '
+        'min(xact_start) FILTER (WHERE granted)) FROM idem_key_lock(%s) WHERE %s IN (0, lock_id)',
+        @lock_tag::bigint, @lock_id::bigint)) AS n
+)
+SELECT coalesce(sum((nodes.counts::jsonb->>0)::bigint) FILTER (WHERE nodes.answered), 0)::bigint AS running,
+       coalesce(sum((nodes.counts::jsonb->>1)::bigint) FILTER (WHERE nodes.answered), 0)::bigint AS waiting,
+       min((nodes.counts::jsonb->>2)::timestamptz) FILTER (WHERE nodes.answered)::timestamptz AS oldest_start,
+       count(*) FILTER (WHERE NOT nodes.answered)::bigint AS unanswered
+FROM nodes;
+
+-- name: KeySizesCitus :one
+-- KeySizesCitus is the size of idempotency_key's shards, on every node,
+-- for KeyStats on a Citus coordinator, whose own table is an empty shell.
+-- It fails when the table is not distributed.
+SELECT citus_table_size('idempotency_key'::regclass)::bigint AS table_bytes,
+       (citus_total_relation_size('idempotency_key'::regclass) - citus_table_size('idempotency_key'::regclass))::bigint AS index_bytes;
+
+-- name: CitusInstalled :one
+-- CitusInstalled reports whether the database has the citus extension (and
+-- with it Citus's catalog of distributed tables): idem then purges and
+-- measures in the forms Citus runs (docs/citus.sql).
+SELECT (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL)::bool AS installed;

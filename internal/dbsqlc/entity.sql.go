@@ -14,7 +14,7 @@ INSERT INTO entity_version (scope, entity, version)
 VALUES ($1::text, $2::text, $3::bigint)
 ON CONFLICT (scope, entity) DO UPDATE
 SET version = excluded.version,
-    updated_at = now()
+    updated_at = excluded.updated_at
 WHERE entity_version.version < excluded.version
 `
 

@@ -62,7 +62,7 @@ func (q *Queries) FlowAbandoned(ctx context.Context, arg FlowAbandonedParams) ([
 const flowAdopt = `-- name: FlowAdopt :one
 UPDATE idem_flow AS f
 SET epoch = $1::bigint,
-    leased_until = clock_timestamp() + $2::interval,
+    leased_until = statement_timestamp() + $2::interval,
     runs = f.runs + 1
 FROM (
     SELECT scope, key
@@ -116,7 +116,7 @@ func (q *Queries) FlowAdopt(ctx context.Context, arg FlowAdoptParams) (FlowAdopt
 const flowCallDone = `-- name: FlowCallDone :execrows
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = clock_timestamp() + $6::interval
+    SET leased_until = statement_timestamp() + $6::interval
     WHERE scope = $3::text
       AND key = $4::text
       AND epoch = $7::bigint
@@ -210,7 +210,7 @@ func (q *Queries) FlowCallReconciled(ctx context.Context, arg FlowCallReconciled
 const flowCallStart = `-- name: FlowCallStart :one
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = clock_timestamp() + $2::interval,
+    SET leased_until = statement_timestamp() + $2::interval,
         step = $3::text
     WHERE scope = $4::text
       AND key = $5::text
@@ -232,7 +232,7 @@ called AS (
     ON CONFLICT (scope, key, seq) DO UPDATE
     SET attempts = s.attempts + 1,
         state = 'calling',
-        first_called_at = CASE WHEN s.state = 'unsent' THEN now() ELSE s.first_called_at END
+        first_called_at = CASE WHEN s.state = 'unsent' THEN excluded.first_called_at ELSE s.first_called_at END
     WHERE s.state IN ('calling', 'unsent')
     RETURNING s.attempts
 )
@@ -336,7 +336,7 @@ SET state = 'done',
     step = NULL,
     last_error = NULL,
     completed_at = now(),
-    expires_at = now() + retention
+    expires_at = to_timestamp((extract(epoch FROM now()) + extract(epoch FROM retention))::float8)
 WHERE scope = $2::text
   AND key = $3::text
   AND epoch = $4::bigint
@@ -371,7 +371,7 @@ UPDATE idem_flow
 SET state = 'ended',
     leased_until = NULL,
     completed_at = now(),
-    expires_at = now() + retention,
+    expires_at = to_timestamp((extract(epoch FROM now()) + extract(epoch FROM retention))::float8),
     last_error = $1::text
 WHERE scope = $2::text
   AND key = $3::text
@@ -572,7 +572,7 @@ func (q *Queries) FlowInspectSteps(ctx context.Context, arg FlowInspectStepsPara
 
 const flowLease = `-- name: FlowLease :execrows
 UPDATE idem_flow
-SET leased_until = clock_timestamp() + $1::interval,
+SET leased_until = statement_timestamp() + $1::interval,
     step = $2::text
 WHERE scope = $3::text
   AND key = $4::text
@@ -643,9 +643,42 @@ func (q *Queries) FlowPurgeExpired(ctx context.Context, maxRows int32) (int64, e
 	return count, err
 }
 
+const flowPurgeExpiredCitus = `-- name: FlowPurgeExpiredCitus :one
+WITH purged AS (
+    DELETE FROM idem_flow AS f
+    WHERE (f.scope, f.key) IN (
+        SELECT expired.scope, expired.key
+        FROM idem_flow AS expired
+        WHERE expired.expires_at <= now()
+        ORDER BY expired.expires_at
+        LIMIT $1::int
+    )
+      AND f.expires_at <= now()
+    RETURNING f.scope, f.key
+),
+steps AS (
+    DELETE FROM idem_flow_step AS s
+    USING purged
+    WHERE s.scope = purged.scope
+      AND s.key = purged.key
+)
+SELECT count(*) FROM purged
+`
+
+// FlowPurgeExpiredCitus is FlowPurgeExpired for a database with Citus (see
+// KeyPurgeExpiredCitus): no row locks, the expiry checked again on the row
+// it deletes.
+func (q *Queries) FlowPurgeExpiredCitus(ctx context.Context, maxRows int32) (int64, error) {
+	row := q.db.QueryRow(ctx, flowPurgeExpiredCitus, maxRows)
+	var count int64
+	err := row.Scan(&count)
+	return count, err
+}
+
 const flowRelease = `-- name: FlowRelease :execrows
+
 UPDATE idem_flow
-SET leased_until = least(leased_until, clock_timestamp()),
+SET leased_until = least(leased_until, statement_timestamp()),
     last_error = $1::text
 WHERE scope = $2::text
   AND key = $3::text
@@ -660,6 +693,10 @@ type FlowReleaseParams struct {
 	Epoch     int64
 }
 
+// (FlowComplete and FlowEnd date the expiry as now() + retention in
+// seconds: Citus refuses timestamptz + interval, a stable operator, on a
+// column in an UPDATE of a distributed table. A retention is a duration,
+// with no days or months, so the two are the same.)
 // FlowRelease gives the lease up when the flow's function returned an
 // error or its context ended, so that a retry takes the flow over at once
 // instead of waiting for the lease to run out; the error is kept for
@@ -697,7 +734,7 @@ restarted AS (
         provider_namespace = (SELECT id FROM idem_installation),
         operation = NULL,
         epoch = $6::bigint,
-        leased_until = clock_timestamp() + $7::interval,
+        leased_until = statement_timestamp() + $7::interval,
         step = NULL,
         runs = 1,
         last_error = NULL,
@@ -795,7 +832,13 @@ type FlowStartRow struct {
 // it expired (FlowRestart), takes it over if its lease ran out
 // (FlowTakeOver), or judges it (FlowGet), in the same round trip. Leases
 // are dated by the clock, not by the start of the transaction, which may
-// have waited. Stored values are sent as text, as KeyInsert's are.
+// have waited: clock_timestamp() here and in SELECTs; in UPDATEs,
+// statement_timestamp(), when the server received the statement, since
+// Citus refuses volatile functions in an UPDATE of a distributed table
+// (it evaluates statement_timestamp() on the coordinator). Either is no
+// earlier than the moment the executor sent the statement, from which it
+// counts its lease (flow_lease.go). Stored values are sent as text, as
+// KeyInsert's are.
 // Without a row to see, the INSERT is not tried: the unique index would
 // otherwise wait for a transaction that holds the row (a local step's).
 func (q *Queries) FlowStart(ctx context.Context, arg FlowStartParams) (FlowStartRow, error) {
@@ -966,7 +1009,7 @@ func (q *Queries) FlowStop(ctx context.Context, arg FlowStopParams) (int64, erro
 const flowTakeOver = `-- name: FlowTakeOver :one
 UPDATE idem_flow AS f
 SET epoch = $1::bigint,
-    leased_until = clock_timestamp() + $2::interval,
+    leased_until = statement_timestamp() + $2::interval,
     runs = f.runs + 1
 FROM (
     SELECT scope, key
@@ -976,7 +1019,7 @@ FROM (
       AND name = $5::text
       AND fingerprint = $6::bytea
       AND state = 'running'
-      AND leased_until <= clock_timestamp()
+      AND leased_until <= statement_timestamp()
     FOR UPDATE SKIP LOCKED
 ) AS free
 WHERE f.scope = free.scope

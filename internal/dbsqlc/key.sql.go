@@ -11,6 +11,20 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+const citusInstalled = `-- name: CitusInstalled :one
+SELECT (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL)::bool AS installed
+`
+
+// CitusInstalled reports whether the database has the citus extension (and
+// with it Citus's catalog of distributed tables): idem then purges and
+// measures in the forms Citus runs (docs/citus.sql).
+func (q *Queries) CitusInstalled(ctx context.Context) (bool, error) {
+	row := q.db.QueryRow(ctx, citusInstalled)
+	var installed bool
+	err := row.Scan(&installed)
+	return installed, err
+}
+
 const keyClaim = `-- name: KeyClaim :one
 WITH claimed AS (
     INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, expires_at)
@@ -22,7 +36,7 @@ WITH claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 )
@@ -159,7 +173,7 @@ claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 ),
@@ -231,7 +245,7 @@ claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 ),
@@ -437,6 +451,52 @@ func (q *Queries) KeyInFlight(ctx context.Context, arg KeyInFlightParams) (KeyIn
 	return i, err
 }
 
+const keyInFlightCitus = `-- name: KeyInFlightCitus :one
+WITH nodes AS (
+    SELECT (to_jsonb(n)->>'success')::bool AS answered, (to_jsonb(n)->>'result') AS counts
+    FROM run_command_on_workers(format(
+        'SELECT json_build_array(count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted), '
+        'min(xact_start) FILTER (WHERE granted)) FROM idem_key_lock(%s) WHERE %s IN (0, lock_id)',
+        $1::bigint, $2::bigint)) AS n
+)
+SELECT coalesce(sum((nodes.counts::jsonb->>0)::bigint) FILTER (WHERE nodes.answered), 0)::bigint AS running,
+       coalesce(sum((nodes.counts::jsonb->>1)::bigint) FILTER (WHERE nodes.answered), 0)::bigint AS waiting,
+       min((nodes.counts::jsonb->>2)::timestamptz) FILTER (WHERE nodes.answered)::timestamptz AS oldest_start,
+       count(*) FILTER (WHERE NOT nodes.answered)::bigint AS unanswered
+FROM nodes
+`
+
+type KeyInFlightCitusParams struct {
+	LockTag int64
+	LockID  int64
+}
+
+type KeyInFlightCitusRow struct {
+	Running     int64
+	Waiting     int64
+	OldestStart pgtype.Timestamptz
+	Unanswered  int64
+}
+
+// KeyInFlightCitus is KeyInFlight for the workers of a Citus coordinator,
+// which holds no lock of a key whose record is distributed: a call takes
+// it on the node of its scope's shard (see KeyLockWait). It asks every
+// worker (run_command_on_workers, which runs the text of a query on each
+// on a connection of its own, the lock tag and id written into it as
+// numbers) and adds their counts up; unanswered counts the workers that
+// failed to answer.
+func (q *Queries) KeyInFlightCitus(ctx context.Context, arg KeyInFlightCitusParams) (KeyInFlightCitusRow, error) {
+	row := q.db.QueryRow(ctx, keyInFlightCitus, arg.LockTag, arg.LockID)
+	var i KeyInFlightCitusRow
+	err := row.Scan(
+		&i.Running,
+		&i.Waiting,
+		&i.OldestStart,
+		&i.Unanswered,
+	)
+	return i, err
+}
+
 const keyInsert = `-- name: KeyInsert :exec
 WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
@@ -608,19 +668,27 @@ func (q *Queries) KeyLock(ctx context.Context, arg KeyLockParams) (KeyLockRow, e
 const keyLockWait = `-- name: KeyLockWait :exec
 WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
-           set_config('lock_timeout', $1::text, true) AS applied
+           set_config('lock_timeout', $3::text, true) AS applied
 ),
 waited AS MATERIALIZED (
-    SELECT pg_advisory_xact_lock($2::bigint)::text AS done
+    SELECT pg_advisory_xact_lock($4::bigint)::text AS done
     FROM budget
     WHERE budget.applied IS NOT NULL
 )
 SELECT set_config('lock_timeout', budget.saved, waited.done IS NOT NULL)
 FROM budget
 CROSS JOIN waited
+WHERE NOT EXISTS (
+    SELECT FROM idempotency_key
+    WHERE scope = $1::text
+      AND key = $2::text
+    LIMIT 0
+)
 `
 
 type KeyLockWaitParams struct {
+	Scope       string
+	Key         string
 	LockTimeout string
 	LockID      int64
 }
@@ -628,8 +696,18 @@ type KeyLockWaitParams struct {
 // KeyLockWait waits for the key's lock under the wait budget, then restores
 // the caller's lock_timeout, in one statement: reading waited runs the wait
 // before the restore.
+//
+// It names the key's row, which it never reads (LIMIT 0), so that Citus
+// runs it on the node of the scope's shard, where KeyLock, whose lookup
+// names the row too, took the lock (see docs/large-deployments.md): on
+// PostgreSQL the lookup is never executed.
 func (q *Queries) KeyLockWait(ctx context.Context, arg KeyLockWaitParams) error {
-	_, err := q.db.Exec(ctx, keyLockWait, arg.LockTimeout, arg.LockID)
+	_, err := q.db.Exec(ctx, keyLockWait,
+		arg.Scope,
+		arg.Key,
+		arg.LockTimeout,
+		arg.LockID,
+	)
 	return err
 }
 
@@ -687,6 +765,49 @@ func (q *Queries) KeyPurgeExpired(ctx context.Context, arg KeyPurgeExpiredParams
 	return i, err
 }
 
+const keyPurgeExpiredCitus = `-- name: KeyPurgeExpiredCitus :one
+WITH purged AS (
+    DELETE FROM idempotency_key AS doomed
+    WHERE (doomed.scope, doomed.key) IN (
+        SELECT expired.scope, expired.key
+        FROM idempotency_key AS expired
+        WHERE expired.expires_at <= now()
+          AND expired.expires_at >= $1::timestamptz
+        ORDER BY expired.expires_at
+        LIMIT $2::int
+    )
+      AND doomed.expires_at <= now()
+    RETURNING doomed.expires_at
+)
+SELECT count(*) AS deleted, max(purged.expires_at)::timestamptz AS reached
+FROM purged
+`
+
+type KeyPurgeExpiredCitusParams struct {
+	After   pgtype.Timestamptz
+	MaxRows int32
+}
+
+type KeyPurgeExpiredCitusRow struct {
+	Deleted int64
+	Reached pgtype.Timestamptz
+}
+
+// KeyPurgeExpiredCitus is KeyPurgeExpired for a database with Citus,
+// where row locks are refused in a statement that spans shards: it
+// deletes by primary key what its subquery found, without locking it
+// first, and checks the expiry again on the row it deletes, so that a
+// record a claim took over (at REPEATABLE READ, with a new expiry) after
+// the subquery saw it is left alone. Such a row is waited for, not
+// skipped. It works on tables Citus distributes and on tables it does
+// not.
+func (q *Queries) KeyPurgeExpiredCitus(ctx context.Context, arg KeyPurgeExpiredCitusParams) (KeyPurgeExpiredCitusRow, error) {
+	row := q.db.QueryRow(ctx, keyPurgeExpiredCitus, arg.After, arg.MaxRows)
+	var i KeyPurgeExpiredCitusRow
+	err := row.Scan(&i.Deleted, &i.Reached)
+	return i, err
+}
+
 const keyReclaimBatch = `-- name: KeyReclaimBatch :many
 WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
@@ -704,7 +825,7 @@ claimed AS (
         response = NULL,
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
-    WHERE existing.expires_at <= now()
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING existing.key
 ),
@@ -815,8 +936,11 @@ stored AS (
         created_at = excluded.created_at,
         expires_at = excluded.expires_at
     -- An expired record is taken over, and so is one committed in
-    -- progress, which idem never commits (see KeyClaim).
-    WHERE existing.expires_at <= now()
+    -- progress, which idem never commits (see KeyClaim). The new row's
+    -- created_at is now(), the column's default: here and in the claims
+    -- below it stands for now(), since Citus refuses a function in this
+    -- WHERE on a distributed table.
+    WHERE existing.expires_at <= excluded.created_at
        OR existing.state = 'in_progress'
     RETURNING 1
 ),
@@ -852,6 +976,26 @@ func (q *Queries) KeyReplace(ctx context.Context, arg KeyReplaceParams) error {
 		arg.Retention,
 	)
 	return err
+}
+
+const keySizesCitus = `-- name: KeySizesCitus :one
+SELECT citus_table_size('idempotency_key'::regclass)::bigint AS table_bytes,
+       (citus_total_relation_size('idempotency_key'::regclass) - citus_table_size('idempotency_key'::regclass))::bigint AS index_bytes
+`
+
+type KeySizesCitusRow struct {
+	TableBytes int64
+	IndexBytes int64
+}
+
+// KeySizesCitus is the size of idempotency_key's shards, on every node,
+// for KeyStats on a Citus coordinator, whose own table is an empty shell.
+// It fails when the table is not distributed.
+func (q *Queries) KeySizesCitus(ctx context.Context) (KeySizesCitusRow, error) {
+	row := q.db.QueryRow(ctx, keySizesCitus)
+	var i KeySizesCitusRow
+	err := row.Scan(&i.TableBytes, &i.IndexBytes)
+	return i, err
 }
 
 const keyStats = `-- name: KeyStats :one

@@ -29,6 +29,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"os/exec"
@@ -151,6 +152,12 @@ type Config struct {
 	// it, as a list of a primary and its standbys does, reaches the new
 	// server. Defaults to a port that was free when the server started.
 	Port int
+
+	// Settings are server settings (name to value) passed to postgres
+	// at start, after Start's own, which they override: for example
+	// shared_preload_libraries, to load an extension such as Citus that
+	// the installation holds. Defaults to none.
+	Settings map[string]string
 
 	// StandbyOf, when set, makes the server a streaming standby of that
 	// running server instead of a new one: its data is a base backup of
@@ -306,6 +313,9 @@ func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.C
 	}
 	if cfg.Fast {
 		args = append(args, "-c", "fsync=off", "-c", "full_page_writes=off", "-c", "synchronous_commit=off")
+	}
+	for _, name := range slices.Sorted(maps.Keys(cfg.Settings)) {
+		args = append(args, "-c", name+"="+cfg.Settings[name])
 	}
 	cmd := exec.Command(filepath.Join(s.BinDir, "postgres"), args...)
 	cmd.Env = childEnv()
