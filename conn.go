@@ -28,13 +28,30 @@ type held struct {
 	n     int
 }
 
-// heldLocks returns conn's count, or a count of its own for a connection
-// that keeps none.
-func heldLocks(conn *pgx.Conn) *held {
-	if conn == nil || conn.PgConn().CustomData() == nil {
+// txData is a pgx.Tx with no *pgx.Conn under it (idemsql's, over
+// database/sql) that keeps, for its own transaction, what idem keeps on a
+// connection.
+type txData interface{ IdemData() map[string]any }
+
+// stateOf returns where idem keeps its state for tx's transaction: the
+// connection's CustomData, or, with conn nil, the map tx keeps itself, if
+// it keeps one.
+func stateOf(tx pgx.Tx, conn *pgx.Conn) map[string]any {
+	if conn != nil {
+		return conn.PgConn().CustomData()
+	}
+	if d, ok := tx.(txData); ok {
+		return d.IdemData()
+	}
+	return nil
+}
+
+// heldLocks returns the count kept in data, or a count of its own when
+// there is no data to keep it in.
+func heldLocks(data map[string]any) *held {
+	if data == nil {
 		return &held{}
 	}
-	data := conn.PgConn().CustomData()
 	h, ok := data[heldKey].(*held)
 	if !ok {
 		h = &held{}
@@ -72,11 +89,10 @@ const runningKey = "idem.running"
 // runningKeys is the list kept under runningKey.
 type runningKeys struct{ keys []keyRef }
 
-func runningOn(c *pgx.Conn, create bool) *runningKeys {
-	if c == nil || c.PgConn().CustomData() == nil {
+func runningOn(data map[string]any, create bool) *runningKeys {
+	if data == nil {
 		return nil
 	}
-	data := c.PgConn().CustomData()
 	r, _ := data[runningKey].(*runningKeys)
 	if r == nil && create {
 		r = &runningKeys{}
@@ -88,14 +104,14 @@ func runningOn(c *pgx.Conn, create bool) *runningKeys {
 // running reports whether k's function is running on tx's connection: a
 // nested call on the same key.
 func running(tx pgx.Tx, k keyRef) bool {
-	r := runningOn(tx.Conn(), false)
+	r := runningOn(stateOf(tx, tx.Conn()), false)
 	return r != nil && slices.ContainsFunc(r.keys, k.same)
 }
 
 // enter records that k's function runs on tx's connection, until leave is
 // called with what enter returned.
 func enter(tx pgx.Tx, k keyRef) *runningKeys {
-	r := runningOn(tx.Conn(), true)
+	r := runningOn(stateOf(tx, tx.Conn()), true)
 	if r != nil {
 		r.keys = append(r.keys, k)
 	}

@@ -213,7 +213,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		}
 		conn = tx.Conn()
 	}
-	held := heldLocks(conn)
+	held := heldLocks(stateOf(tx, conn))
 	lockArg := dbsqlc.KeyLockParams{FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID}
 	var got dbsqlc.Claim
 	// A caller's transaction whose count of key locks is full claims the
