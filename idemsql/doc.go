@@ -15,7 +15,7 @@ it:
 		return p, orm.Create(&p).Error
 	})
 
-[Do], [Once] and [Advance] run in the caller's *sql.Tx; [Run] and
+[Do], [Once], [OnceEach] and [Advance] run in the caller's *sql.Tx; [Run] and
 [WithTx] begin their own on a *sql.DB; [Local] is a flow's local step;
 [Beginner] hands a *sql.DB to the calls that begin transactions
 themselves (a flow's Run and Resume, idemhttp.New, idem.Inspect), and

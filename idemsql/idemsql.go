@@ -36,7 +36,16 @@ func Run[T any](ctx context.Context, db *sql.DB, scope, key string, fp []byte,
 // Once is [idem.Once] in the caller's *sql.Tx.
 func Once(ctx context.Context, tx *sql.Tx, scope, id string, fn func(ctx context.Context, tx *sql.Tx) error, opts ...idem.Option) (bool, error) {
 	return idem.Once(ctx, wrap(tx), scope, id, func(ctx context.Context, ptx pgx.Tx) error {
-		return fn(ctx, sqlTxOf(ptx))
+		return driverError(fn(ctx, sqlTxOf(ptx)))
+	}, opts...)
+}
+
+// OnceEach is [idem.OnceEach] in the caller's *sql.Tx: a batch of
+// messages claimed in one statement, fn called with tx for each id not
+// handled before.
+func OnceEach(ctx context.Context, tx *sql.Tx, scope string, ids []string, fn func(ctx context.Context, tx *sql.Tx, i int) error, opts ...idem.Option) ([]bool, error) {
+	return idem.OnceEach(ctx, wrap(tx), scope, ids, func(ctx context.Context, ptx pgx.Tx, i int) error {
+		return driverError(fn(ctx, sqlTxOf(ptx), i))
 	}, opts...)
 }
 
@@ -51,7 +60,7 @@ func Advance(ctx context.Context, tx *sql.Tx, scope, entity string, version int6
 // returns nil.
 func WithTx(ctx context.Context, db *sql.DB, txOptions pgx.TxOptions, fn func(ctx context.Context, tx *sql.Tx) error) error {
 	return idem.WithTx(ctx, Beginner(db), txOptions, func(ctx context.Context, ptx pgx.Tx) error {
-		return fn(ctx, sqlTxOf(ptx))
+		return driverError(fn(ctx, sqlTxOf(ptx)))
 	})
 }
 
@@ -64,7 +73,8 @@ func Local[T any](s *idem.Steps, name string, fn func(ctx context.Context, tx *s
 			var zero T
 			return zero, fmt.Errorf("idemsql: step %q: the flow runs on pgx: run it on idemsql.Beginner(db), or use idem.Local", name)
 		}
-		return fn(ctx, tx)
+		v, err := fn(ctx, tx)
+		return v, driverError(err)
 	})
 }
 
@@ -80,8 +90,16 @@ func Unwrap(tx pgx.Tx) (_ *sql.Tx, ok bool) {
 	return t.tx, true
 }
 
+// withSQLTx gives fn the *sql.Tx. Every function of the caller's passes
+// its error through driverError, so that a server's error from the
+// function's own statements (a serialization failure on lib/pq, whose
+// *pq.Error is no *pgconn.PgError) is recognised as on pgx: Run and WithTx
+// retry it.
 func withSQLTx[T any](fn func(ctx context.Context, tx *sql.Tx) (T, error)) func(context.Context, pgx.Tx) (T, error) {
-	return func(ctx context.Context, ptx pgx.Tx) (T, error) { return fn(ctx, sqlTxOf(ptx)) }
+	return func(ctx context.Context, ptx pgx.Tx) (T, error) {
+		v, err := fn(ctx, sqlTxOf(ptx))
+		return v, driverError(err)
+	}
 }
 
 // sqlTxOf is the *sql.Tx of a transaction this package made: idem hands
