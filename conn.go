@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"reflect"
 	"slices"
 	"time"
 
@@ -26,6 +27,10 @@ const heldKey = "idem.held"
 type held struct {
 	since time.Time
 	n     int
+	// tx is the transaction whose claims were counted last: until
+	// KeyLock reads the start of the next transaction on the connection,
+	// the count is the previous one's (see of).
+	tx pgx.Tx
 }
 
 // txData is a pgx.Tx with no *pgx.Conn under it (idemsql's, over
@@ -69,9 +74,29 @@ func (h *held) fullSince() pgtype.Timestamptz {
 	return pgtype.Timestamptz{Time: h.since, Valid: true}
 }
 
-// count adds what KeyLock did to the count of its transaction. A lock that
-// was busy is counted too: the claim waits for it, and then holds it.
-func (h *held) count(lock dbsqlc.KeyLockRow) {
+// of reports whether the count is tx's own before KeyLock has read its
+// transaction's start: a count kept per transaction (conn nil, idemsql's)
+// always is; a connection's is when its last claim came through the same
+// pgx.Tx. A count left from the connection's previous transaction would
+// otherwise send KeyClaimIfFull, whose INSERT a read-only transaction
+// refuses even where it would write nothing. A caller that wraps one
+// transaction in a new pgx.Tx for each call gets the claim's round trip
+// of its own past MaxKeyLocks (KeyLock skips the lock all the same).
+func (h *held) of(tx pgx.Tx, conn *pgx.Conn) bool {
+	if conn == nil {
+		return true
+	}
+	if h.tx == nil || tx == nil {
+		return false
+	}
+	t := reflect.TypeOf(tx)
+	return t == reflect.TypeOf(h.tx) && t.Comparable() && h.tx == tx
+}
+
+// count adds what KeyLock did to the count of tx, its transaction. A lock
+// that was busy is counted too: the claim waits for it, and then holds it.
+func (h *held) count(lock dbsqlc.KeyLockRow, tx pgx.Tx) {
+	h.tx = tx
 	if !lock.TxStart.Time.Equal(h.since) {
 		h.since, h.n = lock.TxStart.Time, 0
 	}
