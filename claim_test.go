@@ -321,6 +321,40 @@ func TestReadOnlyTransactionsAreRefused(t *testing.T) {
 	}
 }
 
+// TestAReadOnlyTransactionAfterAFullOneIsRefusedCleanly runs, on one
+// connection, a transaction that fills its count of key locks and then a
+// read-only one: the count left from the first must not make the second's
+// claim send the statement that writes a record past MaxKeyLocks, which a
+// read-only transaction refuses with a raw error that aborts it.
+func TestAReadOnlyTransactionAfterAFullOneIsRefusedCleanly(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	var ran atomic.Int64
+	if err := pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{}, func(tx pgx.Tx) error {
+		onceAll(t, ctx, tx, scope, "full", idem.MaxKeyLocks+1, &ran)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	err = pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		if _, err := idem.Do(ctx, tx, scope, "k", fpA, pay(scope, "k", 1, &calls)); !errors.Is(err, idem.ErrReadOnly) {
+			t.Errorf("Do got %v, want ErrReadOnly", err)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Errorf("the read-only transaction was not usable after the refusal: %v", err)
+	}
+	if calls.Load() != 0 {
+		t.Errorf("fn ran %d times, want 0", calls.Load())
+	}
+}
+
 // TestIdleTimeoutFreesTheKeyOfAClientThatVanished claims a key through a
 // proxy that then stops forwarding, without closing anything: the client
 // is gone, its session is not. With WithIdleTimeout the server ends that

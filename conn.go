@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"reflect"
 	"slices"
 	"time"
 
@@ -26,15 +27,36 @@ const heldKey = "idem.held"
 type held struct {
 	since time.Time
 	n     int
+	// tx is the transaction whose claims were counted last: until
+	// KeyLock reads the start of the next transaction on the connection,
+	// the count is the previous one's (see of).
+	tx pgx.Tx
 }
 
-// heldLocks returns conn's count, or a count of its own for a connection
-// that keeps none.
-func heldLocks(conn *pgx.Conn) *held {
-	if conn == nil || conn.PgConn().CustomData() == nil {
+// txData is a pgx.Tx with no *pgx.Conn under it (idemsql's, over
+// database/sql) that keeps, for its own transaction, what idem keeps on a
+// connection.
+type txData interface{ IdemData() map[string]any }
+
+// stateOf returns where idem keeps its state for tx's transaction: the
+// connection's CustomData, or, with conn nil, the map tx keeps itself, if
+// it keeps one.
+func stateOf(tx pgx.Tx, conn *pgx.Conn) map[string]any {
+	if conn != nil {
+		return conn.PgConn().CustomData()
+	}
+	if d, ok := tx.(txData); ok {
+		return d.IdemData()
+	}
+	return nil
+}
+
+// heldLocks returns the count kept in data, or a count of its own when
+// there is no data to keep it in.
+func heldLocks(data map[string]any) *held {
+	if data == nil {
 		return &held{}
 	}
-	data := conn.PgConn().CustomData()
 	h, ok := data[heldKey].(*held)
 	if !ok {
 		h = &held{}
@@ -52,9 +74,29 @@ func (h *held) fullSince() pgtype.Timestamptz {
 	return pgtype.Timestamptz{Time: h.since, Valid: true}
 }
 
-// count adds what KeyLock did to the count of its transaction. A lock that
-// was busy is counted too: the claim waits for it, and then holds it.
-func (h *held) count(lock dbsqlc.KeyLockRow) {
+// of reports whether the count is tx's own before KeyLock has read its
+// transaction's start: a count kept per transaction (conn nil, idemsql's)
+// always is; a connection's is when its last claim came through the same
+// pgx.Tx. A count left from the connection's previous transaction would
+// otherwise send KeyClaimIfFull, whose INSERT a read-only transaction
+// refuses even where it would write nothing. A caller that wraps one
+// transaction in a new pgx.Tx for each call gets the claim's round trip
+// of its own past MaxKeyLocks (KeyLock skips the lock all the same).
+func (h *held) of(tx pgx.Tx, conn *pgx.Conn) bool {
+	if conn == nil {
+		return true
+	}
+	if h.tx == nil || tx == nil {
+		return false
+	}
+	t := reflect.TypeOf(tx)
+	return t == reflect.TypeOf(h.tx) && t.Comparable() && h.tx == tx
+}
+
+// count adds what KeyLock did to the count of tx, its transaction. A lock
+// that was busy is counted too: the claim waits for it, and then holds it.
+func (h *held) count(lock dbsqlc.KeyLockRow, tx pgx.Tx) {
+	h.tx = tx
 	if !lock.TxStart.Time.Equal(h.since) {
 		h.since, h.n = lock.TxStart.Time, 0
 	}
@@ -72,11 +114,10 @@ const runningKey = "idem.running"
 // runningKeys is the list kept under runningKey.
 type runningKeys struct{ keys []keyRef }
 
-func runningOn(c *pgx.Conn, create bool) *runningKeys {
-	if c == nil || c.PgConn().CustomData() == nil {
+func runningOn(data map[string]any, create bool) *runningKeys {
+	if data == nil {
 		return nil
 	}
-	data := c.PgConn().CustomData()
 	r, _ := data[runningKey].(*runningKeys)
 	if r == nil && create {
 		r = &runningKeys{}
@@ -88,14 +129,14 @@ func runningOn(c *pgx.Conn, create bool) *runningKeys {
 // running reports whether k's function is running on tx's connection: a
 // nested call on the same key.
 func running(tx pgx.Tx, k keyRef) bool {
-	r := runningOn(tx.Conn(), false)
+	r := runningOn(stateOf(tx, tx.Conn()), false)
 	return r != nil && slices.ContainsFunc(r.keys, k.same)
 }
 
 // enter records that k's function runs on tx's connection, until leave is
 // called with what enter returned.
 func enter(tx pgx.Tx, k keyRef) *runningKeys {
-	r := runningOn(tx.Conn(), true)
+	r := runningOn(stateOf(tx, tx.Conn()), true)
 	if r != nil {
 		r.keys = append(r.keys, k)
 	}

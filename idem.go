@@ -213,13 +213,13 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		}
 		conn = tx.Conn()
 	}
-	held := heldLocks(conn)
+	held := heldLocks(stateOf(tx, conn))
 	lockArg := dbsqlc.KeyLockParams{FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID}
 	var got dbsqlc.Claim
 	// A caller's transaction whose count of key locks is full claims the
 	// key by its record in progress in the claim's own round trip
 	// (KeyClaimIfFull), then reads the record again (again, foundAgain).
-	full := tx != nil && held.n >= MaxKeyLocks
+	full := tx != nil && held.n >= MaxKeyLocks && held.of(tx, conn)
 	var ifFull dbsqlc.KeyClaimIfFullRow
 	var again dbsqlc.KeyGetRow
 	var foundAgain bool
@@ -280,7 +280,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	lock, rec, found := got.Lock, &got.Rec, &got.Found
 	var waited time.Duration
 	get := dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}
-	held.count(lock)
+	held.count(lock, tx)
 	if lock.ReadOnly {
 		return claimed{outcome: outcomeInvalid}, tx, errReadOnly
 	}
