@@ -199,11 +199,24 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 	sent := time.Now()
 	// The intent commits with what is pending (the local step before, or
 	// the call's before), in one round trip, and before the call.
+	// A call that no earlier run recorded (the flow's steps were read as
+	// it was claimed, and only this epoch writes steps since) inserts its
+	// row without ON CONFLICT (FlowCallStartNew), and is not resumed.
 	var start dbsqlc.FlowCallStartRow
+	var started dbsqlc.FlowCallStartNewRow
+	_, earlier := r.recorded[seq]
 	err := r.flush(ctx, func(b *pgx.Batch) {
+		if !earlier {
+			dbsqlc.QueueFlowCallStartNew(b, dbsqlc.FlowCallStartNewParams{Lease: pgtime.Interval(r.o.lease), Step: name,
+				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq}, &started)
+			return
+		}
 		dbsqlc.QueueFlowCallStart(b, dbsqlc.FlowCallStartParams{Lease: pgtime.Interval(r.o.lease), Step: name,
 			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq, CallWindow: pgtime.Interval(r.o.providerWindow)}, &start)
 	})
+	if !earlier {
+		start = dbsqlc.FlowCallStartRow{Leased: started.Leased, Attempts: started.Attempts}
+	}
 	switch {
 	case errors.Is(err, ErrLeaseLost):
 		return zero, err

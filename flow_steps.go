@@ -132,10 +132,14 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	case pipelined:
 		b := &pgx.Batch{}
 		b.BeginTx(opts)
-		if carries {
-			dbsqlc.QueueFlowCallDone(b, *r.result, &recorded)
-		}
+		// The lease first: it holds the flow's row, so that the call's
+		// result, recorded after it, need not write that row again.
 		dbsqlc.QueueFlowLease(b, lease, &leased)
+		if carries {
+			res := r.result
+			dbsqlc.QueueFlowCallDoneHeld(b, dbsqlc.FlowCallDoneHeldParams{Result: res.Result, Reconciled: res.Reconciled,
+				Scope: res.Scope, Key: res.Key, Epoch: res.Epoch, Seq: res.Seq}, &recorded)
+		}
 		results := conn.SendBatch(ctx, b)
 		tx = results.Tx()
 		err = results.Close()

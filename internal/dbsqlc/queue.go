@@ -187,10 +187,24 @@ func QueueFlowCallStart(b *pgx.Batch, arg FlowCallStartParams, row *FlowCallStar
 	})
 }
 
+// QueueFlowCallStartNew queues FlowCallStartNew on b; row is filled in
+// when the batch's results are read.
+func QueueFlowCallStartNew(b *pgx.Batch, arg FlowCallStartNewParams, row *FlowCallStartNewRow) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowCallStartNew(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return r.Scan(&row.Leased, &row.Attempts)
+	})
+}
+
 // QueueFlowCallDone queues FlowCallDone on b; n is set to the rows it
 // affected when the batch's results are read.
 func QueueFlowCallDone(b *pgx.Batch, arg FlowCallDoneParams, n *int64) {
 	queueRows(b, func(q *Queries) { _, _ = q.FlowCallDone(context.Background(), arg) }, n)
+}
+
+// QueueFlowCallDoneHeld queues FlowCallDoneHeld on b, as
+// QueueFlowCallDone does.
+func QueueFlowCallDoneHeld(b *pgx.Batch, arg FlowCallDoneHeldParams, n *int64) {
+	queueRows(b, func(q *Queries) { _, _ = q.FlowCallDoneHeld(context.Background(), arg) }, n)
 }
 
 // QueueFlowComplete queues FlowComplete on b, as QueueFlowCallDone does.
