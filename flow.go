@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -323,6 +324,9 @@ func pollDelay(attempt int) time.Duration {
 // execute runs the flow's function as the executor r, and records its
 // answer, or gives the lease up when it fails.
 func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Result[Out], err error) {
+	// Whatever is still pending when it returns (its lease lost, the flow
+	// stopped) is not the executor's to commit.
+	defer r.discard(ctx)
 	defer func() {
 		if p := recover(); p != nil {
 			r.returned.Store(true)
@@ -353,20 +357,29 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 		r.release(ctx, err.Error())
 		return Result[Out]{}, fmt.Errorf("idem: flow %q: answer: %w", f.name, err)
 	}
+	// The answer commits with what is pending: the last local step, or
+	// the last call's result.
 	var n int64
-	err = onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
-		n, err = q.FlowComplete(ctx, dbsqlc.FlowCompleteParams{Output: pgtype.Text{String: string(output), Valid: true},
-			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
-		return err
+	err = r.flush(ctx, func(b *pgx.Batch) {
+		dbsqlc.QueueFlowComplete(b, dbsqlc.FlowCompleteParams{Output: pgtype.Text{String: string(output), Valid: true},
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 	})
-	if err != nil {
+	switch {
+	case errors.Is(err, ErrLeaseLost):
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: record answer: %w", f.name, err)
+	case err != nil:
 		r.release(ctx, err.Error())
-		return Result[Out]{}, translate(fmt.Sprintf("idem: flow %q: record answer", f.name), err)
-	}
-	if n == 0 {
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: record answer: %w", f.name, err)
+	case n == 0:
 		return Result[Out]{}, fmt.Errorf("idem: flow %q: record answer: %w", f.name, r.lostError())
 	}
 	r.obs.flowCompleted()
+	// As Run's first execution: a context that ended before the COMMIT
+	// returned may have cut its wait for a synchronous standby short, and
+	// the answer is then not given (a retry replays it).
+	if err := commitConfirmed(ctx); err != nil {
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: %w", f.name, err)
+	}
 	return Result[Out]{Value: out}, nil
 }
 
@@ -396,6 +409,14 @@ type flowRun struct {
 	// stepping is set while a step runs, returned once the function has
 	// returned: steps run one at a time, inside the function.
 	stepping, returned atomic.Bool
+	// open is the last local step's transaction, left open, and result
+	// the last call's result, not recorded yet (see flow_pending.go).
+	// failed is the error of an open step that committed alone
+	// (commitIdle); mu guards the three.
+	mu     sync.Mutex
+	open   *openStep
+	failed error
+	result *dbsqlc.FlowCallDoneParams
 }
 
 // newFlowRun returns the run of the executor that claimed the flow under

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
@@ -27,9 +28,12 @@ import (
 // key, and a flow started again after an asynchronous failover lost its
 // row sends the keys its first run sent. [InspectFlow] shows it.
 //
-// Before fn is called, the step's intent is recorded, in a short
-// transaction of its own; once fn returns a value, the value (its result,
-// stored as JSON) is recorded in another. A step with a recorded result
+// Before fn is called, the step's intent is recorded, committed with the
+// local step before it, if that one is still open (see [Local]); once fn
+// returns a value, the value (its result, stored as JSON) is recorded with
+// the flow's next statement, in its transaction (the next step's, or the
+// answer's), or at once for an [AtMostOnce] call. A process that dies
+// before then calls again, with the same provider key. A step with a recorded result
 // never runs again: when the flow runs again, Call returns the result
 // without calling fn.
 //
@@ -193,15 +197,31 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 ) (T, error) {
 	var zero T
 	sent := time.Now()
+	// The intent commits with what is pending (the local step before, or
+	// the call's before), in one round trip, and before the call.
+	// A call that no earlier run recorded (the flow's steps were read as
+	// it was claimed, and only this epoch writes steps since) inserts its
+	// row without ON CONFLICT (FlowCallStartNew), and is not resumed.
 	var start dbsqlc.FlowCallStartRow
-	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
-		start, err = q.FlowCallStart(ctx, dbsqlc.FlowCallStartParams{Lease: pgtime.Interval(r.o.lease), Step: name,
-			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq, CallWindow: pgtime.Interval(r.o.providerWindow)})
-		return err
+	var started dbsqlc.FlowCallStartNewRow
+	_, earlier := r.recorded[seq]
+	err := r.flush(ctx, func(b *pgx.Batch) {
+		if !earlier {
+			dbsqlc.QueueFlowCallStartNew(b, dbsqlc.FlowCallStartNewParams{Lease: pgtime.Interval(r.o.lease), Step: name,
+				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq}, &started)
+			return
+		}
+		dbsqlc.QueueFlowCallStart(b, dbsqlc.FlowCallStartParams{Lease: pgtime.Interval(r.o.lease), Step: name,
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq, CallWindow: pgtime.Interval(r.o.providerWindow)}, &start)
 	})
+	if !earlier {
+		start = dbsqlc.FlowCallStartRow{Leased: started.Leased, Attempts: started.Attempts}
+	}
 	switch {
+	case errors.Is(err, ErrLeaseLost):
+		return zero, err
 	case err != nil:
-		return zero, translate("record the call's intent", err)
+		return zero, fmt.Errorf("record the call's intent: %w", err)
 	case !start.Leased, start.Attempts == 0:
 		return zero, r.lostError()
 	}
@@ -231,7 +251,7 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 				return zero, fmt.Errorf("lookup: %w", err)
 			case got.found:
 				r.obs.reconciled(reconcileFound)
-				return recordCall(ctx, r, seq, name, got.value, reconcileFound)
+				return recordCall(ctx, r, seq, name, got.value, reconcileFound, co.atMostOnce)
 			}
 			r.obs.reconciled(reconcileNotFound)
 			r.noteReconcile(ctx, seq, reconcileNotFound)
@@ -251,7 +271,7 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 		}
 		return zero, err
 	}
-	return recordCall(ctx, r, seq, name, value, "")
+	return recordCall(ctx, r, seq, name, value, "", co.atMostOnce)
 }
 
 // lookedUp is what a call's lookup found.
@@ -262,26 +282,24 @@ type lookedUp[T any] struct {
 
 // recordCall records the call's result, value (FlowCallDone), which a
 // lookup found when reconciled says so, and returns it as a resumed run
-// would get it. A value that cannot be stored stops the flow.
-func recordCall[T any](ctx context.Context, r *flowRun, seq int32, name string, value T, reconciled string) (T, error) {
+// would get it. A value that cannot be stored stops the flow. The record
+// is sent with the flow's next statement (flowRun.flush), in its
+// transaction; an AtMostOnce call's (now) commits at once, since losing
+// it to a crash would stop the flow.
+func recordCall[T any](ctx context.Context, r *flowRun, seq int32, name string, value T, reconciled string, now bool) (T, error) {
 	var zero T
 	encoded, err := encodeResponse(value, r.k.scope, r.o)
 	if err != nil {
 		return zero, errors.Join(err, r.stop(ctx, fmt.Sprintf("step %q: the call's result cannot be stored (%v); "+
 			"the other system applied the call, and calling it again would give the same result: settle it by hand", name, err)))
 	}
-	var n int64
-	err = onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
-		n, err = q.FlowCallDone(ctx, dbsqlc.FlowCallDoneParams{Result: pgtype.Text{String: string(encoded), Valid: true},
-			Reconciled: pgtype.Text{String: reconciled, Valid: reconciled != ""},
-			Scope:      r.k.scope, Key: r.k.key, Seq: seq, Lease: pgtime.Interval(r.o.lease), Epoch: r.epoch})
-		return err
-	})
-	if err != nil {
-		return zero, translate("record the call's result", err)
-	}
-	if n == 0 {
-		return zero, r.lostError()
+	r.result = &dbsqlc.FlowCallDoneParams{Result: pgtype.Text{String: string(encoded), Valid: true},
+		Reconciled: pgtype.Text{String: reconciled, Valid: reconciled != ""},
+		Scope:      r.k.scope, Key: r.k.key, Seq: seq, Lease: pgtime.Interval(r.o.lease), Epoch: r.epoch}
+	if now {
+		if err := r.flush(ctx, nil); err != nil {
+			return zero, err
+		}
 	}
 	return decodedResult[T](r, encoded)
 }

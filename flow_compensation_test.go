@@ -31,7 +31,9 @@ import (
 // Where the compensation child kills itself.
 const (
 	crashAfterRelease = "after-release" // the warehouse released the stock; the release is not recorded
-	crashAfterDecline = "after-decline" // the decline is recorded; the release was not made
+	// crashAfterDecline: the decline is recorded (it commits with the
+	// release's intent); the release was not made.
+	crashAfterDecline = "after-decline"
 )
 
 // warehouse is the warehouse of compensationFlow, over HTTP: it holds and
@@ -117,8 +119,8 @@ func compensationFlow(name, base, at string) *idem.Flow[Order, Receipt] {
 		}
 		// Declined: a definite failure, recorded with the call. Undo the
 		// hold, exactly once, with a provider key of its own.
-		kill(crashAfterDecline)
 		if _, err := idem.Call(s, "release-stock", func(ctx context.Context, key string) (string, error) {
+			kill(crashAfterDecline)
 			out, err := post(ctx, "/release", url.Values{"key": {key}})
 			if err == nil {
 				kill(crashAfterRelease)

@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -38,8 +39,21 @@ const crashEnv = "IDEM_FLOW_CRASH"
 
 // Where the child kills or freezes itself.
 const (
-	crashAfterCall  = "after-call"  // the provider applied the call; its result is not recorded
-	crashBeforeCall = "before-call" // the local step committed; the call was not made
+	crashAfterCall = "after-call" // the provider applied the call; its result is not recorded
+	// crashBeforeCall: the local step committed, with the call's intent;
+	// the call was not made.
+	crashBeforeCall = "before-call"
+	// crashBeforeCommit: the local step's function returned; its
+	// transaction, left open for the call's intent, did not commit.
+	crashBeforeCommit = "before-commit"
+	// crashInCommit: the local step's record, the call's intent and
+	// COMMIT were sent in one round trip; the process dies before it
+	// reads the COMMIT's answer, so the server may or may not have
+	// committed (see crashingTracer).
+	crashInCommit = "in-commit"
+	// crashAfterCallReturned: the call returned its result, which is
+	// recorded only with the flow's next statement (the answer here).
+	crashAfterCallReturned = "after-call-returned"
 	// freezeAfterIntent: the call's intent is recorded and the call is
 	// about to be made (the start of its span).
 	freezeAfterIntent = "freeze-after-intent"
@@ -136,13 +150,14 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.O
 		if err != nil {
 			return chargeOut{}, err
 		}
-		kill(crashBeforeCall)
+		kill(crashBeforeCommit)
 		ref := s.Scope() + "/" + s.Key()
 		var callOpts []idem.CallOption
 		if reconcile != nil && *reconcile {
 			callOpts = append(callOpts, reconcileOverHTTP(providerURL, ref))
 		}
 		chargeID, err := idem.Call(s, "charge", func(ctx context.Context, providerKey string) (string, error) {
+			kill(crashBeforeCall)
 			q := url.Values{"key": {providerKey}, "ref": {ref}, "amount": {strconv.FormatInt(in.Amount, 10)}}
 			req, err := http.NewRequestWithContext(ctx, http.MethodPost, providerURL+"?"+q.Encode(), nil)
 			if err != nil {
@@ -164,6 +179,7 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.O
 		if err != nil {
 			return chargeOut{}, err
 		}
+		kill(crashAfterCallReturned)
 		return chargeOut{PaymentID: id, ChargeID: chargeID}, nil
 	}, append([]idem.Option{idem.WithLease(crashLease)}, opts...)...)
 }
@@ -203,6 +219,31 @@ func (f freezingTracerOf) Start(ctx context.Context, name string, opts ...trace.
 	return f.Tracer.Start(ctx, name, opts...)
 }
 
+// crashingTracer kills its process (SIGKILL) as it reads the answer to
+// the call's intent in a batch that ends with COMMIT: the batch, COMMIT
+// included, is sent, and the COMMIT's answer not read.
+type crashingTracer struct{}
+
+func (crashingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+
+func (crashingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (crashingTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+
+func (crashingTracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
+	if strings.HasPrefix(data.SQL, "-- name: FlowCallStart") {
+		self, _ := os.FindProcess(os.Getpid())
+		_ = self.Kill()
+		select {}
+	}
+}
+
+func (crashingTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
 // crashChild runs the job in crashEnv and returns the exit code; it exits
 // only if the job's crash point was never reached.
 func crashChild() int {
@@ -212,7 +253,15 @@ func crashChild() int {
 		return 2
 	}
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, job.URL)
+	cfg, err := pgxpool.ParseConfig(job.URL)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	if job.At == crashInCommit {
+		cfg.ConnConfig.Tracer = crashingTracer{}
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -337,6 +386,58 @@ func TestFlowCrashBeforeTheCallDoesNotRepeatTheLocalStep(t *testing.T) {
 		t.Fatalf("the retry: %+v, %v", res, err)
 	}
 	checkOneCharge(t, pool, scope, "k", p, 1)
+}
+
+func TestFlowCrashBeforeALocalStepCommitsRunsTheStepOnce(t *testing.T) {
+	ctx, pool, scope, p, providerURL, crash := setupCrash(t)
+	name := testdb.Name("crash")
+	crash(name, "k", crashBeforeCommit)
+	// The step's transaction was open: its writes died with the process.
+	if countPayments(t, pool, scope) != 0 || p.calls.Load() != 0 {
+		t.Fatalf("before the retry: %d payments, %d calls; want 0, 0", countPayments(t, pool, scope), p.calls.Load())
+	}
+	res, err := crashFlow(name, providerURL, "").Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
+	if err != nil || res.Value.ChargeID != "ch_1" {
+		t.Fatalf("the retry: %+v, %v", res, err)
+	}
+	checkOneCharge(t, pool, scope, "k", p, 1)
+}
+
+func TestFlowCrashDuringTheCommitOfTheLocalStepAndIntent(t *testing.T) {
+	ctx, pool, scope, p, providerURL, crash := setupCrash(t)
+	name := testdb.Name("crash")
+	crash(name, "k", crashInCommit)
+	// Whether the server committed or not, the call was not made; the
+	// step's writes and its record are both there, or neither is.
+	var payments, steps int
+	err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM payment WHERE scope = $1),
+		(SELECT count(*) FROM idem_flow_step WHERE scope = $1 AND name = 'reserve')`, scope).Scan(&payments, &steps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if payments != steps || p.calls.Load() != 0 {
+		t.Fatalf("before the retry: %d payments, %d step records, %d calls; want as many payments as records, 0 calls", payments, steps, p.calls.Load())
+	}
+	res, err := crashFlow(name, providerURL, "").Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
+	if err != nil || res.Value.ChargeID != "ch_1" {
+		t.Fatalf("the retry: %+v, %v", res, err)
+	}
+	checkOneCharge(t, pool, scope, "k", p, 1)
+}
+
+func TestFlowCrashBeforeTheCallsResultIsRecordedCallsAgainWithTheSameKey(t *testing.T) {
+	ctx, pool, scope, p, providerURL, crash := setupCrash(t)
+	name := testdb.Name("crash")
+	crash(name, "k", crashAfterCallReturned)
+	if charges, _ := p.effects(); charges != 1 {
+		t.Fatalf("the provider applied %d charges before the crash, want 1", charges)
+	}
+	res, err := crashFlow(name, providerURL, "").Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
+	if err != nil || res.Replayed || res.Value.ChargeID != "ch_1" {
+		t.Fatalf("the retry: %+v, %v; want the flow completed now", res, err)
+	}
+	// Called again with the same provider key, applied once.
+	checkOneCharge(t, pool, scope, "k", p, 2)
 }
 
 // checkOneCharge checks that the provider applied one charge, seen calls

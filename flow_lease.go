@@ -220,12 +220,16 @@ func leaseCause(cause error) error {
 func (r *flowRun) release(ctx context.Context, why string) (held bool) {
 	ctx, cancel := cleanupContext(ctx)
 	defer cancel()
+	// What is pending commits with it: a local step that returned, a
+	// call's result.
 	var n int64
-	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
-		n, err = q.FlowRelease(ctx, dbsqlc.FlowReleaseParams{LastError: sealText(why, r.k.scope, r.o),
-			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
-		return err
+	err := r.flush(ctx, func(b *pgx.Batch) {
+		dbsqlc.QueueFlowRelease(b, dbsqlc.FlowReleaseParams{LastError: sealText(why, r.k.scope, r.o),
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 	})
+	if errors.Is(err, ErrLeaseLost) {
+		return false
+	}
 	return err != nil || n == 1
 }
 
@@ -234,11 +238,12 @@ func (r *flowRun) release(ctx context.Context, why string) (held bool) {
 // longer held it.
 func (r *flowRun) stop(ctx context.Context, why string) error {
 	var n int64
-	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
-		n, err = q.FlowStop(ctx, dbsqlc.FlowStopParams{LastError: sealText(why, r.k.scope, r.o), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
-		return err
+	err := r.flush(ctx, func(b *pgx.Batch) {
+		dbsqlc.QueueFlowStop(b, dbsqlc.FlowStopParams{LastError: sealText(why, r.k.scope, r.o), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 	})
 	switch {
+	case errors.Is(err, ErrLeaseLost):
+		return err
 	case err != nil:
 		return translate("stop the flow", err)
 	case n == 0:

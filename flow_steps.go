@@ -44,6 +44,11 @@ const (
 // [Run] stores its value), or not at all. Once the step has committed, it
 // never runs again for the flow's operation: when the flow runs again,
 // Local returns the recorded result (decoded from JSON) without calling fn.
+// On a pgx pool or connection, below SERIALIZABLE, the transaction commits
+// with the flow's next statement (the next call's intent, the answer), not
+// when Local returns, and at most a third of the lease (100ms at most)
+// later: see docs/flows.md. A process that dies before then runs the step
+// again.
 //
 // The transaction also holds the flow's lease: it is renewed as the step
 // begins, and no one can take the flow over until the transaction ends. A
@@ -82,28 +87,59 @@ func Local[T any](s *Steps, name string, fn func(ctx context.Context, tx pgx.Tx)
 }
 
 // runLocal is one attempt of a local step: BEGIN with the lease's renewal
-// (FlowLease) in one round trip, fn, then the lease renewed again, for the
-// steps after this one, and the step's record (FlowStepRecord), with
-// COMMIT, in one round trip. A BeginQuery or CommitQuery of the caller's
-// (WithTxOptions) is run as given, through pgx, as Run runs it.
+// (FlowLease), and the last call's result if it is not recorded yet, in
+// one round trip, then fn. On a connection it drives (a pool's, with
+// neither a BeginQuery nor a CommitQuery of the caller's, and an isolation
+// level below serializable, whose COMMIT can fail after the step has
+// returned), it leaves the transaction open with the step's record still
+// to send: the flow's next statement commits it (flowRun.flush).
+// Otherwise it renews the lease again, for the steps after this one, and
+// records the step (FlowStepRecord) with COMMIT, in one round trip where
+// it can; a BeginQuery or CommitQuery of the caller's (WithTxOptions) is
+// run as given, through pgx, as Run runs it.
 func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	var zero T
+	// The step before this one, if local, commits first (and the error of
+	// one that committed alone is reported).
+	if err := r.flushOpen(ctx); err != nil {
+		return zero, err
+	}
 	conn, release, err := ownConn(ctx, r.db)
 	if err != nil {
 		return zero, fmt.Errorf("acquire connection: %w", err)
 	}
-	defer release()
+	kept := false
+	defer func() {
+		if !kept {
+			release()
+		}
+	}()
 	opts := r.o.txOptions
 	pipelined := conn != nil && opts.BeginQuery == "" && opts.CommitQuery == ""
+	deferred := pipelined && opts.IsoLevel != pgx.Serializable
+	if r.result != nil && !pipelined {
+		if err := r.flush(ctx, nil); err != nil {
+			return zero, err
+		}
+	}
 	lease := dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	var tx pgx.Tx
 	var leased bool
+	carries := r.result != nil
+	recorded := int64(1)
 	sent := time.Now()
 	switch {
 	case pipelined:
 		b := &pgx.Batch{}
 		b.BeginTx(opts)
+		// The lease first: it holds the flow's row, so that the call's
+		// result, recorded after it, need not write that row again.
 		dbsqlc.QueueFlowLease(b, lease, &leased)
+		if carries {
+			res := r.result
+			dbsqlc.QueueFlowCallDoneHeld(b, dbsqlc.FlowCallDoneHeldParams{Result: res.Result, Reconciled: res.Reconciled,
+				Scope: res.Scope, Key: res.Key, Epoch: res.Epoch, Seq: res.Seq}, &recorded)
+		}
 		results := conn.SendBatch(ctx, b)
 		tx = results.Tx()
 		err = results.Close()
@@ -127,7 +163,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	if err != nil {
 		return zero, translate("begin, renewing the lease", err)
 	}
-	if !leased {
+	if !leased || recorded == 0 {
 		return zero, r.lostError()
 	}
 	r.lease.renewed(sent)
@@ -142,6 +178,15 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}
 	record := dbsqlc.FlowStepRecordParams{Scope: r.k.scope, Key: r.k.key, Seq: seq, Step: name,
 		Result: pgtype.Text{String: string(encoded), Valid: true}}
+	if deferred {
+		value, err := decodedResult[T](r, encoded)
+		if err != nil {
+			return zero, err
+		}
+		r.keepOpen(&openStep{name: name, conn: conn, release: release, tx: tx, record: record, lease: lease, carries: carries})
+		ended, kept = true, true
+		return value, nil
+	}
 	// The flow's row is locked since the step began, so the renewal finds
 	// the lease as the step's first statement left it.
 	sent = time.Now()
@@ -179,6 +224,9 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		return zero, translate("commit", closeErr)
 	case tag.String() == "ROLLBACK":
 		return zero, translate("commit", pgx.ErrTxCommitRollback)
+	}
+	if carries {
+		r.result = nil
 	}
 	r.lease.renewed(sent)
 	return decodedResult[T](r, encoded)

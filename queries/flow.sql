@@ -208,6 +208,31 @@ SELECT EXISTS (SELECT FROM leased)::bool AS leased,
        coalesce((SELECT state = 'calling' FROM earlier), false)::bool AS resumed,
        coalesce((SELECT state = 'calling' AND first_called_at <= now() - @call_window::interval FROM earlier), false)::bool AS past_window;
 
+-- name: FlowCallStartNew :one
+-- FlowCallStartNew is FlowCallStart for a call that no earlier run
+-- recorded (the executor read the flow's steps as it claimed it, and only
+-- its epoch writes steps since): a plain INSERT, without ON CONFLICT's
+-- speculative insertion and its confirmation in the WAL. A row that is
+-- there after all fails it with a unique violation, and nothing is called.
+WITH leased AS (
+    UPDATE idem_flow
+    SET leased_until = clock_timestamp() + @lease::interval,
+        step = @step::text
+    WHERE scope = @scope::text
+      AND key = @key::text
+      AND epoch = @epoch::bigint
+      AND state = 'running'
+    RETURNING 1
+),
+called AS (
+    INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, attempts, first_called_at)
+    SELECT @scope::text, @key::text, @seq::int, @step::text, 'call', 'calling', 1, now()
+    FROM leased
+    RETURNING attempts
+)
+SELECT EXISTS (SELECT FROM leased)::bool AS leased,
+       coalesce((SELECT attempts FROM called), 0)::int AS attempts;
+
 -- name: FlowCallDone :execrows
 -- FlowCallDone records a call's result once the other system answered, or
 -- a lookup found it (@reconciled, 'found', counted with the call's
@@ -231,6 +256,28 @@ SET state = 'done',
 FROM leased
 WHERE s.scope = @scope::text
   AND s.key = @key::text
+  AND s.seq = @seq::int
+  AND s.state = 'calling';
+
+-- name: FlowCallDoneHeld :execrows
+-- FlowCallDoneHeld records a call's result as FlowCallDone does, in a
+-- transaction whose FlowLease, sent before it, already renewed the lease
+-- and holds the flow's row (a local step's): it renews nothing, so that
+-- the flow's row is written once, not twice. It affects no row when the
+-- executor no longer holds the flow.
+UPDATE idem_flow_step AS s
+SET state = 'done',
+    result = sqlc.narg(result)::text::jsonb,
+    completed_at = now(),
+    reconciles = s.reconciles + CASE WHEN sqlc.narg(reconciled)::text IS NULL THEN 0 ELSE 1 END,
+    last_reconcile = coalesce(sqlc.narg(reconciled)::text, s.last_reconcile)
+FROM idem_flow AS f
+WHERE f.scope = @scope::text
+  AND f.key = @key::text
+  AND f.epoch = @epoch::bigint
+  AND f.state = 'running'
+  AND s.scope = f.scope
+  AND s.key = f.key
   AND s.seq = @seq::int
   AND s.state = 'calling';
 

@@ -166,6 +166,53 @@ func (q *Queries) FlowCallDone(ctx context.Context, arg FlowCallDoneParams) (int
 	return result.RowsAffected(), nil
 }
 
+const flowCallDoneHeld = `-- name: FlowCallDoneHeld :execrows
+UPDATE idem_flow_step AS s
+SET state = 'done',
+    result = $1::text::jsonb,
+    completed_at = now(),
+    reconciles = s.reconciles + CASE WHEN $2::text IS NULL THEN 0 ELSE 1 END,
+    last_reconcile = coalesce($2::text, s.last_reconcile)
+FROM idem_flow AS f
+WHERE f.scope = $3::text
+  AND f.key = $4::text
+  AND f.epoch = $5::bigint
+  AND f.state = 'running'
+  AND s.scope = f.scope
+  AND s.key = f.key
+  AND s.seq = $6::int
+  AND s.state = 'calling'
+`
+
+type FlowCallDoneHeldParams struct {
+	Result     pgtype.Text
+	Reconciled pgtype.Text
+	Scope      string
+	Key        string
+	Epoch      int64
+	Seq        int32
+}
+
+// FlowCallDoneHeld records a call's result as FlowCallDone does, in a
+// transaction whose FlowLease, sent before it, already renewed the lease
+// and holds the flow's row (a local step's): it renews nothing, so that
+// the flow's row is written once, not twice. It affects no row when the
+// executor no longer holds the flow.
+func (q *Queries) FlowCallDoneHeld(ctx context.Context, arg FlowCallDoneHeldParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowCallDoneHeld,
+		arg.Result,
+		arg.Reconciled,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+		arg.Seq,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const flowCallReconciled = `-- name: FlowCallReconciled :execrows
 UPDATE idem_flow_step AS s
 SET reconciles = s.reconciles + 1,
@@ -287,6 +334,60 @@ func (q *Queries) FlowCallStart(ctx context.Context, arg FlowCallStartParams) (F
 		&i.Resumed,
 		&i.PastWindow,
 	)
+	return i, err
+}
+
+const flowCallStartNew = `-- name: FlowCallStartNew :one
+WITH leased AS (
+    UPDATE idem_flow
+    SET leased_until = clock_timestamp() + $1::interval,
+        step = $2::text
+    WHERE scope = $3::text
+      AND key = $4::text
+      AND epoch = $5::bigint
+      AND state = 'running'
+    RETURNING 1
+),
+called AS (
+    INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, attempts, first_called_at)
+    SELECT $3::text, $4::text, $6::int, $2::text, 'call', 'calling', 1, now()
+    FROM leased
+    RETURNING attempts
+)
+SELECT EXISTS (SELECT FROM leased)::bool AS leased,
+       coalesce((SELECT attempts FROM called), 0)::int AS attempts
+`
+
+type FlowCallStartNewParams struct {
+	Lease pgtype.Interval
+	Step  string
+	Scope string
+	Key   string
+	Epoch int64
+	Seq   int32
+}
+
+type FlowCallStartNewRow struct {
+	Leased   bool
+	Attempts int32
+}
+
+// FlowCallStartNew is FlowCallStart for a call that no earlier run
+// recorded (the executor read the flow's steps as it claimed it, and only
+// its epoch writes steps since): a plain INSERT, without ON CONFLICT's
+// speculative insertion and its confirmation in the WAL. A row that is
+// there after all fails it with a unique violation, and nothing is called.
+func (q *Queries) FlowCallStartNew(ctx context.Context, arg FlowCallStartNewParams) (FlowCallStartNewRow, error) {
+	row := q.db.QueryRow(ctx, flowCallStartNew,
+		arg.Lease,
+		arg.Step,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+		arg.Seq,
+	)
+	var i FlowCallStartNewRow
+	err := row.Scan(&i.Leased, &i.Attempts)
 	return i, err
 }
 

@@ -178,3 +178,55 @@ func QueueFlowLease(b *pgx.Batch, arg FlowLeaseParams, leased *bool) {
 func QueueFlowStepRecord(b *pgx.Batch, arg FlowStepRecordParams) {
 	queueCall(b, func(q *Queries) { _ = q.FlowStepRecord(context.Background(), arg) })
 }
+
+// QueueFlowCallStart queues FlowCallStart on b; row is filled in when the
+// batch's results are read.
+func QueueFlowCallStart(b *pgx.Batch, arg FlowCallStartParams, row *FlowCallStartRow) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowCallStart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return r.Scan(&row.Leased, &row.Attempts, &row.Resumed, &row.PastWindow)
+	})
+}
+
+// QueueFlowCallStartNew queues FlowCallStartNew on b; row is filled in
+// when the batch's results are read.
+func QueueFlowCallStartNew(b *pgx.Batch, arg FlowCallStartNewParams, row *FlowCallStartNewRow) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowCallStartNew(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return r.Scan(&row.Leased, &row.Attempts)
+	})
+}
+
+// QueueFlowCallDone queues FlowCallDone on b; n is set to the rows it
+// affected when the batch's results are read.
+func QueueFlowCallDone(b *pgx.Batch, arg FlowCallDoneParams, n *int64) {
+	queueRows(b, func(q *Queries) { _, _ = q.FlowCallDone(context.Background(), arg) }, n)
+}
+
+// QueueFlowCallDoneHeld queues FlowCallDoneHeld on b, as
+// QueueFlowCallDone does.
+func QueueFlowCallDoneHeld(b *pgx.Batch, arg FlowCallDoneHeldParams, n *int64) {
+	queueRows(b, func(q *Queries) { _, _ = q.FlowCallDoneHeld(context.Background(), arg) }, n)
+}
+
+// QueueFlowComplete queues FlowComplete on b, as QueueFlowCallDone does.
+func QueueFlowComplete(b *pgx.Batch, arg FlowCompleteParams, n *int64) {
+	queueRows(b, func(q *Queries) { _, _ = q.FlowComplete(context.Background(), arg) }, n)
+}
+
+// QueueFlowRelease queues FlowRelease on b, as QueueFlowCallDone does.
+func QueueFlowRelease(b *pgx.Batch, arg FlowReleaseParams, n *int64) {
+	queueRows(b, func(q *Queries) { _, _ = q.FlowRelease(context.Background(), arg) }, n)
+}
+
+// QueueFlowStop queues FlowStop on b, as QueueFlowCallDone does.
+func QueueFlowStop(b *pgx.Batch, arg FlowStopParams, n *int64) {
+	queueRows(b, func(q *Queries) { _, _ = q.FlowStop(context.Background(), arg) }, n)
+}
+
+// queueRows queues the statement call runs, setting n to the rows it
+// affected when the batch's results are read.
+func queueRows(b *pgx.Batch, call func(q *Queries), n *int64) {
+	queueCall(b, call).Exec(func(tag pgconn.CommandTag) error {
+		*n = tag.RowsAffected()
+		return nil
+	})
+}

@@ -279,7 +279,7 @@ here AS (
 ours AS (
     SELECT DISTINCT xid FROM records WHERE db = (SELECT oid FROM here) AND xid <> '0'::xid
 )
-SELECT records.kind || coalesce(' ' || c.relname, ''), sum(records.bytes)::bigint
+SELECT records.kind || coalesce(' ' || c.relname, ''), sum(records.bytes)::bigint, count(*)
 FROM records
 LEFT JOIN pg_class AS c ON c.relfilenode = records.filenode
 WHERE records.xid IN (SELECT xid FROM ours)

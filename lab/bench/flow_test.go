@@ -86,8 +86,9 @@ func BenchmarkFlowVsTxHeldAcrossCall(b *testing.B) {
 // BenchmarkFlowPerOperation reports what one payment costs each design,
 // one at a time, with a provider that answers at once: round trips
 // (through a proxy that adds 1ms to each, bench.DelayProxy), heap
-// allocations, and the WAL bytes written (bench.DatabaseWAL, full-page
-// images left out). -v logs where the bytes go.
+// allocations, the WAL bytes written (bench.DatabaseWAL, full-page
+// images left out) and the transactions committed that wrote (its COMMIT
+// records). -v logs where the bytes go.
 //
 //	go test -run '^$' -bench FlowPerOperation -benchtime 1x -v ./lab/bench
 func BenchmarkFlowPerOperation(b *testing.B) {
@@ -128,6 +129,13 @@ func BenchmarkFlowPerOperation(b *testing.B) {
 				b.Fatal(err)
 			}
 			b.ReportMetric(perOp, name+"-WAL-B/op")
+			commits := 0.0
+			for _, part := range parts {
+				if part.Part == "Transaction COMMIT" {
+					commits = part.Records
+				}
+			}
+			b.ReportMetric(commits, name+"-commits/op")
 			for _, part := range parts {
 				if part.Bytes >= 1 {
 					b.Logf("%s: %6.1f B/op  %s", phase.Name, part.Bytes, part.Part)

@@ -11,6 +11,9 @@ import (
 type WALPart struct {
 	Part  string  // resource manager, record type and relation
 	Bytes float64 // per operation (with full-page images from WAL, without from DatabaseWAL)
+	// Records is the number of records per operation: "Transaction
+	// COMMIT"'s is the transactions committed that wrote.
+	Records float64
 }
 
 // WAL runs ops operations of phase one at a time and returns the WAL bytes
@@ -66,11 +69,12 @@ func measureWAL(ctx context.Context, pool *pgxpool.Pool, phase Phase, ops int64,
 	}
 	for rows.Next() {
 		var part WALPart
-		var total int64
-		if err := rows.Scan(&part.Part, &total); err != nil {
+		var total, records int64
+		if err := rows.Scan(&part.Part, &total, &records); err != nil {
 			return 0, nil, err
 		}
 		part.Bytes = float64(total) / float64(ops)
+		part.Records = float64(records) / float64(ops)
 		perOp += part.Bytes
 		parts = append(parts, part)
 	}
@@ -94,7 +98,7 @@ records AS (
            AND substring(w.block_ref from 'rel \d+/(\d+)/')::oid =
                (SELECT oid FROM pg_database WHERE datname = current_database()))
 )
-SELECT records.kind || coalesce(' ' || c.relname, ''), sum(records.record_length)::bigint
+SELECT records.kind || coalesce(' ' || c.relname, ''), sum(records.record_length)::bigint, count(*)
 FROM records
 LEFT JOIN pg_class AS c ON c.relfilenode = records.filenode
 GROUP BY 1

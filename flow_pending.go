@@ -1,0 +1,197 @@
+package idem
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgidem/idem/internal/dbsqlc"
+)
+
+// An executor commits as late as it safely can, so that a flow commits
+// about once per call rather than once per step. A local step's
+// transaction stays open when its function returns, with the step's
+// record not yet sent (openStep), until the flow's next step begins or
+// its function returns: the record then commits with what comes next (a
+// call's intent, the flow's answer, the lease given up) in one round trip.
+// A call's result is kept (flowRun.result) until the next statement the
+// flow sends: the next local step's BEGIN, the next call's intent, the
+// answer, in the same transaction. So local–call–local commits twice.
+//
+// What does not change: no call is made with a transaction open or a
+// connection held (its intent commits first, with whatever was pending);
+// nothing depends on a call's result before it is recorded (whatever
+// depends on it commits with it, or after it); every write is fenced by
+// the executor's epoch. A process that dies with something pending loses
+// it, as if the step had not returned: a local step runs again, in full,
+// and a call is made again with the same provider key (or looked up,
+// [Reconcile]); an [AtMostOnce] call's result is therefore committed at
+// once, since a call made again is what it must never be.
+
+// openStep is a local step's transaction, left open when its function
+// returned: its writes and the flow's row are locked, its record is still
+// to be sent.
+type openStep struct {
+	name    string
+	conn    *pgx.Conn
+	release func()
+	tx      pgx.Tx
+	record  dbsqlc.FlowStepRecordParams
+	lease   dbsqlc.FlowLeaseParams
+	// carries is set when the transaction also records the call's result
+	// (flowRun.result), sent as it began.
+	carries bool
+	// timer commits the transaction alone when the next step is late
+	// (commitIdle).
+	timer *time.Timer
+}
+
+// maxOpenStep bounds how long a local step's transaction stays open after
+// its function returned, waiting for the flow's next step: past a third of
+// the lease, or this, it commits alone (commitIdle), so that Go code that
+// runs long between steps, or an executor stalled there, holds no lock for
+// longer, and an executor stalled past its lease can be taken over.
+const maxOpenStep = 100 * time.Millisecond
+
+// keepOpen leaves open, a local step's transaction, open (see openStep),
+// until the next flush, or commitIdle after a while.
+func (r *flowRun) keepOpen(open *openStep) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.open = open
+	open.timer = time.AfterFunc(min(r.o.lease/3, maxOpenStep), func() { r.commitIdle(open) })
+}
+
+// commitIdle commits open alone, if it is still open: the flow's next step
+// did not begin in time. What it fails with, the flow's next statement
+// reports (flush), and nothing is sent with it.
+func (r *flowRun) commitIdle(open *openStep) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.open != open {
+		return
+	}
+	ctx, cancel := cleanupContext(context.Background())
+	defer cancel()
+	if err := r.flushLocked(ctx, nil); err != nil {
+		r.failed = err
+	}
+}
+
+// flushOpen commits the open step's transaction alone, if there is one,
+// and reports the error of one that committed alone.
+func (r *flowRun) flushOpen(ctx context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err := r.failed; err != nil {
+		r.failed = nil
+		return err
+	}
+	if r.open == nil {
+		return nil
+	}
+	return r.flushLocked(ctx, nil)
+}
+
+// flush commits what is pending with the statements queue queues (nil for
+// none), in one round trip: on the open step's transaction, its record,
+// then the statements, then COMMIT; otherwise the call's result, if any,
+// then the statements, in one implicit transaction. The queued statements
+// must check the executor's epoch themselves. It reports ErrLeaseLost when
+// the pending call's result found the flow no longer the executor's; what
+// the queued statements found, they report themselves. When a step's
+// transaction that committed alone (commitIdle) failed, it returns that
+// error and sends nothing.
+func (r *flowRun) flush(ctx context.Context, queue func(b *pgx.Batch)) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err := r.failed; err != nil {
+		r.failed = nil
+		return err
+	}
+	return r.flushLocked(ctx, queue)
+}
+
+func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) error {
+	open := r.open
+	r.open = nil
+	if open != nil {
+		open.timer.Stop()
+	}
+	b := &pgx.Batch{}
+	var recorded int64
+	carried := r.result != nil && (open == nil || open.carries)
+	switch {
+	case open != nil && queue == nil:
+		// Nothing after the record renews the lease: the record does,
+		// for the steps after this one.
+		var leased bool
+		dbsqlc.QueueFlowLease(b, open.lease, &leased)
+		dbsqlc.QueueFlowStepRecord(b, open.record)
+	case open != nil:
+		dbsqlc.QueueFlowStepRecord(b, open.record)
+	case carried:
+		dbsqlc.QueueFlowCallDone(b, *r.result, &recorded)
+	}
+	if queue != nil {
+		queue(b)
+	}
+	if b.Len() == 0 {
+		return nil
+	}
+	sent := time.Now()
+	if open == nil {
+		if err := sendBatch(ctx, r.db, b); err != nil {
+			return translate("record the call's result", err)
+		}
+		if carried {
+			r.result = nil
+			if recorded == 0 {
+				return r.lostError()
+			}
+		}
+		return nil
+	}
+	defer open.release()
+	var commit pgconn.CommandTag
+	_ = dbsqlc.Queue(b).TxCommit(ctx)
+	b.QueuedQueries[b.Len()-1].Exec(func(tag pgconn.CommandTag) error {
+		commit = tag
+		return nil
+	})
+	err := open.tx.SendBatch(ctx, b).Close()
+	if open.conn.PgConn().TxStatus() != 'I' {
+		rollback(ctx, open.tx)
+	}
+	switch {
+	case err != nil:
+		return translate(fmt.Sprintf("commit step %q", open.name), err)
+	case commit.String() != "COMMIT":
+		return translate(fmt.Sprintf("commit step %q", open.name), pgx.ErrTxCommitRollback)
+	}
+	if open.carries {
+		r.result = nil
+	}
+	if queue == nil {
+		r.lease.renewed(sent)
+	}
+	return nil
+}
+
+// discard rolls back the open step's transaction, if any, and forgets the
+// call's result not yet recorded: for an executor that no longer holds
+// the flow, which could commit neither.
+func (r *flowRun) discard(ctx context.Context) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if open := r.open; open != nil {
+		r.open = nil
+		open.timer.Stop()
+		rollback(ctx, open.tx)
+		open.release()
+	}
+	r.result = nil
+}
