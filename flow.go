@@ -102,14 +102,11 @@ func (f *Flow[In, Out]) options(opts []Option) (options, error) {
 }
 
 // checkFlowOptions refuses what options allow but a flow cannot use: a
-// read-only transaction for its local steps, which could record nothing,
-// and a retention shorter than the provider window, after which a key
-// used again could reach the provider, under the same provider keys, while
-// it still remembers the operation before.
+// retention shorter than the provider window, after which a key used
+// again could reach the provider, under the same provider keys, while it
+// still remembers the operation before. (WithTxOptions refuses a read-only
+// transaction itself.)
 func checkFlowOptions(o *options) error {
-	if o.txOptions.AccessMode == pgx.ReadOnly {
-		return fmt.Errorf("%w: a flow's local steps record their results: WithTxOptions must not be read-only", ErrInvalidOption)
-	}
 	if o.retention < o.providerWindow {
 		return fmt.Errorf("%w: a flow's retention (%s) must be at least its provider window (%s): "+
 			"a key used again after the retention would reach the provider under the keys of the operation before",

@@ -48,8 +48,9 @@ type invalidOption struct{ err error }
 
 func (i invalidOption) apply(*options) error { return i.err }
 
-func invalid(format string, args ...any) Option {
-	return invalidOption{fmt.Errorf("%w: "+format, append([]any{ErrInvalidOption}, args...)...)}
+// invalid is an option whose value the option named field refuses.
+func invalid(field, format string, args ...any) Option {
+	return invalidOption{&FieldError{Package: "idem", Field: field, Problem: fmt.Sprintf(format, args...)}}
 }
 
 // options is what a call's options add up to.
@@ -111,7 +112,7 @@ func CheckOptions(opts ...Option) error {
 // timestamps. Defaults to 24h.
 func WithRetention(d time.Duration) Option {
 	if d < time.Microsecond {
-		return invalid("retention must be at least 1µs, got %s", d)
+		return invalid("WithRetention", "must be at least 1µs, got %s", d)
 	}
 	return optionFunc(func(o *options) { o.retention = d })
 }
@@ -132,7 +133,7 @@ func WithRetention(d time.Duration) Option {
 // Defaults to 5s.
 func WithWait(d time.Duration) Option {
 	if d > maxWait {
-		return invalid("wait must not exceed %s, got %s", maxWait, d)
+		return invalid("WithWait", "must not exceed %s, got %s", maxWait, d)
 	}
 	return optionFunc(func(o *options) { o.wait = max(d, 0) })
 }
@@ -168,7 +169,7 @@ func millis(d time.Duration) string {
 // rejected. Defaults to none.
 func WithIdleTimeout(d time.Duration) Option {
 	if d > maxWait {
-		return invalid("idle timeout must not exceed %s, got %s", maxWait, d)
+		return invalid("WithIdleTimeout", "must not exceed %s, got %s", maxWait, d)
 	}
 	return optionFunc(func(o *options) { o.idleTimeout = max(d, 0) })
 }
@@ -184,9 +185,45 @@ func WithLookupFirst() Option { return optionFunc(func(o *options) { o.lookupFir
 
 // WithTxOptions sets the options of the transaction that [Run] begins, such
 // as its isolation level. [Do] ignores it: the caller owns that transaction.
-// Defaults to READ COMMITTED.
+// IsoLevel, AccessMode and DeferrableMode must each be empty or one of
+// pgx's constants, which pgx would otherwise send to the server as they
+// are, and AccessMode not pgx.ReadOnly: idem records keys, and a flow its
+// steps, only in read-write transactions. A value refused is a
+// [*FieldError] naming the field, such as "WithTxOptions.AccessMode"; a
+// read-only one wraps [ErrReadOnly] too. Defaults to READ COMMITTED, read
+// write.
 func WithTxOptions(txOptions pgx.TxOptions) Option {
+	if err := checkTxOptions(txOptions); err != nil {
+		return invalidOption{err}
+	}
 	return optionFunc(func(o *options) { o.txOptions = txOptions })
+}
+
+// checkTxOptions refuses the transaction modes that pgx would send to the
+// server as they are, and the read-only mode, in which idem cannot record
+// a key: either would fail every call.
+func checkTxOptions(o pgx.TxOptions) error {
+	refuse := func(field, problem string, cause error) error {
+		return &FieldError{Package: "idem", Field: "WithTxOptions." + field, Problem: problem, Err: cause}
+	}
+	switch o.IsoLevel {
+	case "", pgx.Serializable, pgx.RepeatableRead, pgx.ReadCommitted, pgx.ReadUncommitted:
+	default:
+		return refuse("IsoLevel", fmt.Sprintf("%q is not an isolation level", o.IsoLevel), nil)
+	}
+	switch o.AccessMode {
+	case "", pgx.ReadWrite:
+	case pgx.ReadOnly:
+		return refuse("AccessMode", "is read only, where idem cannot record a key", ErrReadOnly)
+	default:
+		return refuse("AccessMode", fmt.Sprintf("%q is not an access mode", o.AccessMode), nil)
+	}
+	switch o.DeferrableMode {
+	case "", pgx.Deferrable, pgx.NotDeferrable:
+	default:
+		return refuse("DeferrableMode", fmt.Sprintf("%q is not a deferrable mode", o.DeferrableMode), nil)
+	}
+	return nil
 }
 
 // WithMaxResponseSize sets the largest value, in bytes of encoded JSON, that
@@ -194,7 +231,7 @@ func WithTxOptions(txOptions pgx.TxOptions) Option {
 // [ErrResponseTooLarge]. It must be positive. Defaults to 1 MiB.
 func WithMaxResponseSize(n int) Option {
 	if n <= 0 {
-		return invalid("max response size must be positive, got %d", n)
+		return invalid("WithMaxResponseSize", "must be positive, got %d", n)
 	}
 	return optionFunc(func(o *options) { o.maxResponseSize = n })
 }
@@ -284,7 +321,7 @@ const minLease = 10 * time.Millisecond
 // wait PostgreSQL expresses). Defaults to 10s.
 func WithLease(d time.Duration) Option {
 	if d < minLease || d > maxWait {
-		return invalid("lease must be between %s and %s, got %s", minLease, maxWait, d)
+		return invalid("WithLease", "must be between %s and %s, got %s", minLease, maxWait, d)
 	}
 	return optionFunc(func(o *options) { o.lease = d })
 }
@@ -313,7 +350,7 @@ func WithGrace(d time.Duration) Option {
 // the longest time the provider may keep keys). Defaults to 24h.
 func WithProviderWindow(d time.Duration) Option {
 	if d < 0 {
-		return invalid("provider window must not be negative, got %s", d)
+		return invalid("WithProviderWindow", "must not be negative, got %s", d)
 	}
 	return optionFunc(func(o *options) { o.providerWindow = d })
 }
@@ -328,7 +365,7 @@ func WithProviderWindow(d time.Duration) Option {
 // about 24 days are rejected. Defaults to 1m.
 func WithCallTimeout(d time.Duration) Option {
 	if d > maxWait {
-		return invalid("call timeout must not exceed %s, got %s", maxWait, d)
+		return invalid("WithCallTimeout", "must not exceed %s, got %s", maxWait, d)
 	}
 	return optionFunc(func(o *options) { o.callTimeout = max(d, 0) })
 }

@@ -120,3 +120,38 @@ func TestANegativeIdleTimeoutSetsNoBound(t *testing.T) {
 		}
 	}
 }
+
+// TestWithTxOptionsRefusesWhatCannotWork checks that WithTxOptions, the one
+// place that checks transaction options (idemhttp, idemgrpc and flows use
+// it), refuses each mode that pgx would send as it is, and the read-only
+// mode, with a FieldError that names the field; the read-only one is
+// ErrReadOnly too. Nothing is sent: the check needs no database.
+func TestWithTxOptionsRefusesWhatCannotWork(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		opts     pgx.TxOptions
+		field    string
+		readOnly bool
+	}{
+		{pgx.TxOptions{IsoLevel: "snapshot"}, "WithTxOptions.IsoLevel", false},
+		{pgx.TxOptions{AccessMode: pgx.ReadOnly}, "WithTxOptions.AccessMode", true},
+		{pgx.TxOptions{IsoLevel: pgx.Serializable, AccessMode: pgx.ReadOnly, DeferrableMode: pgx.Deferrable}, "WithTxOptions.AccessMode", true},
+		{pgx.TxOptions{AccessMode: "read mostly"}, "WithTxOptions.AccessMode", false},
+		{pgx.TxOptions{DeferrableMode: "later"}, "WithTxOptions.DeferrableMode", false},
+	} {
+		err := idem.CheckOptions(idem.WithTxOptions(c.opts))
+		fe, ok := errors.AsType[*idem.FieldError](err)
+		if !ok || fe.Package != "idem" || fe.Field != c.field || !errors.Is(err, idem.ErrInvalidOption) {
+			t.Errorf("%+v: got %v, want a FieldError of idem's naming %s", c.opts, err, c.field)
+			continue
+		}
+		if errors.Is(err, idem.ErrReadOnly) != c.readOnly {
+			t.Errorf("%+v: errors.Is(%v, ErrReadOnly) is %t", c.opts, err, !c.readOnly)
+		}
+	}
+	for _, ok := range []pgx.TxOptions{{}, {IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadWrite, DeferrableMode: pgx.NotDeferrable}} {
+		if err := idem.CheckOptions(idem.WithTxOptions(ok)); err != nil {
+			t.Errorf("%+v refused: %v", ok, err)
+		}
+	}
+}

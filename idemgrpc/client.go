@@ -2,8 +2,6 @@ package idemgrpc
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"strings"
@@ -16,6 +14,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 )
 
 // ClientOption changes the interceptor that [NewClientInterceptor] returns.
@@ -142,7 +141,7 @@ const retryAttemptMetadata = "x-retry-attempt"
 // [idem.ErrInvalidOption], so that a mistake stops the program at its
 // start.
 func NewClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
-	s := clientSettings{newKey: newUUID, metadata: DefaultMetadata}
+	s := clientSettings{newKey: adapter.NewUUID, metadata: DefaultMetadata}
 	for _, opt := range opts {
 		if err := opt(&s); err != nil {
 			panic(err)
@@ -240,14 +239,4 @@ func (e *keyConflictError) Unwrap() []error {
 
 func (e *keyConflictError) GRPCStatus() *status.Status {
 	return status.New(codes.InvalidArgument, e.msg)
-}
-
-// newUUID returns a random UUID, version 4 (RFC 9562).
-func newUUID() string {
-	var u [16]byte
-	_, _ = rand.Read(u[:]) // crypto/rand.Read never fails
-	u[6] = u[6]&0x0f | 0x40
-	u[8] = u[8]&0x3f | 0x80
-	h := hex.EncodeToString(u[:])
-	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
 }

@@ -60,20 +60,6 @@ func serveClient(t *testing.T, pool *pgxpool.Pool, cfg idemgrpc.Config, srv *tes
 	return dialBufconn(t, lis, opts...)
 }
 
-// loseFirst returns a server interceptor that lets the first n calls
-// complete, committed, and then answers them UNAVAILABLE, as if the
-// answer was lost on its way.
-func loseFirst(n int64) grpc.UnaryServerInterceptor {
-	var calls atomic.Int64
-	return func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-		resp, err := handler(ctx, req)
-		if calls.Add(1) <= n {
-			return nil, status.Error(codes.Unavailable, "the answer was lost")
-		}
-		return resp, err
-	}
-}
-
 var uuidV4 = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`)
 
 func TestClientInterceptorGivesEachCallAFreshKeyAndKeepsTheCallersOwn(t *testing.T) {

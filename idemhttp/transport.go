@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"cmp"
 	"context"
-	crand "crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
@@ -17,6 +16,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 	"github.com/pgidem/idem/internal/backoff"
 )
 
@@ -273,7 +273,7 @@ func (t *Transport) settings() (transportSettings, error) {
 		return s, invalidField("Transport.Header", "%q is not a header field name", t.Header)
 	}
 	if s.newKey == nil {
-		s.newKey = newUUID
+		s.newKey = adapter.NewUUID
 	}
 	if s.maxAttempts < 0 {
 		s.maxAttempts = math.MaxInt
@@ -378,7 +378,7 @@ func (s *transportSettings) setKey(out *http.Request) (string, error) {
 	}
 	key := s.newKey()
 	if problem := checkNewKey(key); problem != "" {
-		return "", &fieldError{field: "Transport.NewKey", problem: problem, cause: idem.ErrInvalidKey}
+		return "", &idem.FieldError{Package: "idemhttp", Field: "Transport.NewKey", Problem: problem, Err: idem.ErrInvalidKey}
 	}
 	out.Header.Set(s.header, sfString(key))
 	return key, nil
@@ -433,15 +433,6 @@ func sfString(key string) string {
 	}
 	b.WriteByte('"')
 	return b.String()
-}
-
-// newUUID returns a random UUID, version 4.
-func newUUID() string {
-	var u [16]byte
-	_, _ = crand.Read(u[:]) // never fails: crypto/rand crashes the program rather
-	u[6] = u[6]&0x0f | 0x40
-	u[8] = u[8]&0x3f | 0x80
-	return fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
 }
 
 // bodySource returns the body of each attempt, numbered from 1.

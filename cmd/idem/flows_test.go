@@ -53,6 +53,12 @@ func TestInspectFlowAndFlowEnd(t *testing.T) {
 		strings.Contains(out, "{}") {
 		t.Fatalf("inspect -flow: exit %d\n%s", code, out)
 	}
+	// Without -flow, inspect says that the key has a flow rather than no
+	// record.
+	if code, out := runCommand(t, url, "inspect", scope, "k"); code != exitOK || !strings.Contains(out, "but a flow") ||
+		!strings.Contains(out, "inspect -flow") {
+		t.Fatalf("inspect of a key with a flow: exit %d\n%s", code, out)
+	}
 	if code, out := runCommand(t, url, "inspect", "-flow", "-show-response", scope, "k"); code != exitOK || !strings.Contains(out, "{}") {
 		t.Fatalf("inspect -flow -show-response: exit %d\n%s", code, out)
 	}

@@ -5,7 +5,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,20 +17,6 @@ import (
 	"github.com/pgidem/idem/idemgrpc"
 	"github.com/pgidem/idem/idemgrpc/internal/testpb"
 )
-
-// loseFirst returns a server interceptor that lets the first n calls
-// complete, committed, and then answers them UNAVAILABLE, as if the answer
-// had been lost on its way.
-func loseFirst(n int64) grpc.UnaryServerInterceptor {
-	var calls atomic.Int64
-	return func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-		resp, err := handler(ctx, req)
-		if calls.Add(1) <= n {
-			return nil, status.Error(codes.Unavailable, "the answer was lost")
-		}
-		return resp, err
-	}
-}
 
 // attempts is a client interceptor, chained last, that records the key of
 // every attempt that goes to the wire.
