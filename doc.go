@@ -91,13 +91,16 @@ and ends flows.
 
 # Options and errors
 
-Calls take options, each of which says its default: [WithWait],
-[WithRetention], [WithIdleTimeout], [WithLookupFirst], [WithTxOptions],
-[WithMaxResponseSize], [WithCodec] and [WithObserver]; flows add [WithLease],
-[WithGrace] and [WithProviderWindow]. An option made from
-a value that cannot work makes every call given it fail with
-[ErrInvalidOption] before anything is sent; [CheckOptions] checks options
-once, when a program sets them up.
+Calls and flows take options, each of which says its default, and each
+typed by where it applies, so that the compiler refuses one given where it
+would mean nothing: [WithWait], [WithRetention], [WithTxOptions],
+[WithMaxResponseSize], [WithCodec] and [WithObserver] are a [SharedOption],
+taken by both; [WithIdleTimeout] and [WithLookupFirst] an [Option], of calls
+only; [WithLease], [WithGrace], [WithProviderWindow] and [WithCallTimeout] a
+[FlowOption], of flows only. An option made from a value that cannot work
+makes every call given it fail with [ErrInvalidOption] before anything is
+sent; [CheckOptions] and [CheckFlowOptions] check options once, when a
+program sets them up.
 
 One rule for zero and negative values holds in idem and every subpackage.
 In a configuration struct ([PurgerConfig], [ObserverConfig],

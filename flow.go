@@ -52,7 +52,7 @@ import (
 type Flow[In, Out any] struct {
 	name string
 	fn   func(s *Steps, in In) (Out, error)
-	opts []Option
+	opts []FlowOption
 }
 
 // NewFlow returns the flow named name, whose function is fn. The name
@@ -64,36 +64,33 @@ type Flow[In, Out any] struct {
 // opts apply to every run of the flow, [Flow.Resume]'s included; options
 // given to one [Flow.Run] come after them. Give NewFlow what concerns the
 // flow's stored values, [WithCodec] above all: Resume opens the stored
-// input with the flow's own options only. Of idem's options, flows use
-// [WithWait] (a duplicate's wait for the executor), [WithRetention]
-// (counted from the flow's completion), [WithTxOptions] (the local steps'
-// transactions), [WithMaxResponseSize] and [WithCodec] (the stored input,
-// step results and answer), [WithObserver], and their own: [WithLease],
-// [WithGrace] and [WithProviderWindow].
+// input with the flow's own options only. A flow takes the options that
+// are a [FlowOption]: its own ([WithLease], [WithGrace],
+// [WithProviderWindow], [WithCallTimeout]) and the [SharedOption]s, which
+// mean for a flow: [WithWait] a duplicate's wait for the executor,
+// [WithRetention] counted from the flow's completion, [WithTxOptions] the
+// local steps' transactions, [WithMaxResponseSize] and [WithCodec] the
+// stored input, step results and answer, and [WithObserver].
 //
 // NewFlow panics when name is invalid, fn is nil, or an option was made
 // from a value that cannot work, with the error that says so (wrapping
 // [ErrInvalidOption]): flows are made at start-up, from values written in
 // the code, as regexp.MustCompile's patterns are.
-func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...Option) *Flow[In, Out] {
+func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...FlowOption) *Flow[In, Out] {
 	if err := ident.Check(name); err != nil {
 		panic(fmt.Errorf("%w: NewFlow: name %q: %s", ErrInvalidOption, name, err))
 	}
 	if fn == nil {
 		panic(fmt.Errorf("%w: NewFlow %q: the function is nil", ErrInvalidOption, name))
 	}
-	o, err := newOptions(opts)
-	if err == nil {
-		err = checkFlowOptions(&o)
-	}
-	if err != nil {
+	if err := CheckFlowOptions(opts...); err != nil {
 		panic(fmt.Errorf("idem: NewFlow %q: %w", name, err))
 	}
 	return &Flow[In, Out]{name: name, fn: fn, opts: slices.Clone(opts)}
 }
 
 // options are the flow's options, then opts.
-func (f *Flow[In, Out]) options(opts []Option) (options, error) {
+func (f *Flow[In, Out]) options(opts []FlowOption) (options, error) {
 	o, err := newOptions(append(slices.Clip(f.opts), opts...))
 	if err == nil {
 		err = checkFlowOptions(&o)
@@ -142,7 +139,7 @@ func checkFlowOptions(o *options) error {
 // stopped for a person's decision gives [ErrFlowStopped]. The input must
 // be storable as JSON ([ErrInputNotStorable] otherwise); a completer
 // resumes the flow with it.
-func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key string, fp []byte, in In, opts ...Option) (_ Result[Out], err error) {
+func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key string, fp []byte, in In, opts ...FlowOption) (_ Result[Out], err error) {
 	o, err := f.options(opts)
 	ctx, obs := o.observer.observeFlow(ctx, "idem.Flow.Run", f.name)
 	defer func() { obs.end(scope, key, err) }()

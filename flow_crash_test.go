@@ -80,7 +80,7 @@ const crashLease = 2 * time.Second
 // charge it at the provider over HTTP, with the operation's scope and key
 // as the charge's reference, record it. at names the point where the
 // process kills or freezes itself, if any.
-func crashFlow(name, providerURL, at string, opts ...idem.Option) *idem.Flow[chargeIn, chargeOut] {
+func crashFlow(name, providerURL, at string, opts ...idem.FlowOption) *idem.Flow[chargeIn, chargeOut] {
 	return crashFlowWith(name, providerURL, at, nil, opts...)
 }
 
@@ -107,7 +107,7 @@ func reconcileOverHTTP(providerURL, ref string) idem.CallOption {
 
 // crashFlowWith is crashFlow, whose call has a lookup (reconcileOverHTTP)
 // when reconcile is set.
-func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.Option) *idem.Flow[chargeIn, chargeOut] {
+func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.FlowOption) *idem.Flow[chargeIn, chargeOut] {
 	kill := func(point string) {
 		switch {
 		case at != point:
@@ -165,7 +165,7 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.O
 			return chargeOut{}, err
 		}
 		return chargeOut{PaymentID: id, ChargeID: chargeID}, nil
-	}, append([]idem.Option{idem.WithLease(crashLease)}, opts...)...)
+	}, append([]idem.FlowOption{idem.WithLease(crashLease)}, opts...)...)
 }
 
 // freezeSelf stops the process (SIGSTOP) and returns once it is woken
@@ -223,7 +223,7 @@ func crashChild() int {
 		fmt.Fprintf(os.Stderr, "the flow ended without a crash: %v\n", err)
 		return 3
 	}
-	var opts []idem.Option
+	var opts []idem.FlowOption
 	if job.Window != nil {
 		opts = append(opts, idem.WithProviderWindow(*job.Window))
 	}

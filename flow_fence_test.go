@@ -18,7 +18,7 @@ import (
 // stallingFlow is the charge flow with a pause of the first executor's
 // between its local step and its call: stalled is closed when it stalls,
 // and it goes on when resume is closed.
-func stallingFlow(p *provider, stalled, resume chan struct{}, opts ...idem.Option) *idem.Flow[chargeIn, string] {
+func stallingFlow(p *provider, stalled, resume chan struct{}, opts ...idem.FlowOption) *idem.Flow[chargeIn, string] {
 	var stalls atomic.Int64
 	return idem.NewFlow(testdb.Name("stall"), func(s *idem.Steps, in chargeIn) (string, error) {
 		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
@@ -127,7 +127,7 @@ func TestFlowKeyUsedAgainAfterItsRetentionIsANewOperation(t *testing.T) {
 func TestFlowRefusesARetentionShorterThanItsProviderWindow(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	var steps atomic.Int64
-	for _, opts := range [][]idem.Option{
+	for _, opts := range [][]idem.FlowOption{
 		{idem.WithRetention(time.Hour)},
 		{idem.WithRetention(time.Hour), idem.WithProviderWindow(2 * time.Hour)},
 	} {
@@ -144,8 +144,11 @@ func TestFlowRefusesARetentionShorterThanItsProviderWindow(t *testing.T) {
 	if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithRetention(time.Hour)); !errors.Is(err, idem.ErrInvalidOption) {
 		t.Fatalf("Run with a retention shorter than the flow's window: %v, want ErrInvalidOption", err)
 	}
-	if err := idem.CheckOptions(idem.WithProviderWindow(-time.Second)); !errors.Is(err, idem.ErrInvalidOption) {
+	if err := idem.CheckFlowOptions(idem.WithProviderWindow(-time.Second)); !errors.Is(err, idem.ErrInvalidOption) {
 		t.Fatalf("a negative provider window: %v, want ErrInvalidOption", err)
+	}
+	if err := idem.CheckFlowOptions(idem.WithRetention(time.Hour)); !errors.Is(err, idem.ErrInvalidOption) {
+		t.Fatalf("CheckFlowOptions with a retention shorter than the default window: %v, want ErrInvalidOption", err)
 	}
 	if steps.Load() != 0 || p.calls.Load() != 0 {
 		t.Fatal("a step or a call ran")

@@ -20,7 +20,7 @@ import (
 // keylessFlow charges in.Amount at p, a provider that ignores keys, with
 // the operation's scope and key as the charge's reference, and answers the
 // charge's id; its call has opts.
-func keylessFlow(p *provider, opts []idem.CallOption, flowOpts ...idem.Option) *idem.Flow[chargeIn, string] {
+func keylessFlow(p *provider, opts []idem.CallOption, flowOpts ...idem.FlowOption) *idem.Flow[chargeIn, string] {
 	return idem.NewFlow(testdb.Name("keyless"), func(s *idem.Steps, in chargeIn) (string, error) {
 		ref := s.Scope() + "/" + s.Key()
 		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {

@@ -44,6 +44,50 @@ func TestInvalidOptionsAreRejected(t *testing.T) {
 	}
 }
 
+// Where an option applies is its type: an option that means nothing to a
+// call (a flow's lease) is not an Option, and one that means nothing to a
+// flow (WithLookupFirst) is not a FlowOption, so that the compiler refuses
+// either where it would be ignored; the options both use are both. Each
+// is its own type, so that no type assertion turns one kind into another.
+func TestOptionsAreTypedByWhereTheyApply(t *testing.T) {
+	callOnly := map[string]any{
+		"WithLookupFirst": idem.WithLookupFirst(),
+		"WithIdleTimeout": idem.WithIdleTimeout(time.Second),
+	}
+	flowOnly := map[string]any{
+		"WithLease":          idem.WithLease(time.Second),
+		"WithLease(invalid)": idem.WithLease(0),
+		"WithGrace":          idem.WithGrace(time.Second),
+		"WithProviderWindow": idem.WithProviderWindow(time.Hour),
+		"WithCallTimeout":    idem.WithCallTimeout(time.Second),
+	}
+	sharedOpts := map[string]any{
+		"WithWait":             idem.WithWait(time.Second),
+		"WithWait(invalid)":    idem.WithWait(time.Duration(math.MaxInt64)),
+		"WithRetention":        idem.WithRetention(time.Hour),
+		"WithTxOptions":        idem.WithTxOptions(pgx.TxOptions{}),
+		"WithMaxResponseSize":  idem.WithMaxResponseSize(1),
+		"WithCodec":            idem.WithCodec(nil),
+		"WithObserver":         idem.WithObserver(nil),
+		"WithTxOptions(bad)":   idem.WithTxOptions(pgx.TxOptions{AccessMode: pgx.ReadOnly}),
+		"WithRetention(0)":     idem.WithRetention(0),
+		"WithMaxResponseSize0": idem.WithMaxResponseSize(0),
+	}
+	kinds := []struct {
+		opts       map[string]any
+		call, flow bool
+	}{{callOnly, true, false}, {flowOnly, false, true}, {sharedOpts, true, true}}
+	for _, k := range kinds {
+		for name, opt := range k.opts {
+			_, call := opt.(idem.Option)
+			_, flow := opt.(idem.FlowOption)
+			if call != k.call || flow != k.flow {
+				t.Errorf("%s: an Option %t and a FlowOption %t; want %t and %t", name, call, flow, k.call, k.flow)
+			}
+		}
+	}
+}
+
 // A retention that is not a whole number of microseconds is rounded up, as
 // every duration idem sends to PostgreSQL is: 1.001µs keeps a record for
 // 2µs, never for less than asked.

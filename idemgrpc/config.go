@@ -226,7 +226,8 @@ type settings struct {
 	logger           *slog.Logger
 	// runOptions are what each keyed call hands idem.Run; flowOptions
 	// what RunFlow hands idem.Flow.Run.
-	runOptions, flowOptions []idem.Option
+	runOptions  []idem.Option
+	flowOptions []idem.FlowOption
 	// retryDelay is the RetryInfo of an ABORTED KEY_IN_PROGRESS: the wait,
 	// rounded up to whole seconds, at least one, since the first call took
 	// that long already.
@@ -314,7 +315,7 @@ func newSettings(cfg Config) (settings, error) {
 		return settings{}, err
 	}
 	s.maxResponseBytes, s.txOptions, s.runOptions = common.MaxResponseBytes, common.TxOptions, common.RunOptions
-	s.flowOptions = []idem.Option{idem.WithWait(common.Wait)}
+	s.flowOptions = []idem.FlowOption{idem.WithWait(common.Wait)}
 	s.retryDelay = adapter.RetryAfter(common.Wait)
 	return s, nil
 }

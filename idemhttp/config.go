@@ -221,7 +221,8 @@ type settings struct {
 	// what FlowHandler hands a flow's Run: only the wait, which the 409's
 	// Retry-After tells. How a flow stores is the flow's own (NewFlow's
 	// options), which its completer uses too.
-	runOptions, flowOptions []idem.Option
+	runOptions  []idem.Option
+	flowOptions []idem.FlowOption
 	// retryAfter is the Retry-After of a 409, in seconds: the wait, rounded
 	// up, since the first request took at least that long already.
 	retryAfter string
@@ -281,7 +282,7 @@ func newSettings(cfg Config) (settings, error) {
 		return settings{}, err
 	}
 	s.maxResponseBytes, s.txOptions, s.runOptions = common.MaxResponseBytes, common.TxOptions, common.RunOptions
-	s.flowOptions = []idem.Option{idem.WithWait(common.Wait)}
+	s.flowOptions = []idem.FlowOption{idem.WithWait(common.Wait)}
 	s.retryAfter = strconv.FormatInt(int64(adapter.RetryAfter(common.Wait)/time.Second), 10)
 
 	switch {
