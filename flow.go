@@ -26,8 +26,8 @@ import (
 // and calls to other systems ([Call]), made with no transaction open and
 // no connection held, each with a provider key that stays the same on
 // every attempt. Its record lives in idem's tables, beside the caller's
-// data. Create flows once, at start-up, with [NewFlow]; a Flow is safe for
-// concurrent use.
+// data. Create flows once, at start-up, with [MustNewFlow] or [NewFlow]; a
+// Flow is safe for concurrent use.
 //
 // Running a flow again for the same key ([Flow.Run] for a client's retry,
 // [Flow.Resume] for one whose client never came back) runs its function
@@ -72,21 +72,33 @@ type Flow[In, Out any] struct {
 // local steps' transactions, [WithMaxResponseSize] and [WithCodec] the
 // stored input, step results and answer, and [WithObserver].
 //
-// NewFlow panics when name is invalid, fn is nil, or an option was made
-// from a value that cannot work, with the error that says so (wrapping
-// [ErrInvalidOption]): flows are made at start-up, from values written in
-// the code, as regexp.MustCompile's patterns are.
-func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...FlowOption) *Flow[In, Out] {
+// NewFlow refuses an invalid name, a nil fn, or an option made from a
+// value that cannot work, with an error that says so and wraps
+// [ErrInvalidOption]. Flows are made at start-up, from values written in
+// the code: [MustNewFlow] is NewFlow for a package-level variable.
+func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...FlowOption) (*Flow[In, Out], error) {
 	if err := ident.Check(name); err != nil {
-		panic(fmt.Errorf("%w: NewFlow: name %q: %s", ErrInvalidOption, name, err))
+		return nil, fmt.Errorf("%w: NewFlow: name %q: %s", ErrInvalidOption, name, err)
 	}
 	if fn == nil {
-		panic(fmt.Errorf("%w: NewFlow %q: the function is nil", ErrInvalidOption, name))
+		return nil, fmt.Errorf("%w: NewFlow %q: the function is nil", ErrInvalidOption, name)
 	}
 	if err := CheckFlowOptions(opts...); err != nil {
-		panic(fmt.Errorf("idem: NewFlow %q: %w", name, err))
+		return nil, fmt.Errorf("idem: NewFlow %q: %w", name, err)
 	}
-	return &Flow[In, Out]{name: name, fn: fn, opts: slices.Clone(opts)}
+	return &Flow[In, Out]{name: name, fn: fn, opts: slices.Clone(opts)}, nil
+}
+
+// MustNewFlow is [NewFlow] that panics with NewFlow's error instead of
+// returning it, as regexp.MustCompile does: a flow made at start-up from
+// values written in the code that cannot work is a bug, which stops the
+// program before it serves anything.
+func MustNewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...FlowOption) *Flow[In, Out] {
+	f, err := NewFlow(name, fn, opts...)
+	if err != nil {
+		panic(err)
+	}
+	return f
 }
 
 // options are the flow's options, then opts.

@@ -151,7 +151,7 @@ func CheckOptions(opts ...Option) error {
 // CheckFlowOptions is [CheckOptions] for a flow's options: it reports the
 // first of opts made from a value that cannot work, or what they refuse
 // together (a retention shorter than the provider window), with the error
-// that [NewFlow] would panic with and [Flow.Run] return; nil when they can
+// that [NewFlow] and [Flow.Run] would return; nil when they can
 // work.
 func CheckFlowOptions(opts ...FlowOption) error {
 	o, err := newOptions(opts)

@@ -22,7 +22,7 @@ import (
 )
 
 // A checkout endpoint whose write charges a card at a provider: a flow
-// (idem.NewFlow) served by FlowHandler. The provider charges on the first
+// (idem.MustNewFlow) served by FlowHandler. The provider charges on the first
 // request but its answer is lost; the request gets 503
 // operation-incomplete, and the client's retry, with the same key,
 // continues the flow: the provider, given the same provider key, charges
@@ -67,7 +67,7 @@ func ExampleFlowHandler() {
 	type receipt struct {
 		ChargeID string `json:"charge_id"`
 	}
-	checkout := idem.NewFlow("http-checkout", func(s *idem.Steps, in order) (receipt, error) {
+	checkout := idem.MustNewFlow("http-checkout", func(s *idem.Steps, in order) (receipt, error) {
 		id, err := idem.Call(s, "charge", func(ctx context.Context, providerKey string) (string, error) {
 			return charge(ctx, providerKey, in.AmountCents)
 		})
