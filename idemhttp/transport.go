@@ -23,9 +23,10 @@ import (
 // Transport is an [http.RoundTripper] for the clients of an idemhttp
 // server: it gives each request without an idempotency key a fresh one, and
 // sends the request again, with the same key and the same body, until it
-// gets an answer that another attempt would not change, as the section
-// "The client: idemhttp.Transport" of docs/http.md explains. Put it in an
-// [http.Client]:
+// gets an answer that another attempt would not change. Its rules are
+// stated here, once; the section "The client: idemhttp.Transport" of
+// docs/http.md places it among the other clients and measures it. Put it
+// in an [http.Client]:
 //
 //	client := &http.Client{Transport: &idemhttp.Transport{}}
 //
@@ -197,8 +198,9 @@ type Transport struct {
 	// [http.Client.Timeout] bounds a whole request. An attempt past it is
 	// given up (its connection closed) and counts as failed: it is retried
 	// like any other error, within MaxAttempts and the request's context,
-	// and the answer returned to the caller must be read within it too.
-	// Negative means none: only the request's context bounds an attempt.
+	// and the answer returned to the caller must be read within it too; it
+	// makes a ResponseHeaderTimeout on the [http.Transport] underneath
+	// needless. Negative means none: only the request's context bounds an attempt.
 	// Defaults to 30s ([DefaultAttemptTimeout]): room for a slow answer,
 	// and half of idem's [idem.DefaultCallTimeout], so that a flow's call
 	// whose first attempt hung is tried again before the call's own bound
