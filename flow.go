@@ -73,15 +73,15 @@ type Flow[In, Out any] struct {
 // stored input, step results and answer, and [WithObserver].
 //
 // NewFlow refuses an invalid name, a nil fn, or an option made from a
-// value that cannot work, with an error that says so and wraps
+// value that cannot work, with a [*FieldError] that says which and wraps
 // [ErrInvalidOption]. Flows are made at start-up, from values written in
 // the code: [MustNewFlow] is NewFlow for a package-level variable.
 func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...FlowOption) (*Flow[In, Out], error) {
 	if err := ident.Check(name); err != nil {
-		return nil, fmt.Errorf("%w: NewFlow: name %q: %s", ErrInvalidOption, name, err)
+		return nil, &FieldError{Package: "idem", Field: "NewFlow", Problem: fmt.Sprintf("name %q: %s", name, err)}
 	}
 	if fn == nil {
-		return nil, fmt.Errorf("%w: NewFlow %q: the function is nil", ErrInvalidOption, name)
+		return nil, &FieldError{Package: "idem", Field: "NewFlow", Problem: fmt.Sprintf("flow %q: the function is nil", name)}
 	}
 	if err := CheckFlowOptions(opts...); err != nil {
 		return nil, fmt.Errorf("idem: NewFlow %q: %w", name, err)
@@ -117,9 +117,10 @@ func (f *Flow[In, Out]) options(opts []FlowOption) (options, error) {
 // transaction itself.)
 func checkFlowOptions(o *options) error {
 	if o.retention < o.providerWindow {
-		return fmt.Errorf("%w: a flow's retention (%s) must be at least its provider window (%s): "+
-			"a key used again after the retention would reach the provider under the keys of the operation before",
-			ErrInvalidOption, o.retention, o.providerWindow)
+		return &FieldError{Package: "idem", Field: "WithRetention", Problem: fmt.Sprintf(
+			"a flow's retention (%s) must be at least its provider window (%s): "+
+				"a key used again after the retention would reach the provider under the keys of the operation before",
+			o.retention, o.providerWindow)}
 	}
 	return nil
 }
