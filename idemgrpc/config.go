@@ -314,8 +314,8 @@ func newSettings(cfg Config) (settings, error) {
 	if err != nil {
 		return settings{}, err
 	}
-	s.maxResponseBytes, s.txOptions, s.runOptions = common.MaxResponseBytes, common.TxOptions, common.RunOptions
-	s.flowOptions = []idem.FlowOption{idem.WithWait(common.Wait)}
+	s.maxResponseBytes, s.txOptions = common.MaxResponseBytes, common.TxOptions
+	s.runOptions, s.flowOptions = common.RunOptions, common.FlowOptions
 	s.retryDelay = adapter.RetryAfter(common.Wait)
 	return s, nil
 }

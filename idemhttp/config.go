@@ -281,8 +281,8 @@ func newSettings(cfg Config) (settings, error) {
 	if err != nil {
 		return settings{}, err
 	}
-	s.maxResponseBytes, s.txOptions, s.runOptions = common.MaxResponseBytes, common.TxOptions, common.RunOptions
-	s.flowOptions = []idem.FlowOption{idem.WithWait(common.Wait)}
+	s.maxResponseBytes, s.txOptions = common.MaxResponseBytes, common.TxOptions
+	s.runOptions, s.flowOptions = common.RunOptions, common.FlowOptions
 	s.retryAfter = strconv.FormatInt(int64(adapter.RetryAfter(common.Wait)/time.Second), 10)
 
 	switch {

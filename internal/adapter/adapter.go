@@ -184,6 +184,10 @@ type Settings struct {
 	TxOptions pgx.TxOptions
 	// RunOptions are what each keyed request hands idem.Run.
 	RunOptions []idem.Option
+	// FlowOptions are what a flow's request hands the flow's Run: only the
+	// wait, which the answer to a duplicate tells; how a flow stores is the
+	// flow's own (NewFlow's options), which its resumer uses too.
+	FlowOptions []idem.FlowOption
 }
 
 // Check checks c, a part of pkg's Config, and applies its defaults: an
@@ -214,6 +218,7 @@ func Check(pkg string, c Config) (Settings, error) {
 		idem.WithTxOptions(s.TxOptions),
 		idem.WithMaxResponseSize(stored),
 	}
+	s.FlowOptions = []idem.FlowOption{idem.WithWait(s.Wait)}
 	if c.LookupFirst {
 		s.RunOptions = append(s.RunOptions, idem.WithLookupFirst())
 	}
