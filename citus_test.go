@@ -389,7 +389,7 @@ func citusOnceAdvance(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 func citusFlows(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	var charges sync.Map // provider key -> times charged
 	var fail atomic.Bool
-	flow := idem.NewFlow("citus-charge", func(s *idem.Steps, amount int64) (string, error) {
+	flow := idem.MustNewFlow("citus-charge", func(s *idem.Steps, amount int64) (string, error) {
 		if _, err := idem.Local(s, "record", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, 'flow', $2) RETURNING id`,
@@ -704,7 +704,7 @@ func citusReconcile(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	p = newProvider()
 	var refused atomic.Bool
 	refused.Store(true)
-	unsent := idem.NewFlow(testdb.Name("unsent"), func(s *idem.Steps, in chargeIn) (string, error) {
+	unsent := idem.MustNewFlow(testdb.Name("unsent"), func(s *idem.Steps, in chargeIn) (string, error) {
 		return idem.Call(s, "notify", func(ctx context.Context, key string) (string, error) {
 			if refused.Load() {
 				return "", fmt.Errorf("connection refused: %w", idem.ErrNotSent)
@@ -885,7 +885,7 @@ func citusOutbox(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	var count atomic.Int64
 	relayCtx, stop := context.WithCancel(ctx)
 	defer stop()
-	relay, err := outbox.NewRelay(pool, func(ctx context.Context, msg outbox.Message) error {
+	relay, err := outbox.StartRelay(relayCtx, pool, func(ctx context.Context, msg outbox.Message) error {
 		if _, dup := delivered.LoadOrStore(msg.IdempotencyKey, true); dup {
 			t.Errorf("%s delivered twice", msg.IdempotencyKey)
 		}
@@ -897,9 +897,8 @@ func citusOutbox(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := relay.Run(relayCtx); err != nil && !errors.Is(err, context.Canceled) {
-		t.Fatal(err)
-	}
+	<-relayCtx.Done()
+	relay.Stop()
 	if count.Load() != n {
 		t.Fatalf("%d of %d delivered", count.Load(), n)
 	}

@@ -79,22 +79,31 @@ guards updates that carry an entity's version: it applies a version only if
 it is newer than the last one applied, so redelivered and reordered
 messages are skipped.
 
-Two subpackages cover the other ends: idemhttp turns an HTTP handler into an
-exactly-once endpoint for the Idempotency-Key header, and outbox delivers
-messages to systems outside the database, at least once, each with an
-idempotency key the receiver can deduplicate on.
+Subpackages cover the other ends: idemhttp turns an HTTP handler into an
+exactly-once endpoint for the Idempotency-Key header, and its client
+Transport retries with one key; idemhttp/webhook receives signed webhooks,
+each event applied once; outbox delivers messages to systems outside the
+database, at least once, each with an idempotency key the receiver can
+deduplicate on; and idemtest gives an application's tests PostgreSQL
+databases of their own, with idem's migrations applied. The gRPC
+interceptors, idemgrpc, are a module of their own, so that no other user
+downloads gRPC. The idem command (cmd/idem) migrates, purges, inspects
+and ends flows.
 
 # Options and errors
 
-Calls take options, each of which says its default: [WithWait],
-[WithRetention], [WithIdleTimeout], [WithLookupFirst], [WithTxOptions],
-[WithMaxResponseSize], [WithCodec] and [WithObserver]; flows add [WithLease],
-[WithGrace] and [WithProviderWindow]. An option made from
-a value that cannot work makes every call given it fail with
-[ErrInvalidOption] before anything is sent; [CheckOptions] checks options
-once, when a program sets them up.
+Calls and flows take options, each of which says its default, and each
+typed by where it applies, so that the compiler refuses one given where it
+would mean nothing: [WithWait], [WithRetention], [WithTxOptions],
+[WithMaxResponseSize], [WithCodec] and [WithObserver] are a [SharedOption],
+taken by both; [WithIdleTimeout] and [WithLookupFirst] an [Option], of calls
+only; [WithLease], [WithGrace], [WithProviderWindow] and [WithCallTimeout] a
+[FlowOption], of flows only. An option made from a value that cannot work
+makes every call given it fail with [ErrInvalidOption] before anything is
+sent; [CheckOptions] and [CheckFlowOptions] check options once, when a
+program sets them up.
 
-One rule for zero and negative values holds in idem, idemhttp and outbox.
+One rule for zero and negative values holds in idem and every subpackage.
 In a configuration struct ([PurgerConfig], [ObserverConfig],
 idemhttp.Config, outbox.Config) the zero value of a field means its
 default, stated on the field, and a nil Logger means slog.Default(). An
@@ -102,8 +111,8 @@ option is an explicit choice, so its zero means zero: WithWait(0) does not
 wait, and leaving the option out gives the default. In both, a negative
 value means "none" where the field or option says so (no wait, no bound,
 no limit) and is refused elsewhere. A configuration is checked once, where
-it is built (StartPurger, idemhttp.NewMiddleware, outbox.NewRelay), and
-each invalid field is refused with an error that names it and wraps
+it is built (StartPurger, idemhttp.NewMiddleware, outbox.StartRelay), and
+each invalid field is refused with a [FieldError] that names it and wraps
 [ErrInvalidOption].
 
 The package's own failures are sentinel values, checked with errors.Is, and
@@ -111,9 +120,12 @@ each one's documentation says when it is returned and what to do:
 [ErrInvalidScope], [ErrInvalidKey], [ErrInvalidOption], [ErrInvalidVersion],
 [ErrFingerprintMismatch], [ErrInProgress], [ErrSerialization],
 [ErrReadOnly], [ErrConnInTransaction], [ErrResponseTooLarge] and
-[ErrResponseNotStorable]; flows add [ErrLeaseLost], [ErrFlowChanged],
-[ErrFlowStopped] and [ErrInputNotStorable]. Driver errors that mean one of them (a wait that
-ran out, a serialization failure, a deadlock) are translated, so callers
+[ErrResponseNotStorable]; [OnceEach] adds [ErrInvalidBatch]; flows add [ErrLeaseLost], [ErrFlowChanged],
+[ErrFlowIncomplete], [ErrFlowStopped] and [ErrInputNotStorable], and
+[ErrNotSent] for a call's function to say that its request never left.
+A value that cannot work is a [*FieldError], which names it. Driver errors
+that mean one of them (a wait that ran out, a serialization failure, a
+deadlock) are translated, so callers
 never inspect SQLSTATE codes for those. Other driver errors come back
 wrapped with what idem was doing, the driver's error in the chain.
 

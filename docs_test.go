@@ -343,3 +343,84 @@ func TestDocsRunOnlyPackagesAndCommandsThatExist(t *testing.T) {
 		t.Fatalf("checked %d paths: the documents' commands were not found", checked)
 	}
 }
+
+// TestOperationsListsEveryCommand checks that the command list of
+// docs/operations.md names every command of cmd/idem's main.go, and only
+// those.
+func TestOperationsListsEveryCommand(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("docs/operations.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	main, err := os.ReadFile("cmd/idem/main.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, block, _ := strings.Cut(string(doc), "go install github.com/pgidem/idem/cmd/idem@latest\n")
+	block, _, _ = strings.Cut(block, "```")
+	listed := map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?m)^idem ([\w-]+)`).FindAllStringSubmatch(block, -1) {
+		listed[m[1]] = true
+	}
+	commands := regexp.MustCompile(`\{"([\w-]+)", "`).FindAllStringSubmatch(string(main), -1)
+	if len(commands) < 5 {
+		t.Fatalf("found %d commands in cmd/idem/main.go", len(commands))
+	}
+	known := map[string]bool{}
+	for _, m := range commands {
+		known[m[1]] = true
+		if !listed[m[1]] {
+			t.Errorf("docs/operations.md's command list omits idem %s", m[1])
+		}
+	}
+	for name := range listed {
+		if !known[name] {
+			t.Errorf("docs/operations.md lists idem %s, which cmd/idem does not have", name)
+		}
+	}
+}
+
+// TestPackageDocNamesEverySentinel checks that doc.go, where the package's
+// errors are listed, names every exported error variable of the package.
+func TestPackageDocNamesEverySentinel(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("doc.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := 0
+	for _, name := range files {
+		if strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(token.NewFileSet(), name, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, decl := range f.Decls {
+			gen, ok := decl.(*ast.GenDecl)
+			if !ok || gen.Tok != token.VAR {
+				continue
+			}
+			for _, spec := range gen.Specs {
+				for _, id := range spec.(*ast.ValueSpec).Names {
+					if !id.IsExported() || !strings.HasPrefix(id.Name, "Err") {
+						continue
+					}
+					found++
+					if !strings.Contains(string(doc), "["+id.Name+"]") {
+						t.Errorf("doc.go does not name %s (%s)", id.Name, name)
+					}
+				}
+			}
+		}
+	}
+	if found < 10 {
+		t.Fatalf("found %d sentinels: not the package's directory?", found)
+	}
+}

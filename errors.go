@@ -19,6 +19,36 @@ var ErrInvalidScope = errors.New("idem: invalid scope")
 // such as a negative retention. Nothing is sent to the database.
 var ErrInvalidOption = errors.New("idem: invalid option")
 
+// FieldError is the one form in which idem and its subpackages refuse a
+// value that cannot work: an option, a field of a configuration or an
+// argument of a constructor. It names the value and says what is wrong,
+// as "idemhttp: Config.Wait: must not exceed ...", and wraps
+// [ErrInvalidOption], and Err when another error refused the value.
+// Nothing is sent to the database.
+type FieldError struct {
+	// Package is the package that refused the value, such as "idemhttp".
+	Package string
+	// Field names the value as its caller wrote it, such as
+	// "WithTxOptions.AccessMode" or "Config.Wait", or the function whose
+	// argument it is, such as "StartRelay" (the problem then names the
+	// argument).
+	Field string
+	// Problem says what is wrong with the value.
+	Problem string
+	// Err is the error that refused the value, if any.
+	Err error
+}
+
+func (e *FieldError) Error() string { return e.Package + ": " + e.Field + ": " + e.Problem }
+
+// Unwrap returns ErrInvalidOption, and Err when there is one.
+func (e *FieldError) Unwrap() []error {
+	if e.Err == nil {
+		return []error{ErrInvalidOption}
+	}
+	return []error{ErrInvalidOption, e.Err}
+}
+
 // ErrInvalidVersion is returned by [Advance] when a version is negative.
 // Nothing is sent to the database.
 var ErrInvalidVersion = errors.New("idem: invalid version")
@@ -90,7 +120,7 @@ var ErrInputNotStorable = errors.New("idem: flow's input cannot be stored")
 var ErrSerialization = dberr.ErrSerialization
 
 // ErrConnInTransaction is returned by [Run], [WithTx], [Purge],
-// [StartPurger] and the outbox's Relay.Run when db is a *pgx.Conn or
+// [StartPurger] and the outbox's StartRelay when db is a *pgx.Conn or
 // *pgxpool.Conn that is in a transaction, open or failed: they begin and
 // end transactions of their own, and on such a connection BEGIN is only a
 // warning, so their COMMIT or ROLLBACK would end the caller's transaction

@@ -27,8 +27,8 @@ import (
 // and calls to other systems ([Call]), made with no transaction open and
 // no connection held, each with a provider key that stays the same on
 // every attempt. Its record lives in idem's tables, beside the caller's
-// data. Create flows once, at start-up, with [NewFlow]; a Flow is safe for
-// concurrent use.
+// data. Create flows once, at start-up, with [MustNewFlow] or [NewFlow]; a
+// Flow is safe for concurrent use.
 //
 // Running a flow again for the same key ([Flow.Run] for a client's retry,
 // [Flow.Resume] for one whose client never came back) runs its function
@@ -53,7 +53,7 @@ import (
 type Flow[In, Out any] struct {
 	name string
 	fn   func(s *Steps, in In) (Out, error)
-	opts []Option
+	opts []FlowOption
 }
 
 // NewFlow returns the flow named name, whose function is fn. The name
@@ -65,36 +65,45 @@ type Flow[In, Out any] struct {
 // opts apply to every run of the flow, [Flow.Resume]'s included; options
 // given to one [Flow.Run] come after them. Give NewFlow what concerns the
 // flow's stored values, [WithCodec] above all: Resume opens the stored
-// input with the flow's own options only. Of idem's options, flows use
-// [WithWait] (a duplicate's wait for the executor), [WithRetention]
-// (counted from the flow's completion), [WithTxOptions] (the local steps'
-// transactions), [WithMaxResponseSize] and [WithCodec] (the stored input,
-// step results and answer), [WithObserver], and their own: [WithLease],
-// [WithGrace] and [WithProviderWindow].
+// input with the flow's own options only. A flow takes the options that
+// are a [FlowOption]: its own ([WithLease], [WithGrace],
+// [WithProviderWindow], [WithCallTimeout]) and the [SharedOption]s, which
+// mean for a flow: [WithWait] a duplicate's wait for the executor,
+// [WithRetention] counted from the flow's completion, [WithTxOptions] the
+// local steps' transactions, [WithMaxResponseSize] and [WithCodec] the
+// stored input, step results and answer, and [WithObserver].
 //
-// NewFlow panics when name is invalid, fn is nil, or an option was made
-// from a value that cannot work, with the error that says so (wrapping
-// [ErrInvalidOption]): flows are made at start-up, from values written in
-// the code, as regexp.MustCompile's patterns are.
-func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...Option) *Flow[In, Out] {
+// NewFlow refuses an invalid name, a nil fn, or an option made from a
+// value that cannot work, with a [*FieldError] that says which and wraps
+// [ErrInvalidOption]. Flows are made at start-up, from values written in
+// the code: [MustNewFlow] is NewFlow for a package-level variable.
+func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...FlowOption) (*Flow[In, Out], error) {
 	if err := ident.Check(name); err != nil {
-		panic(fmt.Errorf("%w: NewFlow: name %q: %s", ErrInvalidOption, name, err))
+		return nil, &FieldError{Package: "idem", Field: "NewFlow", Problem: fmt.Sprintf("name %q: %s", name, err)}
 	}
 	if fn == nil {
-		panic(fmt.Errorf("%w: NewFlow %q: the function is nil", ErrInvalidOption, name))
+		return nil, &FieldError{Package: "idem", Field: "NewFlow", Problem: fmt.Sprintf("flow %q: the function is nil", name)}
 	}
-	o, err := newOptions(opts)
-	if err == nil {
-		err = checkFlowOptions(&o)
+	if err := CheckFlowOptions(opts...); err != nil {
+		return nil, fmt.Errorf("idem: NewFlow %q: %w", name, err)
 	}
+	return &Flow[In, Out]{name: name, fn: fn, opts: slices.Clone(opts)}, nil
+}
+
+// MustNewFlow is [NewFlow] that panics with NewFlow's error instead of
+// returning it, as regexp.MustCompile does: a flow made at start-up from
+// values written in the code that cannot work is a bug, which stops the
+// program before it serves anything.
+func MustNewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...FlowOption) *Flow[In, Out] {
+	f, err := NewFlow(name, fn, opts...)
 	if err != nil {
-		panic(fmt.Errorf("idem: NewFlow %q: %w", name, err))
+		panic(err)
 	}
-	return &Flow[In, Out]{name: name, fn: fn, opts: slices.Clone(opts)}
+	return f
 }
 
 // options are the flow's options, then opts.
-func (f *Flow[In, Out]) options(opts []Option) (options, error) {
+func (f *Flow[In, Out]) options(opts []FlowOption) (options, error) {
 	o, err := newOptions(append(slices.Clip(f.opts), opts...))
 	if err == nil {
 		err = checkFlowOptions(&o)
@@ -103,18 +112,16 @@ func (f *Flow[In, Out]) options(opts []Option) (options, error) {
 }
 
 // checkFlowOptions refuses what options allow but a flow cannot use: a
-// read-only transaction for its local steps, which could record nothing,
-// and a retention shorter than the provider window, after which a key
-// used again could reach the provider, under the same provider keys, while
-// it still remembers the operation before.
+// retention shorter than the provider window, after which a key used
+// again could reach the provider, under the same provider keys, while it
+// still remembers the operation before. (WithTxOptions refuses a read-only
+// transaction itself.)
 func checkFlowOptions(o *options) error {
-	if o.txOptions.AccessMode == pgx.ReadOnly {
-		return fmt.Errorf("%w: a flow's local steps record their results: WithTxOptions must not be read-only", ErrInvalidOption)
-	}
 	if o.retention < o.providerWindow {
-		return fmt.Errorf("%w: a flow's retention (%s) must be at least its provider window (%s): "+
-			"a key used again after the retention would reach the provider under the keys of the operation before",
-			ErrInvalidOption, o.retention, o.providerWindow)
+		return &FieldError{Package: "idem", Field: "WithRetention", Problem: fmt.Sprintf(
+			"a flow's retention (%s) must be at least its provider window (%s): "+
+				"a key used again after the retention would reach the provider under the keys of the operation before",
+			o.retention, o.providerWindow)}
 	}
 	return nil
 }
@@ -146,7 +153,7 @@ func checkFlowOptions(o *options) error {
 // stopped for a person's decision gives [ErrFlowStopped]. The input must
 // be storable as JSON ([ErrInputNotStorable] otherwise); a completer
 // resumes the flow with it.
-func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key string, fp []byte, in In, opts ...Option) (_ Result[Out], err error) {
+func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key string, fp []byte, in In, opts ...FlowOption) (_ Result[Out], err error) {
 	o, err := f.options(opts)
 	ctx, obs := o.observer.observeFlow(ctx, "idem.Flow.Run", f.name)
 	defer func() { obs.end(scope, key, err) }()

@@ -151,14 +151,15 @@ func newCallOptions[T any](opts []CallOption) (callOptions, error) {
 	var co callOptions
 	for _, opt := range opts {
 		if opt == nil {
-			return co, fmt.Errorf("%w: a nil CallOption", ErrInvalidOption)
+			return co, &FieldError{Package: "idem", Field: "Call", Problem: "a nil CallOption"}
 		}
 		opt.applyCall(&co)
 	}
 	if co.reconcile != nil {
 		if _, ok := co.reconcile.(func(context.Context, string) (T, bool, error)); !ok {
 			var zero T
-			return co, fmt.Errorf("%w: Reconcile's lookup is %T; the call's result is %T", ErrInvalidOption, co.reconcile, zero)
+			return co, &FieldError{Package: "idem", Field: "Reconcile",
+				Problem: fmt.Sprintf("the lookup is %T; the call's result is %T", co.reconcile, zero)}
 		}
 	}
 	return co, nil

@@ -94,7 +94,7 @@ const crashLease = 2 * time.Second
 // charge it at the provider over HTTP, with the operation's scope and key
 // as the charge's reference, record it. at names the point where the
 // process kills or freezes itself, if any.
-func crashFlow(name, providerURL, at string, opts ...idem.Option) *idem.Flow[chargeIn, chargeOut] {
+func crashFlow(name, providerURL, at string, opts ...idem.FlowOption) *idem.Flow[chargeIn, chargeOut] {
 	return crashFlowWith(name, providerURL, at, nil, opts...)
 }
 
@@ -121,7 +121,7 @@ func reconcileOverHTTP(providerURL, ref string) idem.CallOption {
 
 // crashFlowWith is crashFlow, whose call has a lookup (reconcileOverHTTP)
 // when reconcile is set.
-func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.Option) *idem.Flow[chargeIn, chargeOut] {
+func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.FlowOption) *idem.Flow[chargeIn, chargeOut] {
 	kill := func(point string) {
 		switch {
 		case at != point:
@@ -140,7 +140,7 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.O
 		}
 		opts = append(opts, idem.WithObserver(obs))
 	}
-	return idem.NewFlow(name, func(s *idem.Steps, in chargeIn) (chargeOut, error) {
+	return idem.MustNewFlow(name, func(s *idem.Steps, in chargeIn) (chargeOut, error) {
 		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
@@ -181,7 +181,7 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.O
 		}
 		kill(crashAfterCallReturned)
 		return chargeOut{PaymentID: id, ChargeID: chargeID}, nil
-	}, append([]idem.Option{idem.WithLease(crashLease)}, opts...)...)
+	}, append([]idem.FlowOption{idem.WithLease(crashLease)}, opts...)...)
 }
 
 // freezeSelf stops the process (SIGSTOP) and returns once it is woken
@@ -272,7 +272,7 @@ func crashChild() int {
 		fmt.Fprintf(os.Stderr, "the flow ended without a crash: %v\n", err)
 		return 3
 	}
-	var opts []idem.Option
+	var opts []idem.FlowOption
 	if job.Window != nil {
 		opts = append(opts, idem.WithProviderWindow(*job.Window))
 	}

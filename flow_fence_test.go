@@ -18,9 +18,9 @@ import (
 // stallingFlow is the charge flow with a pause of the first executor's
 // between its local step and its call: stalled is closed when it stalls,
 // and it goes on when resume is closed.
-func stallingFlow(p *provider, stalled, resume chan struct{}, opts ...idem.Option) *idem.Flow[chargeIn, string] {
+func stallingFlow(p *provider, stalled, resume chan struct{}, opts ...idem.FlowOption) *idem.Flow[chargeIn, string] {
 	var stalls atomic.Int64
-	return idem.NewFlow(testdb.Name("stall"), func(s *idem.Steps, in chargeIn) (string, error) {
+	return idem.MustNewFlow(testdb.Name("stall"), func(s *idem.Steps, in chargeIn) (string, error) {
 		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
 			_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`, s.Scope(), s.Key(), in.Amount)
 			return 1, err
@@ -127,25 +127,38 @@ func TestFlowKeyUsedAgainAfterItsRetentionIsANewOperation(t *testing.T) {
 func TestFlowRefusesARetentionShorterThanItsProviderWindow(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	var steps atomic.Int64
-	for _, opts := range [][]idem.Option{
+	for _, opts := range [][]idem.FlowOption{
 		{idem.WithRetention(time.Hour)},
 		{idem.WithRetention(time.Hour), idem.WithProviderWindow(2 * time.Hour)},
 	} {
 		func() {
 			defer func() {
 				if p := recover(); p == nil || !errors.Is(p.(error), idem.ErrInvalidOption) {
-					t.Errorf("NewFlow with %d options: panic %v, want ErrInvalidOption", len(opts), p)
+					t.Errorf("MustNewFlow with %d options: panic %v, want ErrInvalidOption", len(opts), p)
 				}
 			}()
 			chargeFlow(p, &steps, opts...)
 		}()
+		// NewFlow, MustNewFlow's twin, returns what MustNewFlow panics with.
+		if f, err := idem.NewFlow("charge", func(*idem.Steps, chargeIn) (chargeOut, error) { return chargeOut{}, nil }, opts...); f != nil || !errors.Is(err, idem.ErrInvalidOption) {
+			t.Errorf("NewFlow with %d options: %v, %v; want no flow and ErrInvalidOption", len(opts), f, err)
+		}
+	}
+	if _, err := idem.NewFlow[chargeIn, chargeOut]("charge", nil); !errors.Is(err, idem.ErrInvalidOption) {
+		t.Errorf("NewFlow with a nil function: %v, want ErrInvalidOption", err)
+	}
+	if _, err := idem.NewFlow("", func(*idem.Steps, chargeIn) (chargeOut, error) { return chargeOut{}, nil }); !errors.Is(err, idem.ErrInvalidOption) {
+		t.Errorf("NewFlow with an empty name: %v, want ErrInvalidOption", err)
 	}
 	flow := chargeFlow(p, &steps)
 	if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithRetention(time.Hour)); !errors.Is(err, idem.ErrInvalidOption) {
 		t.Fatalf("Run with a retention shorter than the flow's window: %v, want ErrInvalidOption", err)
 	}
-	if err := idem.CheckOptions(idem.WithProviderWindow(-time.Second)); !errors.Is(err, idem.ErrInvalidOption) {
+	if err := idem.CheckFlowOptions(idem.WithProviderWindow(-time.Second)); !errors.Is(err, idem.ErrInvalidOption) {
 		t.Fatalf("a negative provider window: %v, want ErrInvalidOption", err)
+	}
+	if err := idem.CheckFlowOptions(idem.WithRetention(time.Hour)); !errors.Is(err, idem.ErrInvalidOption) {
+		t.Fatalf("CheckFlowOptions with a retention shorter than the default window: %v, want ErrInvalidOption", err)
 	}
 	if steps.Load() != 0 || p.calls.Load() != 0 {
 		t.Fatal("a step or a call ran")
@@ -171,7 +184,7 @@ func expiredFlow(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, k
 func TestFlowDuplicatesAndResumeDoNotWaitOnALocalStepsLock(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	inStep, release := make(chan struct{}), make(chan struct{})
-	flow := idem.NewFlow(testdb.Name("slow-step"), func(s *idem.Steps, in chargeIn) (int, error) {
+	flow := idem.MustNewFlow(testdb.Name("slow-step"), func(s *idem.Steps, in chargeIn) (int, error) {
 		return idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
 			close(inStep)
 			<-release // a local step that outlasts its lease, holding the flow's row
@@ -202,7 +215,7 @@ func TestFlowDuplicatesAndResumeDoNotWaitOnALocalStepsLock(t *testing.T) {
 func TestFlowStepWhoseErrorTheFunctionHandledLeavesTheFlowResumable(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	var reserveRuns atomic.Int64
-	flow := idem.NewFlow(testdb.Name("handled"), func(s *idem.Steps, in chargeIn) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("handled"), func(s *idem.Steps, in chargeIn) (string, error) {
 		_, reserveErr := idem.Local(s, "reserve", func(context.Context, pgx.Tx) (int, error) {
 			if reserveRuns.Add(1) == 1 {
 				return 0, errors.New("out of stock")
@@ -300,7 +313,7 @@ func TestFlowLocalStepsAtEveryIsolationLevelAndOnOneConnection(t *testing.T) {
 
 func TestFlowLocalStepLongerThanItsLeaseDoesNotFenceTheNextStep(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
-	flow := idem.NewFlow(testdb.Name("long-step"), func(s *idem.Steps, in chargeIn) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("long-step"), func(s *idem.Steps, in chargeIn) (string, error) {
 		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
 			leaseRanOut(t, ctx, pool, s.Scope(), s.Key()) // the step outlasts the lease
 			return 1, nil

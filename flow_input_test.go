@@ -28,7 +28,7 @@ func TestFlowInputThatCannotBeStoredIsErrInputNotStorable(t *testing.T) {
 	ctx, pool, scope, _ := setupFlow(t)
 	var runs atomic.Int64
 	fn := func(s *idem.Steps, in string) (string, error) { runs.Add(1); return in, nil }
-	flow := idem.NewFlow(testdb.Name("input"), fn, idem.WithMaxResponseSize(64))
+	flow := idem.MustNewFlow(testdb.Name("input"), fn, idem.WithMaxResponseSize(64))
 	for name, c := range map[string]struct {
 		in  string
 		why error
@@ -42,7 +42,7 @@ func TestFlowInputThatCannotBeStoredIsErrInputNotStorable(t *testing.T) {
 		}
 	}
 
-	sealed := idem.NewFlow(testdb.Name("sealed"), fn, idem.WithCodec(sealFails{}))
+	sealed := idem.MustNewFlow(testdb.Name("sealed"), fn, idem.WithCodec(sealFails{}))
 	_, err := sealed.Run(ctx, pool, scope, testdb.Name("k"), nil, "ab")
 	if !errors.Is(err, idem.ErrResponseNotStorable) || errors.Is(err, idem.ErrInputNotStorable) {
 		t.Errorf("a codec that cannot seal: got %v, want ErrResponseNotStorable without ErrInputNotStorable", err)

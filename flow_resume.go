@@ -165,16 +165,18 @@ type Resumer struct {
 // StartResumer starts running [Flow.Resume] in the background, pass after
 // pass, on db (a pool), until ctx is cancelled or Stop is called. Several
 // resumers of one flow can run at once, one per replica: each operation
-// goes to one of them. It refuses an invalid cfg, naming the field, with
-// an error that wraps [ErrInvalidOption].
+// goes to one of them. It refuses an invalid cfg with a [*FieldError]
+// that names the field and wraps [ErrInvalidOption].
 func (f *Flow[In, Out]) StartResumer(ctx context.Context, db TxBeginner, cfg ResumerConfig) (*Resumer, error) {
 	switch {
 	case cfg.Interval < 0:
-		return nil, fmt.Errorf("%w: ResumerConfig.Interval must not be negative (0 means the default, 10s), got %s", ErrInvalidOption, cfg.Interval)
+		return nil, &FieldError{Package: "idem", Field: "ResumerConfig.Interval",
+			Problem: fmt.Sprintf("must not be negative (0 means the default, 10s), got %s", cfg.Interval)}
 	case cfg.Concurrency < 0:
-		return nil, fmt.Errorf("%w: ResumerConfig.Concurrency must not be negative (0 means the default, 4), got %d", ErrInvalidOption, cfg.Concurrency)
+		return nil, &FieldError{Package: "idem", Field: "ResumerConfig.Concurrency",
+			Problem: fmt.Sprintf("must not be negative (0 means the default, 4), got %d", cfg.Concurrency)}
 	case db == nil:
-		return nil, fmt.Errorf("%w: StartResumer needs a database, got nil", ErrInvalidOption)
+		return nil, &FieldError{Package: "idem", Field: "StartResumer", Problem: "needs a database, got nil"}
 	}
 	if err := dberr.CheckIdle(db, "a resumer commits transactions of its own: pass the pool"); err != nil {
 		return nil, err

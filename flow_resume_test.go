@@ -188,3 +188,27 @@ func TestFlowWithACodecSealsWhatItStoresAndResumesWithIt(t *testing.T) {
 		t.Fatalf("the answer stored in clear: %s, %v", info.Output, err)
 	}
 }
+
+func TestStartResumerRefusesEveryInvalidField(t *testing.T) {
+	ctx, pool, _, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps)
+	for _, c := range []struct {
+		field string
+		db    idem.TxBeginner
+		cfg   idem.ResumerConfig
+	}{
+		{"ResumerConfig.Interval", pool, idem.ResumerConfig{Interval: -time.Second}},
+		{"ResumerConfig.Concurrency", pool, idem.ResumerConfig{Concurrency: -1}},
+		{"StartResumer", nil, idem.ResumerConfig{}},
+	} {
+		r, err := flow.StartResumer(ctx, c.db, c.cfg)
+		fe, ok := errors.AsType[*idem.FieldError](err)
+		if r != nil || !ok || fe.Package != "idem" || fe.Field != c.field || !errors.Is(err, idem.ErrInvalidOption) {
+			t.Errorf("%s: %v; want no resumer and a FieldError naming it", c.field, err)
+		}
+	}
+	if steps.Load() != 0 {
+		t.Fatal("a step ran")
+	}
+}

@@ -249,7 +249,8 @@ func decodedResult[T any](r *flowRun, encoded []byte) (T, error) {
 // returns its place and its record. end ends it.
 func (r *flowRun) begin(name, kind string) (int32, *dbsqlc.FlowStepsRow, error) {
 	if err := ident.Check(name); err != nil {
-		return 0, nil, fmt.Errorf("%w: step name %q: %s", ErrInvalidOption, name, err)
+		fn := map[string]string{stepLocal: "Local", stepCall: "Call"}[kind]
+		return 0, nil, &FieldError{Package: "idem", Field: fn, Problem: fmt.Sprintf("step name %q: %s", name, err)}
 	}
 	if r.returned.Load() {
 		return 0, nil, fmt.Errorf("idem: step %q: the flow's function has returned: steps run only inside it", name)

@@ -56,7 +56,7 @@ func TestFlowResumedWithOtherStepsIsRefusedBeforeAnyCall(t *testing.T) {
 		})
 	}
 	p.before = func(string, int) error { return failing }
-	v1 := idem.NewFlow(name, func(s *idem.Steps, _ struct{}) (string, error) {
+	v1 := idem.MustNewFlow(name, func(s *idem.Steps, _ struct{}) (string, error) {
 		if _, err := reserve(s); err != nil {
 			return "", err
 		}
@@ -86,7 +86,7 @@ func TestFlowResumedWithOtherStepsIsRefusedBeforeAnyCall(t *testing.T) {
 			return charge(s)
 		}},
 	} {
-		v2 := idem.NewFlow(name, c.fn, idem.WithWait(0))
+		v2 := idem.MustNewFlow(name, c.fn, idem.WithWait(0))
 		if _, err := v2.Run(ctx, pool, scope, "k", nil, struct{}{}); !errors.Is(err, idem.ErrFlowChanged) {
 			t.Errorf("%s: %v, want ErrFlowChanged", c.name, err)
 		}
@@ -95,7 +95,7 @@ func TestFlowResumedWithOtherStepsIsRefusedBeforeAnyCall(t *testing.T) {
 		t.Fatalf("the provider was called %d times after the change, want 0", p.calls.Load()-calls)
 	}
 	// The flow waits, unchanged, for the version that took its steps.
-	v1again := idem.NewFlow(name, func(s *idem.Steps, _ struct{}) (string, error) {
+	v1again := idem.MustNewFlow(name, func(s *idem.Steps, _ struct{}) (string, error) {
 		if _, err := reserve(s); err != nil {
 			return "", err
 		}
@@ -112,7 +112,7 @@ func TestFlowStepsNeedNamesOfTheirOwn(t *testing.T) {
 		_, err := idem.Local(s, name, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
 		return err
 	}
-	twice := idem.NewFlow(testdb.Name("twice"), func(s *idem.Steps, _ struct{}) (int, error) {
+	twice := idem.MustNewFlow(testdb.Name("twice"), func(s *idem.Steps, _ struct{}) (int, error) {
 		if err := step(s, "a"); err != nil {
 			return 0, err
 		}
@@ -121,12 +121,12 @@ func TestFlowStepsNeedNamesOfTheirOwn(t *testing.T) {
 	if _, err := twice.Run(ctx, pool, scope, "twice", nil, struct{}{}); err == nil || !regexp.MustCompile(`name of its own`).MatchString(err.Error()) {
 		t.Fatalf("a step name taken twice: %v", err)
 	}
-	invalid := idem.NewFlow(testdb.Name("invalid"), func(s *idem.Steps, _ struct{}) (int, error) { return 0, step(s, "") })
+	invalid := idem.MustNewFlow(testdb.Name("invalid"), func(s *idem.Steps, _ struct{}) (int, error) { return 0, step(s, "") })
 	if _, err := invalid.Run(ctx, pool, scope, "invalid", nil, struct{}{}); !errors.Is(err, idem.ErrInvalidOption) {
 		t.Fatalf("an empty step name: %v, want ErrInvalidOption", err)
 	}
 	var kept *idem.Steps
-	late := idem.NewFlow(testdb.Name("late"), func(s *idem.Steps, _ struct{}) (int, error) { kept = s; return 1, nil })
+	late := idem.MustNewFlow(testdb.Name("late"), func(s *idem.Steps, _ struct{}) (int, error) { kept = s; return 1, nil })
 	if _, err := late.Run(ctx, pool, scope, "late", nil, struct{}{}); err != nil {
 		t.Fatal(err)
 	}
@@ -187,7 +187,7 @@ func TestFlowStalledExecutorIsFencedAtItsNextStep(t *testing.T) {
 	var steps atomic.Int64
 	stalled, resume := make(chan struct{}), make(chan struct{})
 	var stalls atomic.Int64
-	flow := idem.NewFlow(name, func(s *idem.Steps, in chargeIn) (string, error) {
+	flow := idem.MustNewFlow(name, func(s *idem.Steps, in chargeIn) (string, error) {
 		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
 			steps.Add(1)
 			_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`, s.Scope(), s.Key(), in.Amount)

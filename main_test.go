@@ -5,7 +5,6 @@ import (
 	"os"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -27,11 +26,7 @@ func TestMain(m *testing.M) {
 // throwaway database, and a scope no other test uses.
 func setup(t *testing.T) (context.Context, *pgxpool.Pool, string) {
 	t.Helper()
-	t.Parallel()
-	pool := env.Pool(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	t.Cleanup(cancel)
-	return ctx, pool, testdb.Name("t")
+	return env.Setup(t, "t")
 }
 
 // payment is the value the tests' business write returns and replays.

@@ -24,32 +24,77 @@ const (
 	DefaultMaxResponseSize = 1 << 20
 )
 
-// Option changes how [Do], [Run] and [Once] treat a key. Each option checks
-// its value when it is made: an option made from a value that cannot work
-// makes every call it is given to fail with [ErrInvalidOption], before
-// anything is sent to the database.
+// Option changes how [Do], [Run], [Once] and [OnceEach] treat a key. Each
+// option checks its value when it is made: an option made from a value
+// that cannot work makes every call it is given to fail with
+// [ErrInvalidOption], before anything is sent to the database.
 //
 // An option is an explicit choice, so its zero means zero: WithWait(0) is
 // no wait, not the default; leaving the option out gives the default. A
 // negative duration means "none" where none makes sense (WithWait,
 // WithIdleTimeout), as in the configs of idemhttp and outbox, and is
 // refused where it does not (WithRetention).
+//
+// Where an option applies is its type, so that the compiler refuses one
+// given where it would mean nothing: an Option is taken by calls, a
+// [FlowOption] by flows ([NewFlow], [Flow.Run]), and a [SharedOption],
+// such as [WithWait], by both.
 type Option interface {
 	apply(*options) error
+	callOption()
 }
 
-// optionFunc is a valid option.
-type optionFunc func(*options)
+// FlowOption changes how a [Flow] runs: [WithLease], [WithGrace],
+// [WithProviderWindow] and [WithCallTimeout], which mean nothing to a
+// call of [Do], [Run] or [Once], and every [SharedOption]. Like an
+// [Option], it checks its value when it is made.
+type FlowOption interface {
+	apply(*options) error
+	flowOption()
+}
 
-func (f optionFunc) apply(o *options) error { f(o); return nil }
+// SharedOption is an option that calls and flows both take: an [Option]
+// and a [FlowOption]. [WithWait], [WithRetention], [WithTxOptions],
+// [WithMaxResponseSize], [WithCodec] and [WithObserver] are; [WithLookupFirst]
+// and [WithIdleTimeout] are Options only, since a flow has no use for them.
+type SharedOption interface {
+	Option
+	FlowOption
+}
 
-// invalidOption is an option whose value was rejected when it was made.
-type invalidOption struct{ err error }
+// option sets a field of options, or is refused with err.
+type option struct {
+	set func(*options)
+	err error
+}
 
-func (i invalidOption) apply(*options) error { return i.err }
+func (o option) apply(opts *options) error {
+	if o.err != nil {
+		return o.err
+	}
+	o.set(opts)
+	return nil
+}
 
-func invalid(format string, args ...any) Option {
-	return invalidOption{fmt.Errorf("%w: "+format, append([]any{ErrInvalidOption}, args...)...)}
+// The three kinds of option: one for calls and flows alike, one for calls
+// only, one for flows only. Each is its own type, so that an option of one
+// kind cannot be asserted into another.
+type (
+	sharedOption   struct{ option }
+	callOnlyOption struct{ option }
+	flowOnlyOption struct{ option }
+)
+
+func (sharedOption) callOption()   {}
+func (sharedOption) flowOption()   {}
+func (callOnlyOption) callOption() {}
+func (flowOnlyOption) flowOption() {}
+
+func shared(set func(*options)) SharedOption { return sharedOption{option{set: set}} }
+func callOnly(set func(*options)) Option     { return callOnlyOption{option{set: set}} }
+func flowOnly(set func(*options)) FlowOption { return flowOnlyOption{option{set: set}} }
+func refused(field, format string, args ...any) option {
+	return option{err: &FieldError{Package: "idem", Field: field, Problem: fmt.Sprintf(format, args...)}}
 }
 
 // options is what a call's options add up to.
@@ -74,7 +119,7 @@ type options struct {
 }
 
 // newOptions applies opts over the defaults.
-func newOptions(opts []Option) (options, error) {
+func newOptions[O interface{ apply(*options) error }](opts []O) (options, error) {
 	o := options{
 		retention:       DefaultRetention,
 		wait:            DefaultWait,
@@ -103,17 +148,30 @@ func CheckOptions(opts ...Option) error {
 	return err
 }
 
+// CheckFlowOptions is [CheckOptions] for a flow's options: it reports the
+// first of opts made from a value that cannot work, or what they refuse
+// together (a retention shorter than the provider window), with the error
+// that [NewFlow] and [Flow.Run] would return; nil when they can
+// work.
+func CheckFlowOptions(opts ...FlowOption) error {
+	o, err := newOptions(opts)
+	if err != nil {
+		return err
+	}
+	return checkFlowOptions(&o)
+}
+
 // WithRetention sets how long a completed record blocks its key and answers
 // retries with the stored value. After that the record counts as absent and
 // the key can be claimed again. Choose it longer than the longest time in
 // which a client, or anything that stores and forwards its requests, may
 // retry. It must be at least a microsecond, the resolution of PostgreSQL's
 // timestamps. Defaults to 24h.
-func WithRetention(d time.Duration) Option {
+func WithRetention(d time.Duration) SharedOption {
 	if d < time.Microsecond {
-		return invalid("retention must be at least 1µs, got %s", d)
+		return sharedOption{refused("WithRetention", "must be at least 1µs, got %s", d)}
 	}
-	return optionFunc(func(o *options) { o.retention = d })
+	return shared(func(o *options) { o.retention = d })
 }
 
 // WithWait sets how long a duplicate waits for a concurrent attempt on the
@@ -130,11 +188,11 @@ func WithRetention(d time.Duration) Option {
 // and the rest of the transaction keep the caller's own lock_timeout. A caller's statement_timeout shorter
 // than the budget cuts the wait short with the driver's own error.
 // Defaults to 5s.
-func WithWait(d time.Duration) Option {
+func WithWait(d time.Duration) SharedOption {
 	if d > maxWait {
-		return invalid("wait must not exceed %s, got %s", maxWait, d)
+		return sharedOption{refused("WithWait", "must not exceed %s, got %s", maxWait, d)}
 	}
-	return optionFunc(func(o *options) { o.wait = max(d, 0) })
+	return shared(func(o *options) { o.wait = max(d, 0) })
 }
 
 // maxWait is the longest wait PostgreSQL's lock_timeout can express: its
@@ -168,9 +226,9 @@ func millis(d time.Duration) string {
 // rejected. Defaults to none.
 func WithIdleTimeout(d time.Duration) Option {
 	if d > maxWait {
-		return invalid("idle timeout must not exceed %s, got %s", maxWait, d)
+		return callOnlyOption{refused("WithIdleTimeout", "must not exceed %s, got %s", maxWait, d)}
 	}
-	return optionFunc(func(o *options) { o.idleTimeout = max(d, 0) })
+	return callOnly(func(o *options) { o.idleTimeout = max(d, 0) })
 }
 
 // WithLookupFirst makes [Run] read the key before it begins a transaction.
@@ -180,23 +238,59 @@ func WithIdleTimeout(d time.Duration) Option {
 // behind retrying proxies, or a service riding out a retry storm. [Do]
 // ignores it, as it does when Run is given a TxBeginner other than
 // *pgxpool.Pool, *pgxpool.Conn or *pgx.Conn. Defaults to off.
-func WithLookupFirst() Option { return optionFunc(func(o *options) { o.lookupFirst = true }) }
+func WithLookupFirst() Option { return callOnly(func(o *options) { o.lookupFirst = true }) }
 
 // WithTxOptions sets the options of the transaction that [Run] begins, such
 // as its isolation level. [Do] ignores it: the caller owns that transaction.
-// Defaults to READ COMMITTED.
-func WithTxOptions(txOptions pgx.TxOptions) Option {
-	return optionFunc(func(o *options) { o.txOptions = txOptions })
+// IsoLevel, AccessMode and DeferrableMode must each be empty or one of
+// pgx's constants, which pgx would otherwise send to the server as they
+// are, and AccessMode not pgx.ReadOnly: idem records keys, and a flow its
+// steps, only in read-write transactions. A value refused is a
+// [*FieldError] naming the field, such as "WithTxOptions.AccessMode"; a
+// read-only one wraps [ErrReadOnly] too. Defaults to READ COMMITTED, read
+// write.
+func WithTxOptions(txOptions pgx.TxOptions) SharedOption {
+	if err := checkTxOptions(txOptions); err != nil {
+		return sharedOption{option{err: err}}
+	}
+	return shared(func(o *options) { o.txOptions = txOptions })
+}
+
+// checkTxOptions refuses the transaction modes that pgx would send to the
+// server as they are, and the read-only mode, in which idem cannot record
+// a key: either would fail every call.
+func checkTxOptions(o pgx.TxOptions) error {
+	refuse := func(field, problem string, cause error) error {
+		return &FieldError{Package: "idem", Field: "WithTxOptions." + field, Problem: problem, Err: cause}
+	}
+	switch o.IsoLevel {
+	case "", pgx.Serializable, pgx.RepeatableRead, pgx.ReadCommitted, pgx.ReadUncommitted:
+	default:
+		return refuse("IsoLevel", fmt.Sprintf("%q is not an isolation level", o.IsoLevel), nil)
+	}
+	switch o.AccessMode {
+	case "", pgx.ReadWrite:
+	case pgx.ReadOnly:
+		return refuse("AccessMode", "is read only, where idem cannot record a key", ErrReadOnly)
+	default:
+		return refuse("AccessMode", fmt.Sprintf("%q is not an access mode", o.AccessMode), nil)
+	}
+	switch o.DeferrableMode {
+	case "", pgx.Deferrable, pgx.NotDeferrable:
+	default:
+		return refuse("DeferrableMode", fmt.Sprintf("%q is not a deferrable mode", o.DeferrableMode), nil)
+	}
+	return nil
 }
 
 // WithMaxResponseSize sets the largest value, in bytes of encoded JSON, that
 // is stored for replay. A larger value makes the call fail with
 // [ErrResponseTooLarge]. It must be positive. Defaults to 1 MiB.
-func WithMaxResponseSize(n int) Option {
+func WithMaxResponseSize(n int) SharedOption {
 	if n <= 0 {
-		return invalid("max response size must be positive, got %d", n)
+		return sharedOption{refused("WithMaxResponseSize", "must be positive, got %d", n)}
 	}
-	return optionFunc(func(o *options) { o.maxResponseSize = n })
+	return shared(func(o *options) { o.maxResponseSize = n })
 }
 
 // Codec seals a value's JSON encoding before it is stored and opens it when
@@ -238,18 +332,18 @@ func (o *options) storedFingerprint(scope string, fp []byte) []byte {
 // WithCodec stores values sealed by codec, and opens them on replay; a
 // codec that is a [FingerprintKeyer] keys the stored fingerprints too.
 // Defaults to none: values are stored as plain JSON.
-func WithCodec(codec Codec) Option {
-	return optionFunc(func(o *options) { o.codec = codec })
+func WithCodec(codec Codec) SharedOption {
+	return shared(func(o *options) { o.codec = codec })
 }
 
 // WithObserver records the call's outcome, claim duration and span with
 // observer (see [NewObserver]). Defaults to none.
-func WithObserver(observer *Observer) Option {
-	return optionFunc(func(o *options) { o.observer = observer })
+func WithObserver(observer *Observer) SharedOption {
+	return shared(func(o *options) { o.observer = observer })
 }
 
-// Options of flows (see [Flow]); calls of [Do], [Run] and [Once] ignore
-// them.
+// Options of flows only (see [Flow]): FlowOptions, which calls of [Do],
+// [Run] and [Once] do not take.
 
 // Default values of the flows' options.
 const (
@@ -282,11 +376,11 @@ const minLease = 10 * time.Millisecond
 // connection rather than a pool (no renewal during a call), longer than
 // its longest call. It must be between 10ms and about 24 days (the longest
 // wait PostgreSQL expresses). Defaults to 10s.
-func WithLease(d time.Duration) Option {
+func WithLease(d time.Duration) FlowOption {
 	if d < minLease || d > maxWait {
-		return invalid("lease must be between %s and %s, got %s", minLease, maxWait, d)
+		return flowOnlyOption{refused("WithLease", "must be between %s and %s, got %s", minLease, maxWait, d)}
 	}
-	return optionFunc(func(o *options) { o.lease = d })
+	return flowOnly(func(o *options) { o.lease = d })
 }
 
 // WithGrace sets how long after a flow's lease has run out [Flow.Resume]
@@ -294,8 +388,8 @@ func WithLease(d time.Duration) Option {
 // client itself, before resuming it. Duplicates and retries take a flow over
 // as soon as its lease has run out, whatever the grace. Zero, or a negative
 // value, means none. Defaults to none.
-func WithGrace(d time.Duration) Option {
-	return optionFunc(func(o *options) { o.grace = max(d, 0) })
+func WithGrace(d time.Duration) FlowOption {
+	return flowOnly(func(o *options) { o.grace = max(d, 0) })
 }
 
 // WithProviderWindow sets how long after a call's first attempt a flow
@@ -311,11 +405,11 @@ func WithGrace(d time.Duration) Option {
 // operation before, and only a provider that has forgotten them since
 // takes the new calls for new ones (so choose the retention longer than
 // the longest time the provider may keep keys). Defaults to 24h.
-func WithProviderWindow(d time.Duration) Option {
+func WithProviderWindow(d time.Duration) FlowOption {
 	if d < 0 {
-		return invalid("provider window must not be negative, got %s", d)
+		return flowOnlyOption{refused("WithProviderWindow", "must not be negative, got %s", d)}
 	}
-	return optionFunc(func(o *options) { o.providerWindow = d })
+	return flowOnly(func(o *options) { o.providerWindow = d })
 }
 
 // WithCallTimeout bounds how long a flow's call may run ([Call]): its
@@ -326,9 +420,9 @@ func WithProviderWindow(d time.Duration) Option {
 // to 80s). Zero or a negative value means no bound of idem's (the
 // context's own, and the lease's on a single connection). Values beyond
 // about 24 days are rejected. Defaults to 1m.
-func WithCallTimeout(d time.Duration) Option {
+func WithCallTimeout(d time.Duration) FlowOption {
 	if d > maxWait {
-		return invalid("call timeout must not exceed %s, got %s", maxWait, d)
+		return flowOnlyOption{refused("WithCallTimeout", "must not exceed %s, got %s", maxWait, d)}
 	}
-	return optionFunc(func(o *options) { o.callTimeout = max(d, 0) })
+	return flowOnly(func(o *options) { o.callTimeout = max(d, 0) })
 }

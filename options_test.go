@@ -44,6 +44,50 @@ func TestInvalidOptionsAreRejected(t *testing.T) {
 	}
 }
 
+// Where an option applies is its type: an option that means nothing to a
+// call (a flow's lease) is not an Option, and one that means nothing to a
+// flow (WithLookupFirst) is not a FlowOption, so that the compiler refuses
+// either where it would be ignored; the options both use are both. Each
+// is its own type, so that no type assertion turns one kind into another.
+func TestOptionsAreTypedByWhereTheyApply(t *testing.T) {
+	callOnly := map[string]any{
+		"WithLookupFirst": idem.WithLookupFirst(),
+		"WithIdleTimeout": idem.WithIdleTimeout(time.Second),
+	}
+	flowOnly := map[string]any{
+		"WithLease":          idem.WithLease(time.Second),
+		"WithLease(invalid)": idem.WithLease(0),
+		"WithGrace":          idem.WithGrace(time.Second),
+		"WithProviderWindow": idem.WithProviderWindow(time.Hour),
+		"WithCallTimeout":    idem.WithCallTimeout(time.Second),
+	}
+	sharedOpts := map[string]any{
+		"WithWait":             idem.WithWait(time.Second),
+		"WithWait(invalid)":    idem.WithWait(time.Duration(math.MaxInt64)),
+		"WithRetention":        idem.WithRetention(time.Hour),
+		"WithTxOptions":        idem.WithTxOptions(pgx.TxOptions{}),
+		"WithMaxResponseSize":  idem.WithMaxResponseSize(1),
+		"WithCodec":            idem.WithCodec(nil),
+		"WithObserver":         idem.WithObserver(nil),
+		"WithTxOptions(bad)":   idem.WithTxOptions(pgx.TxOptions{AccessMode: pgx.ReadOnly}),
+		"WithRetention(0)":     idem.WithRetention(0),
+		"WithMaxResponseSize0": idem.WithMaxResponseSize(0),
+	}
+	kinds := []struct {
+		opts       map[string]any
+		call, flow bool
+	}{{callOnly, true, false}, {flowOnly, false, true}, {sharedOpts, true, true}}
+	for _, k := range kinds {
+		for name, opt := range k.opts {
+			_, call := opt.(idem.Option)
+			_, flow := opt.(idem.FlowOption)
+			if call != k.call || flow != k.flow {
+				t.Errorf("%s: an Option %t and a FlowOption %t; want %t and %t", name, call, flow, k.call, k.flow)
+			}
+		}
+	}
+}
+
 // A retention that is not a whole number of microseconds is rounded up, as
 // every duration idem sends to PostgreSQL is: 1.001µs keeps a record for
 // 2µs, never for less than asked.
@@ -117,6 +161,41 @@ func TestANegativeIdleTimeoutSetsNoBound(t *testing.T) {
 		}
 		if res.Value != c.want {
 			t.Errorf("case %d: idle_in_transaction_session_timeout in fn is %q, want %q", i, res.Value, c.want)
+		}
+	}
+}
+
+// TestWithTxOptionsRefusesWhatCannotWork checks that WithTxOptions, the one
+// place that checks transaction options (idemhttp, idemgrpc and flows use
+// it), refuses each mode that pgx would send as it is, and the read-only
+// mode, with a FieldError that names the field; the read-only one is
+// ErrReadOnly too. Nothing is sent: the check needs no database.
+func TestWithTxOptionsRefusesWhatCannotWork(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		opts     pgx.TxOptions
+		field    string
+		readOnly bool
+	}{
+		{pgx.TxOptions{IsoLevel: "snapshot"}, "WithTxOptions.IsoLevel", false},
+		{pgx.TxOptions{AccessMode: pgx.ReadOnly}, "WithTxOptions.AccessMode", true},
+		{pgx.TxOptions{IsoLevel: pgx.Serializable, AccessMode: pgx.ReadOnly, DeferrableMode: pgx.Deferrable}, "WithTxOptions.AccessMode", true},
+		{pgx.TxOptions{AccessMode: "read mostly"}, "WithTxOptions.AccessMode", false},
+		{pgx.TxOptions{DeferrableMode: "later"}, "WithTxOptions.DeferrableMode", false},
+	} {
+		err := idem.CheckOptions(idem.WithTxOptions(c.opts))
+		fe, ok := errors.AsType[*idem.FieldError](err)
+		if !ok || fe.Package != "idem" || fe.Field != c.field || !errors.Is(err, idem.ErrInvalidOption) {
+			t.Errorf("%+v: got %v, want a FieldError of idem's naming %s", c.opts, err, c.field)
+			continue
+		}
+		if errors.Is(err, idem.ErrReadOnly) != c.readOnly {
+			t.Errorf("%+v: errors.Is(%v, ErrReadOnly) is %t", c.opts, err, !c.readOnly)
+		}
+	}
+	for _, ok := range []pgx.TxOptions{{}, {IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadWrite, DeferrableMode: pgx.NotDeferrable}} {
+		if err := idem.CheckOptions(idem.WithTxOptions(ok)); err != nil {
+			t.Errorf("%+v refused: %v", ok, err)
 		}
 	}
 }

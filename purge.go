@@ -57,7 +57,7 @@ const purgeAdvice = "a purge commits transactions of its own: pass the pool or a
 
 func checkBatch(batch int) error {
 	if batch < 1 || batch > math.MaxInt32 {
-		return fmt.Errorf("%w: purge batch must be between 1 and %d, got %d", ErrInvalidOption, math.MaxInt32, batch)
+		return &FieldError{Package: "idem", Field: "Purge", Problem: fmt.Sprintf("batch must be between 1 and %d, got %d", math.MaxInt32, batch)}
 	}
 	return nil
 }
@@ -213,7 +213,7 @@ const (
 )
 
 func invalidPurgerField(field, format string, args ...any) error {
-	return fmt.Errorf("idem: PurgerConfig.%s: %s: %w", field, fmt.Sprintf(format, args...), ErrInvalidOption)
+	return &FieldError{Package: "idem", Field: "PurgerConfig." + field, Problem: fmt.Sprintf(format, args...)}
 }
 
 // Purger deletes expired records in the background until stopped. Create it
@@ -232,7 +232,7 @@ type Purger struct {
 // logged and retried after Interval.
 func StartPurger(ctx context.Context, db TxBeginner, cfg PurgerConfig) (*Purger, error) {
 	if db == nil {
-		return nil, fmt.Errorf("idem: StartPurger: db must not be nil: %w", ErrInvalidOption)
+		return nil, &FieldError{Package: "idem", Field: "StartPurger", Problem: "db must not be nil"}
 	}
 	if err := cfg.check(); err != nil {
 		return nil, err

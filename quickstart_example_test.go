@@ -64,7 +64,10 @@ func Example() {
 	defer pool.Close()
 	// idem's tables (at start-up; concurrent replicas are fine), then the
 	// application's.
-	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
+	db := stdlib.OpenDBFromPool(pool) // borrows the pool's connections
+	err = idem.Migrate(ctx, db)
+	db.Close() // returns them; the pool stays open
+	if err != nil {
 		log.Fatal(err)
 	}
 	if _, err := pool.Exec(ctx, paymentTable); err != nil {

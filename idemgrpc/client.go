@@ -2,8 +2,6 @@ package idemgrpc
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"strings"
@@ -16,6 +14,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 )
 
 // ClientOption changes the interceptor that [NewClientInterceptor] returns.
@@ -28,7 +27,7 @@ type ClientOption func(*clientSettings) error
 func WithKeyGenerator(newKey func() string) ClientOption {
 	return func(s *clientSettings) error {
 		if newKey == nil {
-			return fmt.Errorf("%w: idemgrpc: WithKeyGenerator: needs a function, got nil", idem.ErrInvalidOption)
+			return adapter.Invalid("idemgrpc", "WithKeyGenerator", "needs a function, got nil")
 		}
 		s.newKey = newKey
 		return nil
@@ -41,7 +40,7 @@ func WithMetadata(key string) ClientOption {
 	return func(s *clientSettings) error {
 		key = strings.ToLower(key)
 		if problem := checkMetadataKey(key); problem != "" {
-			return fmt.Errorf("%w: idemgrpc: WithMetadata: %q %s", idem.ErrInvalidOption, key, problem)
+			return adapter.Invalid("idemgrpc", "WithMetadata", "%q %s", key, problem)
 		}
 		s.metadata = key
 		return nil
@@ -57,7 +56,7 @@ func WithMetadata(key string) ClientOption {
 func WithKeyField(name string) ClientOption {
 	return func(s *clientSettings) error {
 		if !protoreflect.Name(name).IsValid() {
-			return fmt.Errorf("%w: idemgrpc: WithKeyField: %q is not a protobuf field name", idem.ErrInvalidOption, name)
+			return adapter.Invalid("idemgrpc", "WithKeyField", "%q is not a protobuf field name", name)
 		}
 		s.keyField = protoreflect.Name(name)
 		return nil
@@ -120,7 +119,7 @@ const retryAttemptMetadata = "x-retry-attempt"
 // this one, such as go-grpc-middleware's retry interceptor:
 //
 //	grpc.WithChainUnaryInterceptor(
-//		idemgrpc.NewClientInterceptor(), // first: one key per logical call
+//		idemgrpc.MustNewClientInterceptor(), // first: one key per logical call
 //		retry.UnaryClientInterceptor(retry.WithCodes(codes.Unavailable, codes.Aborted)),
 //	)
 //
@@ -137,18 +136,29 @@ const retryAttemptMetadata = "x-retry-attempt"
 // is returned as the call got it.
 //
 // Each key is generated once per call, so calls that do not change
-// anything cost only the key. An option that cannot work makes
-// NewClientInterceptor panic, with an error that wraps
-// [idem.ErrInvalidOption], so that a mistake stops the program at its
-// start.
-func NewClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
-	s := clientSettings{newKey: newUUID, metadata: DefaultMetadata}
+// anything cost only the key. An option that cannot work is refused with a
+// [*idem.FieldError] that names it and wraps [idem.ErrInvalidOption].
+func NewClientInterceptor(opts ...ClientOption) (grpc.UnaryClientInterceptor, error) {
+	s := clientSettings{newKey: adapter.NewUUID, metadata: DefaultMetadata}
 	for _, opt := range opts {
 		if err := opt(&s); err != nil {
-			panic(err)
+			return nil, err
 		}
 	}
-	return s.intercept
+	return s.intercept, nil
+}
+
+// MustNewClientInterceptor is [NewClientInterceptor] that panics with its
+// error instead of returning it, so that a mistake stops the program at
+// its start; it is written where a connection is dialled:
+//
+//	grpc.WithChainUnaryInterceptor(idemgrpc.MustNewClientInterceptor())
+func MustNewClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
+	i, err := NewClientInterceptor(opts...)
+	if err != nil {
+		panic(err)
+	}
+	return i
 }
 
 func (s *clientSettings) intercept(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn,
@@ -198,7 +208,7 @@ func (s *clientSettings) withKey(ctx context.Context, method string, req any) (c
 	if key == "" {
 		if len(md.Get(retryAttemptMetadata)) > 0 {
 			return ctx, req, status.Error(codes.Internal, "idemgrpc: the client interceptor runs beneath a retry interceptor, "+
-				"so that each attempt would get a key of its own: chain idemgrpc.NewClientInterceptor() before the retry interceptor")
+				"so that each attempt would get a key of its own: chain idemgrpc.MustNewClientInterceptor() before the retry interceptor")
 		}
 		key = s.newKey()
 	}
@@ -240,14 +250,4 @@ func (e *keyConflictError) Unwrap() []error {
 
 func (e *keyConflictError) GRPCStatus() *status.Status {
 	return status.New(codes.InvalidArgument, e.msg)
-}
-
-// newUUID returns a random UUID, version 4 (RFC 9562).
-func newUUID() string {
-	var u [16]byte
-	_, _ = rand.Read(u[:]) // crypto/rand.Read never fails
-	u[6] = u[6]&0x0f | 0x40
-	u[8] = u[8]&0x3f | 0x80
-	h := hex.EncodeToString(u[:])
-	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
 }

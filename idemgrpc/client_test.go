@@ -60,27 +60,13 @@ func serveClient(t *testing.T, pool *pgxpool.Pool, cfg idemgrpc.Config, srv *tes
 	return dialBufconn(t, lis, opts...)
 }
 
-// loseFirst returns a server interceptor that lets the first n calls
-// complete, committed, and then answers them UNAVAILABLE, as if the
-// answer was lost on its way.
-func loseFirst(n int64) grpc.UnaryServerInterceptor {
-	var calls atomic.Int64
-	return func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-		resp, err := handler(ctx, req)
-		if calls.Add(1) <= n {
-			return nil, status.Error(codes.Unavailable, "the answer was lost")
-		}
-		return resp, err
-	}
-}
-
 var uuidV4 = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`)
 
 func TestClientInterceptorGivesEachCallAFreshKeyAndKeepsTheCallersOwn(t *testing.T) {
 	ctx, pool, tenant := setup(t)
 	var k keysSeen
 	conn := serveClient(t, pool, idemgrpc.Config{Required: true}, k.server(), nil,
-		grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor()))
+		grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor()))
 	for range 2 {
 		if a := pay(ctx, conn, tenant, noKey, &testpb.PayRequest{}); a.err != nil {
 			t.Fatal(a.err)
@@ -103,7 +89,7 @@ func TestClientKeyIsKeptAcrossGRPCRetryPolicy(t *testing.T) {
 		"retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.01s", "maxBackoff": "0.05s",
 			"backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]}`
 	conn := serveClient(t, pool, idemgrpc.Config{Required: true}, k.server(), loseFirst(1),
-		grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor()), grpc.WithDefaultServiceConfig(serviceConfig))
+		grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor()), grpc.WithDefaultServiceConfig(serviceConfig))
 	a := pay(ctx, conn, tenant, noKey, &testpb.PayRequest{AmountCents: 9})
 	if a.err != nil || !a.replayed() {
 		t.Fatalf("a call whose first answer was lost: %v, replayed %t; want the stored answer", a.err, a.replayed())
@@ -124,7 +110,7 @@ func TestClientKeyFieldPutsTheKeyInTheRequest(t *testing.T) {
 	ctx, pool, tenant := setup(t)
 	var k keysSeen
 	conn := serveClient(t, pool, idemgrpc.Config{Required: true, KeyField: "request_id", Metadata: "x-unused"}, k.server(), nil,
-		grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor(idemgrpc.WithKeyField("request_id"), idemgrpc.WithMetadata("x-unused"))))
+		grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor(idemgrpc.WithKeyField("request_id"), idemgrpc.WithMetadata("x-unused"))))
 	req := &testpb.PayRequest{AmountCents: 1}
 	if a := pay(ctx, conn, tenant, noKey, req); a.err != nil {
 		t.Fatal(a.err)
@@ -146,7 +132,7 @@ func TestClientOptionsChooseTheMetadataAndTheKeys(t *testing.T) {
 	var n atomic.Int64
 	keys := func() string { return "generated-" + string(rune('0'+n.Add(1))) }
 	conn := serveClient(t, pool, idemgrpc.Config{Required: true, Metadata: "x-request-key"}, k.server(), nil,
-		grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor(idemgrpc.WithMetadata("X-Request-Key"), idemgrpc.WithKeyGenerator(keys))))
+		grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor(idemgrpc.WithMetadata("X-Request-Key"), idemgrpc.WithKeyGenerator(keys))))
 	if a := pay(ctx, conn, tenant, noKey, &testpb.PayRequest{}); a.err != nil {
 		t.Fatal(a.err)
 	}
@@ -169,30 +155,37 @@ func TestClientInterceptorBeneathARetryInterceptorFails(t *testing.T) {
 		return invoker(metadata.NewOutgoingContext(ctx, metadata.Join(md, metadata.Pairs("x-retry-attempt", "1"))), method, req, reply, cc, opts...)
 	}
 	conn := serveClient(t, pool, idemgrpc.Config{Required: true}, k.server(), nil,
-		grpc.WithChainUnaryInterceptor(retrying, idemgrpc.NewClientInterceptor()))
+		grpc.WithChainUnaryInterceptor(retrying, idemgrpc.MustNewClientInterceptor()))
 	a := pay(ctx, conn, tenant, noKey, &testpb.PayRequest{})
 	if status.Code(a.err) != codes.Internal || len(k.seen()) != 1 {
 		t.Fatalf("the second attempt: %v, %d runs; want INTERNAL and only the first attempt's run", a.err, len(k.seen()))
 	}
 }
 
-func TestClientOptionsThatCannotWorkPanic(t *testing.T) {
+func TestClientOptionsThatCannotWorkAreRefused(t *testing.T) {
 	t.Parallel()
-	for name, opt := range map[string]idemgrpc.ClientOption{
-		"WithKeyGenerator(nil)":   idemgrpc.WithKeyGenerator(nil),
-		"WithMetadata(a space)":   idemgrpc.WithMetadata("idempotency key"),
-		"WithMetadata(binary)":    idemgrpc.WithMetadata("key-bin"),
-		"WithMetadata(empty)":     idemgrpc.WithMetadata(""),
-		"WithKeyField(not proto)": idemgrpc.WithKeyField("request-id"),
+	for name, c := range map[string]struct {
+		opt   idemgrpc.ClientOption
+		field string
+	}{
+		"WithKeyGenerator(nil)":   {idemgrpc.WithKeyGenerator(nil), "WithKeyGenerator"},
+		"WithMetadata(a space)":   {idemgrpc.WithMetadata("idempotency key"), "WithMetadata"},
+		"WithMetadata(binary)":    {idemgrpc.WithMetadata("key-bin"), "WithMetadata"},
+		"WithMetadata(empty)":     {idemgrpc.WithMetadata(""), "WithMetadata"},
+		"WithKeyField(not proto)": {idemgrpc.WithKeyField("request-id"), "WithKeyField"},
 	} {
+		i, err := idemgrpc.NewClientInterceptor(c.opt)
+		fe, ok := errors.AsType[*idem.FieldError](err)
+		if i != nil || !ok || fe.Package != "idemgrpc" || fe.Field != c.field || !errors.Is(err, idem.ErrInvalidOption) {
+			t.Errorf("NewClientInterceptor(%s): %v; want no interceptor and a FieldError naming idemgrpc's %s that wraps idem.ErrInvalidOption", name, err, c.field)
+		}
 		func() {
 			defer func() {
-				err, _ := recover().(error)
-				if !errors.Is(err, idem.ErrInvalidOption) {
-					t.Errorf("NewClientInterceptor(%s) panicked with %v; want an error wrapping idem.ErrInvalidOption", name, err)
+				if p, _ := recover().(error); p == nil || p.Error() != err.Error() {
+					t.Errorf("MustNewClientInterceptor(%s) panicked with %v; want NewClientInterceptor's error %v", name, p, err)
 				}
 			}()
-			idemgrpc.NewClientInterceptor(opt)
+			idemgrpc.MustNewClientInterceptor(c.opt)
 		}()
 	}
 }

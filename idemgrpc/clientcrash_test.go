@@ -70,7 +70,7 @@ func clientCrashChild(job string) int {
 // stampingClient is the dial options of a client that sends a flow
 // call's provider key.
 func stampingClient() []grpc.DialOption {
-	return []grpc.DialOption{grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor(idemgrpc.WithProviderKey())),
+	return []grpc.DialOption{grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor(idemgrpc.WithProviderKey())),
 		grpc.WithStatsHandler(idemgrpc.SendTracker())}
 }
 
@@ -78,7 +78,7 @@ func stampingClient() []grpc.DialOption {
 // names the provider key; afterAnswer, when set, runs once the server
 // answered.
 func crashPayFlow(name string, conn *grpc.ClientConn, tenant string, afterAnswer func()) *idem.Flow[int64, int64] {
-	return idem.NewFlow(name, func(s *idem.Steps, amount int64) (int64, error) {
+	return idem.MustNewFlow(name, func(s *idem.Steps, amount int64) (int64, error) {
 		return idem.Call(s, "pay", func(ctx context.Context, _ string) (int64, error) {
 			res, err := testpb.NewPaymentsClient(conn).Pay(metadata.AppendToOutgoingContext(ctx, tenantMetadata, tenant),
 				&testpb.PayRequest{AmountCents: amount})

@@ -52,7 +52,7 @@ func (a *attemptKeys) seen() []string {
 // payFlow is a flow of one call, Pay over conn, whose function never
 // names the provider key; fields, when set, adds metadata to the call.
 func payFlow(name string, conn *grpc.ClientConn, tenant string, fields func() []string, opts ...idem.CallOption) *idem.Flow[int64, int64] {
-	return idem.NewFlow(name, func(s *idem.Steps, amount int64) (int64, error) {
+	return idem.MustNewFlow(name, func(s *idem.Steps, amount int64) (int64, error) {
 		return idem.Call(s, "pay", func(ctx context.Context, _ string) (int64, error) {
 			ctx = metadata.AppendToOutgoingContext(ctx, tenantMetadata, tenant)
 			if fields != nil {
@@ -85,7 +85,7 @@ func TestClientSendsAFlowCallsProviderKeyOnEveryAttempt(t *testing.T) {
 	var k keysSeen
 	attempts := &attemptKeys{lose: 1}
 	conn := serveClient(t, pool, idemgrpc.Config{Required: true}, k.server(), attempts.intercept,
-		grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor(idemgrpc.WithProviderKey())),
+		grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor(idemgrpc.WithProviderKey())),
 		grpc.WithStatsHandler(idemgrpc.SendTracker()))
 	flow := payFlow("pay-"+tenant, conn, tenant, nil)
 
@@ -116,7 +116,7 @@ func TestClientRefusesAFlowCallThatCarriesAnotherKey(t *testing.T) {
 	var k keysSeen
 	attempts := &attemptKeys{}
 	conn := serveClient(t, pool, idemgrpc.Config{Required: true}, k.server(), attempts.intercept,
-		grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor(idemgrpc.WithProviderKey())))
+		grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor(idemgrpc.WithProviderKey())))
 	// The first run sets a key of its own; the next one none, and gets the
 	// call's.
 	var run atomic.Int64
@@ -153,9 +153,9 @@ func TestClientPutsTheProviderKeyInTheKeyField(t *testing.T) {
 	ctx, pool, tenant := setup(t)
 	var k keysSeen
 	conn := serveClient(t, pool, idemgrpc.Config{Required: true, KeyField: "request_id"}, k.server(), nil,
-		grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor(idemgrpc.WithProviderKey(), idemgrpc.WithKeyField("request_id"))))
+		grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor(idemgrpc.WithProviderKey(), idemgrpc.WithKeyField("request_id"))))
 	var sent *testpb.PayRequest
-	flow := idem.NewFlow("field-"+tenant, func(s *idem.Steps, amount int64) (int64, error) {
+	flow := idem.MustNewFlow("field-"+tenant, func(s *idem.Steps, amount int64) (int64, error) {
 		return idem.Call(s, "pay", func(ctx context.Context, _ string) (int64, error) {
 			sent = &testpb.PayRequest{AmountCents: amount}
 			res, err := testpb.NewPaymentsClient(conn).Pay(metadata.AppendToOutgoingContext(ctx, tenantMetadata, tenant), sent)
@@ -233,7 +233,7 @@ func refusedTarget(t *testing.T) string {
 
 func TestClientCallThatNeverLeftWrapsErrNotSent(t *testing.T) {
 	t.Parallel()
-	keyed := grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor())
+	keyed := grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor())
 	tracked := grpc.WithStatsHandler(idemgrpc.SendTracker())
 	call := func(t *testing.T, target string, timeout time.Duration, opts []grpc.DialOption, callOpts ...grpc.CallOption) error {
 		t.Helper()
@@ -304,7 +304,7 @@ func TestClientCallCutAfterItWasSentStaysUncertain(t *testing.T) {
 				<-ctx.Done()
 				return nil, ctx.Err()
 			}})
-			opts := []grpc.DialOption{grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor()), grpc.WithStatsHandler(idemgrpc.SendTracker())}
+			opts := []grpc.DialOption{grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor()), grpc.WithStatsHandler(idemgrpc.SendTracker())}
 			if retry {
 				opts = append(opts, grpc.WithDefaultServiceConfig(serviceConfig))
 			}
@@ -326,7 +326,7 @@ func TestClientAtMostOnceCallNeverSentIsMadeByTheNextRun(t *testing.T) {
 	lis := listenCuttable(t)
 	addr := lis.Addr().String()
 	lis.Close() // the provider is down
-	conn := dial(t, addr, grpc.WithUnaryInterceptor(idemgrpc.NewClientInterceptor(idemgrpc.WithProviderKey())),
+	conn := dial(t, addr, grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor(idemgrpc.WithProviderKey())),
 		grpc.WithStatsHandler(idemgrpc.SendTracker()))
 	var runs atomic.Int64
 	flow := payFlow("sms-"+tenant, conn, tenant, nil, idem.AtMostOnce())

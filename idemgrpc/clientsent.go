@@ -11,11 +11,11 @@ import (
 )
 
 // SendTracker returns a [stats.Handler] that lets the client interceptor
-// ([NewClientInterceptor]) tell a call that surely never left the client.
+// ([MustNewClientInterceptor]) tell a call that surely never left the client.
 // Give it to the connection with the interceptor:
 //
 //	conn, err := grpc.NewClient(target,
-//		grpc.WithChainUnaryInterceptor(idemgrpc.NewClientInterceptor(idemgrpc.WithProviderKey())),
+//		grpc.WithChainUnaryInterceptor(idemgrpc.MustNewClientInterceptor(idemgrpc.WithProviderKey())),
 //		grpc.WithStatsHandler(idemgrpc.SendTracker()),
 //		// ...
 //	)

@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -69,28 +68,6 @@ func payAsync(ctx context.Context, conn *grpc.ClientConn, tenant, key string, re
 	out := make(chan answer, 1)
 	go func() { out <- pay(ctx, conn, tenant, key, req) }()
 	return out
-}
-
-// waitForBlocked returns once some session waits for a lock that the
-// session pid holds: a duplicate call is waiting on the claim.
-func waitForBlocked(ctx context.Context, t *testing.T, pool *pgxpool.Pool, pid int32) {
-	t.Helper()
-	for {
-		var waiting bool
-		err := pool.QueryRow(ctx,
-			`SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid)))`, pid).Scan(&waiting)
-		if err != nil {
-			t.Fatalf("look for a waiting call: %v", err)
-		}
-		if waiting {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatal("no duplicate call waited for the first")
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
 }
 
 func TestConcurrentDuplicateWaitsAndReplays(t *testing.T) {

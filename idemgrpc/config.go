@@ -3,9 +3,7 @@ package idemgrpc
 import (
 	"cmp"
 	"context"
-	"fmt"
 	"log/slog"
-	"math"
 	"strings"
 	"time"
 
@@ -15,6 +13,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 )
 
 // Default values of the configuration.
@@ -227,52 +226,18 @@ type settings struct {
 	logger           *slog.Logger
 	// runOptions are what each keyed call hands idem.Run; flowOptions
 	// what RunFlow hands idem.Flow.Run.
-	runOptions, flowOptions []idem.Option
+	runOptions  []idem.Option
+	flowOptions []idem.FlowOption
 	// retryDelay is the RetryInfo of an ABORTED KEY_IN_PROGRESS: the wait,
 	// rounded up to whole seconds, at least one, since the first call took
 	// that long already.
 	retryDelay time.Duration
 }
 
-// Sizes of the stored form of an answer.
-const (
-	// maxMaxResponseBytes is the largest positive Config.MaxResponseBytes:
-	// the size of the stored answer, in base64 plus storedAllowance, must
-	// still fit in an int.
-	maxMaxResponseBytes = (math.MaxInt - storedAllowance) / 4 * 3
-
-	// storedAllowance is what a stored answer may take beyond its message
-	// in base64: the type name and the metadata, generously.
-	storedAllowance = 1 << 20
-)
-
-// fieldError is a Config field, or an argument of NewServerInterceptor,
-// that cannot work. It wraps idem.ErrInvalidOption, and the error of
-// idem's that refused the value, if any.
-type fieldError struct {
-	field   string // such as "Config.Wait"
-	problem string // such as "must not be negative, got -1"
-	cause   error
-}
-
-func (e *fieldError) Error() string { return "idemgrpc: " + e.field + ": " + e.problem }
-
-func (e *fieldError) Unwrap() []error {
-	if e.cause == nil {
-		return []error{idem.ErrInvalidOption}
-	}
-	return []error{idem.ErrInvalidOption, e.cause}
-}
-
+// invalidField is a field of Config, or an argument of
+// NewServerInterceptor, that cannot work.
 func invalidField(field, format string, args ...any) error {
-	return &fieldError{field: field, problem: fmt.Sprintf(format, args...)}
-}
-
-// refusedByIdem is a field whose value idem refuses: its problem is idem's
-// own, without idem's prefix.
-func refusedByIdem(field string, err error) error {
-	problem := strings.TrimPrefix(err.Error(), idem.ErrInvalidOption.Error()+": ")
-	return &fieldError{field: field, problem: problem, cause: err}
+	return adapter.Invalid("idemgrpc", field, format, args...)
 }
 
 // newSettings checks every field of cfg and applies the defaults, so that
@@ -339,61 +304,19 @@ func newSettings(cfg Config) (settings, error) {
 		return settings{}, invalidField("Config.KeyField", "%q is not a protobuf field name", cfg.KeyField)
 	}
 
-	retention := cmp.Or(cfg.Retention, idem.DefaultRetention)
-	if err := idem.CheckOptions(idem.WithRetention(retention)); err != nil {
-		return settings{}, refusedByIdem("Config.Retention", err)
-	}
-	wait := max(cmp.Or(cfg.Wait, idem.DefaultWait), 0) // negative: no wait, which idem spells 0
-	if err := idem.CheckOptions(idem.WithWait(wait)); err != nil {
-		return settings{}, &fieldError{field: "Config.Wait",
-			problem: fmt.Sprintf("must not exceed math.MaxInt32 milliseconds, the longest lock_timeout, got %s", cfg.Wait), cause: err}
-	}
-	s.retryDelay = max((wait+time.Second-1)/time.Second*time.Second, time.Second)
-
-	storedLimit := math.MaxInt
-	switch {
-	case cfg.MaxResponseBytes < 0:
-		s.maxResponseBytes = math.MaxInt
-	case cfg.MaxResponseBytes > maxMaxResponseBytes:
-		return settings{}, invalidField("Config.MaxResponseBytes",
-			"must not exceed %d, or the size of its stored form would not fit in an int; negative means no limit; got %d",
-			maxMaxResponseBytes, cfg.MaxResponseBytes)
-	default:
-		s.maxResponseBytes = cmp.Or(cfg.MaxResponseBytes, DefaultMaxResponseBytes)
-		var ok bool
-		if storedLimit, ok = storedSize(s.maxResponseBytes, cfg.Codec != nil); !ok {
-			return settings{}, invalidField("Config.MaxResponseBytes",
-				"%d is too large to store sealed by Config.Codec: its stored form would not fit in an int; negative means no limit",
-				s.maxResponseBytes)
-		}
-	}
-
-	if err := checkTxOptions(cfg.TxOptions); err != nil {
+	// What the adapters share: retention, wait, the stored size of an
+	// answer (the message or status in base64 and the metadata, sealed by
+	// the codec if there is one), the transaction's options, and Run's
+	// options.
+	common, err := adapter.Check("idemgrpc", adapter.Config{Retention: cfg.Retention, Wait: cfg.Wait,
+		MaxResponseBytes: cfg.MaxResponseBytes, DefaultMaxResponseBytes: DefaultMaxResponseBytes,
+		TxOptions: cfg.TxOptions, LookupFirst: cfg.LookupFirst, Codec: cfg.Codec, Observer: cfg.Observer})
+	if err != nil {
 		return settings{}, err
 	}
-	s.txOptions.IsoLevel = cmp.Or(s.txOptions.IsoLevel, pgx.ReadCommitted)
-
-	s.runOptions = []idem.Option{
-		idem.WithRetention(retention),
-		idem.WithWait(wait),
-		idem.WithTxOptions(s.txOptions),
-		idem.WithMaxResponseSize(storedLimit),
-	}
-	s.flowOptions = []idem.Option{idem.WithWait(wait)}
-	if cfg.LookupFirst {
-		s.runOptions = append(s.runOptions, idem.WithLookupFirst())
-	}
-	if cfg.Codec != nil {
-		s.runOptions = append(s.runOptions, idem.WithCodec(cfg.Codec))
-	}
-	if cfg.Observer != nil {
-		s.runOptions = append(s.runOptions, idem.WithObserver(cfg.Observer))
-	}
-	// Whatever else idem would refuse on every call stops the program too;
-	// each field above was checked on its own, so this is a backstop.
-	if err := idem.CheckOptions(s.runOptions...); err != nil {
-		return settings{}, refusedByIdem("Config", err)
-	}
+	s.maxResponseBytes, s.txOptions = common.MaxResponseBytes, common.TxOptions
+	s.runOptions, s.flowOptions = common.RunOptions, common.FlowOptions
+	s.retryDelay = adapter.RetryAfter(common.Wait)
 	return s, nil
 }
 
@@ -437,61 +360,4 @@ func checkMetadataKey(key string) string {
 		return "is the key that marks replays"
 	}
 	return ""
-}
-
-// checkTxOptions refuses transaction modes that pgx would send to the
-// server as they are, and the read-only mode, in which idem cannot record
-// a key: either would fail every call.
-func checkTxOptions(o pgx.TxOptions) error {
-	switch o.IsoLevel {
-	case "", pgx.Serializable, pgx.RepeatableRead, pgx.ReadCommitted, pgx.ReadUncommitted:
-	default:
-		return invalidField("Config.TxOptions.IsoLevel", "%q is not an isolation level", o.IsoLevel)
-	}
-	switch o.AccessMode {
-	case "", pgx.ReadWrite:
-	case pgx.ReadOnly:
-		return invalidField("Config.TxOptions.AccessMode", "is read only, where idem cannot record a key")
-	default:
-		return invalidField("Config.TxOptions.AccessMode", "%q is not an access mode", o.AccessMode)
-	}
-	switch o.DeferrableMode {
-	case "", pgx.Deferrable, pgx.NotDeferrable:
-	default:
-		return invalidField("Config.TxOptions.DeferrableMode", "%q is not a deferrable mode", o.DeferrableMode)
-	}
-	return nil
-}
-
-// storedSize is the largest stored value, in bytes of JSON, for an answer
-// of n bytes, or false when that does not fit in an int: the answer in
-// base64 plus an allowance for its type name and metadata; sealed by a
-// codec, that again in base64, with the allowance again for what the codec
-// adds.
-func storedSize(n int, sealed bool) (int, bool) {
-	size := base64Size(n)
-	if size < 0 || size > math.MaxInt-2*storedAllowance {
-		return 0, false
-	}
-	size += storedAllowance
-	if !sealed {
-		return size, true
-	}
-	if size = base64Size(size + storedAllowance); size < 0 {
-		return 0, false
-	}
-	return size, true
-}
-
-// base64Size is the length of n bytes in padded base64, or -1 when that
-// does not fit in an int.
-func base64Size(n int) int {
-	if n > math.MaxInt-2 {
-		return -1
-	}
-	groups := (n + 2) / 3
-	if groups > math.MaxInt/4 {
-		return -1
-	}
-	return 4 * groups
 }

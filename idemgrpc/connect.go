@@ -44,7 +44,7 @@ const maxConnectMessage = 4 << 20
 //	mw, err := idemhttp.NewMiddleware(pool, idemhttp.Config{
 //		Scope:       tenantOf,
 //		Fingerprint: idemgrpc.ConnectFingerprint,
-//		Store:       idemhttp.StoreFinal,
+//		Store:       idemhttp.StoreDefinite,
 //	})
 //
 // docs/grpc.md says what else to configure for Connect.

@@ -22,7 +22,7 @@ once, with its answer saved for retries, or leaves no trace at all:
 		// ... INSERT on tx, then return the response as usual.
 	}
 
-On the client, [NewClientInterceptor] gives every call a key and keeps it
+On the client, [MustNewClientInterceptor] gives every call a key and keeps it
 across retries.
 
 For each covered call with a key, the interceptor claims (scope, key), runs
@@ -69,7 +69,7 @@ ServerReflection, grpc.channelz.v1.Channelz), or one whose descriptor in
 protobuf's global registry says option idempotency_level =
 NO_SIDE_EFFECTS. Such a call changes nothing that a key would protect, so
 health checks answer with [Config.Required] set, and no probe opens a
-transaction or stores a record; [NewClientInterceptor] gives it no key. A
+transaction or stores a record; [MustNewClientInterceptor] gives it no key. A
 covered call with a key runs as above. A
 covered call without one gets INVALID_ARGUMENT when a key is required
 ([Config.Required], [Config.Optional]), and otherwise runs its handler in a

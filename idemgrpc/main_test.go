@@ -3,7 +3,6 @@ package idemgrpc_test
 import (
 	"context"
 	"crypto/rand"
-	"errors"
 	"log/slog"
 	"net"
 	"os"
@@ -16,29 +15,29 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/test/bufconn"
 
 	"github.com/pgidem/idem/idemgrpc"
+	"github.com/pgidem/idem/idemgrpc/internal/grpctest"
 	"github.com/pgidem/idem/idemgrpc/internal/testpb"
 	"github.com/pgidem/idem/idemtest"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 func TestMain(m *testing.M) { os.Exit(idemtest.Main(m)) }
 
-// tenantMetadata stands in for authentication in the tests: it names the
-// caller, and tenantScope turns it into the scope.
-const tenantMetadata = "x-tenant"
+// Shared helpers, under the names this package's tests use.
+const tenantMetadata = grpctest.TenantMetadata
 
-func tenantScope(ctx context.Context) (string, error) {
-	md, _ := metadata.FromIncomingContext(ctx)
-	if tenant := md.Get(tenantMetadata); len(tenant) == 1 && tenant[0] != "" {
-		return tenant[0], nil
-	}
-	return "", errors.New("no tenant")
-}
+var (
+	tenantScope    = grpctest.TenantScope
+	dial           = grpctest.Dial
+	loseFirst      = grpctest.LoseFirst
+	count          = testdb.Count
+	waitForBlocked = testdb.WaitForBlocked
+)
 
 // paymentTable is the table the tests' handlers write to.
 const paymentTable = `CREATE TABLE payment (
@@ -143,17 +142,6 @@ func startServer(t *testing.T, pool *pgxpool.Pool, cfg idemgrpc.Config, srv *tes
 	t.Cleanup(s.Stop)
 }
 
-// dial returns a client connection to target, closed when the test ends.
-func dial(t *testing.T, target string, opts ...grpc.DialOption) *grpc.ClientConn {
-	t.Helper()
-	conn, err := grpc.NewClient(target, append(opts, grpc.WithTransportCredentials(insecure.NewCredentials()))...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	return conn
-}
-
 // outgoing returns ctx with the tenant's metadata and, unless key is
 // noKey, the idempotency key.
 func outgoing(ctx context.Context, tenant, key string) context.Context {
@@ -205,16 +193,6 @@ func wantReason(t *testing.T, err error, code codes.Code, reason string) *status
 	}
 	t.Fatalf("%v carries no ErrorInfo", err)
 	return nil
-}
-
-// count returns the number of rows sql counts.
-func count(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n
 }
 
 func countPayments(t *testing.T, pool *pgxpool.Pool, scope string) int {

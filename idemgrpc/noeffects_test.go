@@ -84,7 +84,7 @@ func TestMethodsWithoutSideEffectsAreLeftAlone(t *testing.T) {
 
 		sent := &keysSent{keys: map[string][]string{}}
 		plain := dialBufconn(t, lis)
-		keyed := dialBufconn(t, lis, grpc.WithChainUnaryInterceptor(idemgrpc.NewClientInterceptor(), sent.intercept))
+		keyed := dialBufconn(t, lis, grpc.WithChainUnaryInterceptor(idemgrpc.MustNewClientInterceptor(), sent.intercept))
 
 		for name, conn := range map[string]*grpc.ClientConn{"without a client interceptor": plain, "through idemgrpc's client interceptor": keyed} {
 			name = fmt.Sprintf("Required %t, %s", required, name)

@@ -3,12 +3,9 @@ package idemgrpc
 import (
 	"context"
 	"errors"
-	"io"
 	"log/slog"
-	"net"
 	"strconv"
 
-	"github.com/jackc/pgx/v5/pgconn"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -18,6 +15,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 )
 
 // ErrorDomain is the domain of the google.rpc.ErrorInfo that every error
@@ -120,7 +118,7 @@ func (i *interceptor) failed(ctx context.Context, method string, err error, keye
 	}
 	code, reason, msg := codes.Internal, ReasonRequestFailed, "idemgrpc: the call could not be completed"
 	switch {
-	case databaseUnavailable(err):
+	case adapter.DatabaseUnavailable(err):
 		code, reason, msg = codes.Unavailable, ReasonDatabaseUnavailable, "idemgrpc: the call could not be completed: the database is unavailable"
 	case errors.Is(err, idem.ErrInvalidScope), errors.Is(err, idem.ErrResponseTooLarge), errors.Is(err, idem.ErrResponseNotStorable):
 		// The server's own misconfiguration or bug, which the same call
@@ -134,33 +132,4 @@ func (i *interceptor) failed(ctx context.Context, method string, err error, keye
 		msg += "; retrying it with the same idempotency key is safe"
 	}
 	return newStatus(code, reason, msg, nil)
-}
-
-// SQLSTATE codes with which PostgreSQL ends a session it will not serve.
-const (
-	sqlstateAdminShutdown    = "57P01"
-	sqlstateCrashShutdown    = "57P02"
-	sqlstateCannotConnectNow = "57P03"
-)
-
-// databaseUnavailable reports whether err says that the database could not
-// be reached, that the connection to it broke, or that it reached a
-// standby (idem.ErrReadOnly: the interceptor never asks for a read-only
-// transaction), rather than that a statement failed.
-func databaseUnavailable(err error) bool {
-	var connectErr *pgconn.ConnectError
-	var opErr *net.OpError
-	var pgErr *pgconn.PgError
-	switch {
-	case errors.As(err, &connectErr), errors.Is(err, pgconn.ErrConnClosed),
-		errors.As(err, &opErr), errors.Is(err, io.ErrUnexpectedEOF),
-		errors.Is(err, idem.ErrReadOnly):
-		return true
-	case errors.As(err, &pgErr):
-		switch pgErr.Code {
-		case sqlstateAdminShutdown, sqlstateCrashShutdown, sqlstateCannotConnectNow:
-			return true
-		}
-	}
-	return false
 }

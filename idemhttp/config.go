@@ -2,7 +2,6 @@ package idemhttp
 
 import (
 	"cmp"
-	"fmt"
 	"log/slog"
 	"math"
 	"net/http"
@@ -13,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 	"github.com/pgidem/idem/internal/httpedge"
 )
 
@@ -39,16 +39,16 @@ const ReplayedHeader = "Idempotent-Replayed"
 // below 500. A 4xx is stored on purpose: a declined card stays declined on
 // retry, rather than being charged when the client tries again. So is a
 // 409 or a 429 that the handler answers itself, for the whole retention;
-// [StoreFinal] is the policy that leaves those out.
+// [StoreDefinite] is the policy that leaves those out.
 func StoreBelow500(status int) bool { return status < 500 }
 
-// StoreFinal stores what [StoreBelow500] stores except the answers that ask
+// StoreDefinite stores what [StoreBelow500] stores except the answers that ask
 // the client to try again: 408 Request Timeout, 409 Conflict, 425 Too Early
 // and 429 Too Many Requests. Such an answer goes to the client and rolls
 // back, so that the client's retry with the same key runs the handler
 // again, rather than getting the same refusal until the key expires. Use
-// it with Config{Store: idemhttp.StoreFinal}.
-func StoreFinal(status int) bool {
+// it with Config{Store: idemhttp.StoreDefinite}.
+func StoreDefinite(status int) bool {
 	switch status {
 	case http.StatusRequestTimeout, http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests:
 		return false
@@ -56,7 +56,7 @@ func StoreFinal(status int) bool {
 	return StoreBelow500(status)
 }
 
-// Config configures the middleware; [NewMiddleware] and [New] check it.
+// Config configures the middleware; [NewMiddleware] and [MustNew] check it.
 // The zero value of every field means its default, which the field states;
 // a negative value means "none" where that makes sense (no wait, no limit).
 // Only Scope is required.
@@ -146,7 +146,7 @@ type Config struct {
 	// handler's writes and the key's claim with it, so that a retry with
 	// the same key runs the handler again. A handler's panic is never
 	// stored. Defaults to [StoreBelow500]: every answer below 500 is stored.
-	// [StoreFinal] also leaves out the answers that invite a retry (408,
+	// [StoreDefinite] also leaves out the answers that invite a retry (408,
 	// 409, 425 and 429).
 	Store func(status int) bool
 
@@ -221,51 +221,17 @@ type settings struct {
 	// what FlowHandler hands a flow's Run: only the wait, which the 409's
 	// Retry-After tells. How a flow stores is the flow's own (NewFlow's
 	// options), which its completer uses too.
-	runOptions, flowOptions []idem.Option
+	runOptions  []idem.Option
+	flowOptions []idem.FlowOption
 	// retryAfter is the Retry-After of a 409, in seconds: the wait, rounded
 	// up, since the first request took at least that long already.
 	retryAfter string
 }
 
-// Sizes of the stored form of an answer.
-const (
-	// maxMaxResponseBytes is the largest positive Config.MaxResponseBytes:
-	// the size of the stored response, its body in base64 plus
-	// headerAllowance, must still fit in an int.
-	maxMaxResponseBytes = (math.MaxInt - headerAllowance) / 4 * 3
-
-	// headerAllowance is what a stored response may take beyond its body
-	// in base64: the status and the stored headers, generously.
-	headerAllowance = 1 << 20
-)
-
-// fieldError is a Config field, or an argument of NewMiddleware, that
-// cannot work. It wraps idem.ErrInvalidOption, and the error of idem's
-// that refused the value, if any.
-type fieldError struct {
-	field   string // such as "Config.Wait"
-	problem string // such as "must not be negative, got -1"
-	cause   error
-}
-
-func (e *fieldError) Error() string { return "idemhttp: " + e.field + ": " + e.problem }
-
-func (e *fieldError) Unwrap() []error {
-	if e.cause == nil {
-		return []error{idem.ErrInvalidOption}
-	}
-	return []error{idem.ErrInvalidOption, e.cause}
-}
-
+// invalidField is a field of Config, or an argument of NewMiddleware, that
+// cannot work.
 func invalidField(field, format string, args ...any) error {
-	return &fieldError{field: field, problem: fmt.Sprintf(format, args...)}
-}
-
-// refusedByIdem is a field whose value idem refuses: its problem is idem's
-// own, without idem's prefix.
-func refusedByIdem(field string, err error) error {
-	problem := strings.TrimPrefix(err.Error(), idem.ErrInvalidOption.Error()+": ")
-	return &fieldError{field: field, problem: problem, cause: err}
+	return adapter.Invalid("idemhttp", field, format, args...)
 }
 
 // newSettings checks every field of cfg and applies the defaults, so that
@@ -306,45 +272,24 @@ func newSettings(cfg Config) (settings, error) {
 		return settings{}, invalidField("Config.Header", "%q is not a header field name", cfg.Header)
 	}
 
-	retention := cmp.Or(cfg.Retention, idem.DefaultRetention)
-	if err := idem.CheckOptions(idem.WithRetention(retention)); err != nil {
-		return settings{}, refusedByIdem("Config.Retention", err)
+	// What the adapters share: retention, wait, the stored size of an
+	// answer (its body in base64 and its headers, sealed by the codec if
+	// there is one), the transaction's options, and Run's options.
+	common, err := adapter.Check("idemhttp", adapter.Config{Retention: cfg.Retention, Wait: cfg.Wait,
+		MaxResponseBytes: cfg.MaxResponseBytes, DefaultMaxResponseBytes: DefaultMaxResponseBytes,
+		TxOptions: cfg.TxOptions, LookupFirst: cfg.LookupFirst, Codec: cfg.Codec, Observer: cfg.Observer})
+	if err != nil {
+		return settings{}, err
 	}
-
-	wait := cmp.Or(cfg.Wait, idem.DefaultWait)
-	wait = max(wait, 0) // negative: no wait, as for idem.WithWait; 0 here for Retry-After
-	if err := idem.CheckOptions(idem.WithWait(wait)); err != nil {
-		return settings{}, &fieldError{field: "Config.Wait",
-			problem: fmt.Sprintf("must not exceed math.MaxInt32 milliseconds, the longest lock_timeout, got %s", cfg.Wait), cause: err}
-	}
-	s.retryAfter = strconv.FormatInt(max(int64((wait+time.Second-1)/time.Second), 1), 10)
+	s.maxResponseBytes, s.txOptions = common.MaxResponseBytes, common.TxOptions
+	s.runOptions, s.flowOptions = common.RunOptions, common.FlowOptions
+	s.retryAfter = strconv.FormatInt(int64(adapter.RetryAfter(common.Wait)/time.Second), 10)
 
 	switch {
 	case cfg.MaxBodyBytes < 0:
 		s.maxBodyBytes = math.MaxInt64
 	default:
 		s.maxBodyBytes = cmp.Or(cfg.MaxBodyBytes, DefaultMaxBodyBytes)
-	}
-
-	// What idem may store for one answer: the body in base64 and the
-	// headers, sealed by the codec if there is one.
-	storedLimit := math.MaxInt
-	switch {
-	case cfg.MaxResponseBytes < 0:
-		s.maxResponseBytes = math.MaxInt
-	case cfg.MaxResponseBytes > maxMaxResponseBytes:
-		return settings{}, invalidField("Config.MaxResponseBytes",
-			"must not exceed %d, or the size of its stored form would not fit in an int; negative means no limit; got %d",
-			maxMaxResponseBytes, cfg.MaxResponseBytes)
-	default:
-		s.maxResponseBytes = cmp.Or(cfg.MaxResponseBytes, DefaultMaxResponseBytes)
-		var ok bool
-		if storedLimit, ok = storedSize(s.maxResponseBytes, cfg.Codec != nil); !ok {
-			// Only a Codec gets here: without one, the bound above holds.
-			return settings{}, invalidField("Config.MaxResponseBytes",
-				"%d is too large to store sealed by Config.Codec: its stored form would not fit in an int; negative means no limit",
-				s.maxResponseBytes)
-		}
 	}
 
 	replayHeaders := cfg.ReplayHeaders
@@ -369,98 +314,10 @@ func newSettings(cfg Config) (settings, error) {
 	if s.fingerprint == nil {
 		s.fingerprint = func(r *http.Request, body []byte) ([]byte, error) { return DefaultFingerprint(r, body), nil }
 	}
-	if err := checkTxOptions(cfg.TxOptions); err != nil {
-		return settings{}, err
-	}
-	if s.txOptions.IsoLevel == "" {
-		s.txOptions.IsoLevel = pgx.ReadCommitted
-	}
 	if s.logger == nil {
 		s.logger = slog.Default()
 	}
-
-	s.runOptions = []idem.Option{
-		idem.WithRetention(retention),
-		idem.WithWait(wait),
-		idem.WithTxOptions(s.txOptions),
-		idem.WithMaxResponseSize(storedLimit),
-	}
-	if cfg.LookupFirst {
-		s.runOptions = append(s.runOptions, idem.WithLookupFirst())
-	}
-	if cfg.Codec != nil {
-		s.runOptions = append(s.runOptions, idem.WithCodec(cfg.Codec))
-	}
-	if cfg.Observer != nil {
-		s.runOptions = append(s.runOptions, idem.WithObserver(cfg.Observer))
-	}
-	s.flowOptions = []idem.Option{idem.WithWait(wait)}
-	// Whatever else idem would refuse on every request stops the program
-	// too; each field above was checked on its own, so this is a backstop.
-	if err := idem.CheckOptions(s.runOptions...); err != nil {
-		return settings{}, refusedByIdem("Config", err)
-	}
 	return s, nil
-}
-
-// checkTxOptions refuses transaction modes that pgx would send to the
-// server as they are, and the read-only mode, in which idem cannot record
-// a key: either would fail every request.
-func checkTxOptions(o pgx.TxOptions) error {
-	switch o.IsoLevel {
-	case "", pgx.Serializable, pgx.RepeatableRead, pgx.ReadCommitted, pgx.ReadUncommitted:
-	default:
-		return invalidField("Config.TxOptions.IsoLevel", "%q is not an isolation level", o.IsoLevel)
-	}
-	switch o.AccessMode {
-	case "", pgx.ReadWrite:
-	case pgx.ReadOnly:
-		return invalidField("Config.TxOptions.AccessMode", "is read only, where idem cannot record a key")
-	default:
-		return invalidField("Config.TxOptions.AccessMode", "%q is not an access mode", o.AccessMode)
-	}
-	switch o.DeferrableMode {
-	case "", pgx.Deferrable, pgx.NotDeferrable:
-	default:
-		return invalidField("Config.TxOptions.DeferrableMode", "%q is not a deferrable mode", o.DeferrableMode)
-	}
-	return nil
-}
-
-// storedSize is the largest stored value, in bytes of JSON, for a body of n
-// bytes, or false when that does not fit in an int. The value is the body
-// in base64 plus the status and headers, for which a generous fixed
-// allowance is made. Sealed by a codec, it is stored in base64 once more,
-// with the same allowance again for what the codec adds.
-func storedSize(n int, sealed bool) (int, bool) {
-	size, ok := base64Size(n)
-	if !ok || size > math.MaxInt-headerAllowance {
-		return 0, false
-	}
-	size += headerAllowance
-	if !sealed {
-		return size, true
-	}
-	if size > math.MaxInt-headerAllowance {
-		return 0, false
-	}
-	if size, ok = base64Size(size + headerAllowance); !ok {
-		return 0, false
-	}
-	return size, true
-}
-
-// base64Size is the length of n bytes in padded base64, or false when that
-// does not fit in an int.
-func base64Size(n int) (int, bool) {
-	groups := n / 3
-	if n%3 != 0 {
-		groups++
-	}
-	if groups > math.MaxInt/4 {
-		return 0, false
-	}
-	return 4 * groups, true
 }
 
 // isToken reports whether s is an RFC 9110 token, as header field names and

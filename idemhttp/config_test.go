@@ -24,7 +24,7 @@ func TestLargestAcceptedConfigWorks(t *testing.T) {
 	_, pool, tenant := setup(t)
 	var calls atomic.Int64
 	// The largest wait idem accepts, and a response limit far beyond any
-	// real one: New must not reject them, nor idem refuse them per request.
+	// real one: MustNew must not reject them, nor idem refuse them per request.
 	srv := serve(t, pool, idemhttp.Config{
 		Wait:             math.MaxInt32 * time.Millisecond,
 		MaxResponseBytes: math.MaxInt / 8,
@@ -77,10 +77,10 @@ func TestStorePolicy(t *testing.T) {
 			t.Fatalf("%d payments, want 6", countPayments(t, pool, tenant))
 		}
 	})
-	t.Run("StoreFinal leaves out the answers that ask for a retry", func(t *testing.T) {
+	t.Run("StoreDefinite leaves out the answers that ask for a retry", func(t *testing.T) {
 		_, pool, tenant := setup(t)
 		var calls atomic.Int64
-		srv := serve(t, pool, idemhttp.Config{Store: idemhttp.StoreFinal}, statusHandler(tenant, &calls))
+		srv := serve(t, pool, idemhttp.Config{Store: idemhttp.StoreDefinite}, statusHandler(tenant, &calls))
 		for _, status := range []int{408, 409, 425, 429} {
 			path := "/status/" + strconv.Itoa(status)
 			before := calls.Load()
@@ -294,7 +294,7 @@ func TestNewMiddlewareRefusesEveryInvalidField(t *testing.T) {
 					t.Fatalf("New panicked with %v, want NewMiddleware's error %q", p, err)
 				}
 			}()
-			idemhttp.New(c.db, c.cfg)
+			idemhttp.MustNew(c.db, c.cfg)
 		})
 	}
 }

@@ -8,7 +8,7 @@ The handler's own database writes share one transaction with the key's claim
 and its stored response, so that a request either happens once, with its
 answer saved for retries, or leaves no trace at all:
 
-	mw := idemhttp.New(pool, idemhttp.Config{
+	mw := idemhttp.MustNew(pool, idemhttp.Config{
 		Scope: func(r *http.Request) (string, error) {
 			return tenantID(r) // the authenticated caller
 		},
@@ -48,7 +48,7 @@ https://github.com/pgidem/idem/blob/main/docs/grpc.md).
 
 [NewMiddleware] checks a [Config] once, applies its defaults, and refuses a
 field that cannot work with an error that names it and wraps
-[idem.ErrInvalidOption]; [New] is the same middleware and panics with that
+[idem.ErrInvalidOption]; [MustNew] is the same middleware and panics with that
 error instead. In a Config, zero means the default, which each field
 states, and a negative value means none where that makes sense: no wait
 ([Config.Wait]), no limit ([Config.MaxBodyBytes],

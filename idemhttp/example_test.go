@@ -56,7 +56,7 @@ func createPayment(w http.ResponseWriter, r *http.Request) {
 
 // A payments endpoint: a retry replays the first answer, byte for byte,
 // and charges nothing more.
-func ExampleNew() {
+func ExampleMustNew() {
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
@@ -70,7 +70,7 @@ func ExampleNew() {
 		log.Fatal(err)
 	}
 
-	mw := idemhttp.New(pool, idemhttp.Config{
+	mw := idemhttp.MustNew(pool, idemhttp.Config{
 		// Keys are per caller. Here the caller is the basic-auth user; a
 		// real service checks the password, or a token, first.
 		Scope: func(r *http.Request) (string, error) {

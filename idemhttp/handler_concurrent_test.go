@@ -2,7 +2,6 @@ package idemhttp_test
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"net/http"
 	"sync"
@@ -10,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgidem/idem/idemhttp"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 // blockingHandler inserts a payment and reports its backend's pid on
@@ -75,28 +74,6 @@ func (h *blockingHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(w, "run %d answered %d", n, status)
 }
 
-// waitForBlocked returns once some session waits for a lock that the
-// session pid holds: a duplicate request is waiting on the claim.
-func waitForBlocked(ctx context.Context, t *testing.T, pool *pgxpool.Pool, pid int32) {
-	t.Helper()
-	for {
-		var waiting bool
-		err := pool.QueryRow(ctx,
-			`SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid)))`, pid).Scan(&waiting)
-		if err != nil {
-			t.Fatalf("look for a waiting request: %v", err)
-		}
-		if waiting {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatal("no duplicate request waited for the first")
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
-}
-
 // sendAsync sends req on its own goroutine and delivers the answer.
 func sendAsync(client *http.Client, req *http.Request) <-chan response {
 	out := make(chan response, 1)
@@ -118,7 +95,7 @@ func TestConcurrentDuplicateWaitsAndReplays(t *testing.T) {
 	firstDone := sendAsync(srv.Client(), newPost(t, srv, "/payments", tenant, "k", `{}`))
 	pid := h.awaitStarted(t, firstDone)
 	secondDone := sendAsync(srv.Client(), newPost(t, srv, "/payments", tenant, "k", `{}`))
-	waitForBlocked(ctx, t, pool, pid)
+	testdb.WaitForBlocked(ctx, t, pool, pid)
 	h.unblock()
 
 	first, second := <-firstDone, <-secondDone
@@ -142,7 +119,7 @@ func TestConcurrentDuplicateRunsWhenFirstRollsBack(t *testing.T) {
 	firstDone := sendAsync(srv.Client(), newPost(t, srv, "/payments", tenant, "k", `{}`))
 	pid := h.awaitStarted(t, firstDone)
 	secondDone := sendAsync(srv.Client(), newPost(t, srv, "/payments", tenant, "k", `{}`))
-	waitForBlocked(ctx, t, pool, pid)
+	testdb.WaitForBlocked(ctx, t, pool, pid)
 	h.unblock()
 
 	if first := <-firstDone; first.status != http.StatusInternalServerError {

@@ -15,7 +15,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -43,11 +42,7 @@ func tenantScope(r *http.Request) (string, error) {
 // throwaway database, and a tenant no other test uses.
 func setup(t *testing.T) (context.Context, *pgxpool.Pool, string) {
 	t.Helper()
-	t.Parallel()
-	pool := env.Pool(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	t.Cleanup(cancel)
-	return ctx, pool, testdb.Name("tenant")
+	return env.Setup(t, "tenant")
 }
 
 // serve starts a real HTTP server with the middleware around next, scoped by
@@ -57,7 +52,7 @@ func serve(t *testing.T, pool *pgxpool.Pool, cfg idemhttp.Config, next http.Hand
 	if cfg.Scope == nil {
 		cfg.Scope = tenantScope
 	}
-	srv := httptest.NewServer(idemhttp.New(pool, cfg)(next))
+	srv := httptest.NewServer(idemhttp.MustNew(pool, cfg)(next))
 	t.Cleanup(srv.Close)
 	// A redirect is an answer to compare, not to follow.
 	srv.Client().CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }

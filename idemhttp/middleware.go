@@ -24,7 +24,7 @@ type Middleware struct {
 // PostgreSQL's lock_timeout can express, with an error that names the field
 // and wraps [idem.ErrInvalidOption]: a misconfigured server must not start.
 // Use it where the configuration comes from outside the program (flags,
-// files, the environment), and [New] where it is written in the code.
+// files, the environment), and [MustNew] where it is written in the code.
 func NewMiddleware(db idem.TxBeginner, cfg Config) (*Middleware, error) {
 	if db == nil {
 		return nil, invalidField("NewMiddleware", "needs a database, got nil")
@@ -36,13 +36,13 @@ func NewMiddleware(db idem.TxBeginner, cfg Config) (*Middleware, error) {
 	return &Middleware{db: db, settings: s}, nil
 }
 
-// New returns middleware that makes the handler it wraps exactly-once per
+// MustNew returns middleware that makes the handler it wraps exactly-once per
 // (scope, key) for the covered methods, on db: the [Middleware.Wrap] of
 // [NewMiddleware](db, cfg). When db or cfg cannot work it panics, with the
 // error NewMiddleware returns. Use it where cfg is written in the code, so
 // that a mistake in it stops the program at its start, as
 // regexp.MustCompile does; use NewMiddleware to handle the error.
-func New(db idem.TxBeginner, cfg Config) func(http.Handler) http.Handler {
+func MustNew(db idem.TxBeginner, cfg Config) func(http.Handler) http.Handler {
 	m, err := NewMiddleware(db, cfg)
 	if err != nil {
 		panic(err)

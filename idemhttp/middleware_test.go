@@ -17,7 +17,7 @@ import (
 func TestStandardMux(t *testing.T) {
 	_, pool, tenant := setup(t)
 	var calls atomic.Int64
-	mw := idemhttp.New(pool, idemhttp.Config{Scope: tenantScope})
+	mw := idemhttp.MustNew(pool, idemhttp.Config{Scope: tenantScope})
 	pay := payHandler(&calls)
 
 	mux := http.NewServeMux()
@@ -108,7 +108,7 @@ func TestMiddlewareRefusesAConnectionInATransaction(t *testing.T) {
 
 	var calls atomic.Int64
 	var logs bytes.Buffer
-	srv := httptest.NewServer(idemhttp.New(conn, idemhttp.Config{
+	srv := httptest.NewServer(idemhttp.MustNew(conn, idemhttp.Config{
 		Scope:  tenantScope,
 		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
 	})(payHandler(&calls)))

@@ -6,6 +6,7 @@ import (
 	"net/http"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 	"github.com/pgidem/idem/internal/httpedge"
 )
 
@@ -184,7 +185,7 @@ func (m *Middleware) WriteError(w http.ResponseWriter, r *http.Request, err erro
 func (m *Middleware) writeFailed(w http.ResponseWriter, r *http.Request, err error, keyed bool) {
 	status, code, detail := http.StatusInternalServerError, ProblemRequestFailed, "The request could not be completed."
 	switch {
-	case httpedge.DatabaseUnavailable(err):
+	case adapter.DatabaseUnavailable(err):
 		status, code, detail = http.StatusServiceUnavailable, ProblemDatabaseUnavailable, "The request could not be completed: the database is unavailable."
 		w.Header().Set("Retry-After", httpedge.UnavailableRetryAfter)
 	case errors.Is(err, idem.ErrInvalidScope), errors.Is(err, idem.ErrResponseTooLarge), errors.Is(err, idem.ErrResponseNotStorable):

@@ -62,7 +62,7 @@ func TestProblemsHaveATypeACodeAndALink(t *testing.T) {
 			srv := serve(t, pool, cfg, payHandler(&calls))
 			// The same middleware around a broken body and a broken scope.
 			cfg.Scope = tenantScope
-			mw := idemhttp.New(pool, cfg)
+			mw := idemhttp.MustNew(pool, cfg)
 			breakBody := serveHandler(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				r.Body = io.NopCloser(&failingBody{})
 				r.ContentLength = -1

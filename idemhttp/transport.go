@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"cmp"
 	"context"
-	crand "crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
@@ -17,15 +16,17 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 	"github.com/pgidem/idem/internal/backoff"
 )
 
 // Transport is an [http.RoundTripper] for the clients of an idemhttp
 // server: it gives each request without an idempotency key a fresh one, and
 // sends the request again, with the same key and the same body, until it
-// gets an answer that another attempt would not change, as the section
-// "The client: idemhttp.Transport" of docs/http.md explains. Put it in an
-// [http.Client]:
+// gets an answer that another attempt would not change. Its rules are
+// stated here, once; the section "The client: idemhttp.Transport" of
+// docs/http.md places it among the other clients and measures it. Put it
+// in an [http.Client]:
 //
 //	client := &http.Client{Transport: &idemhttp.Transport{}}
 //
@@ -197,8 +198,9 @@ type Transport struct {
 	// [http.Client.Timeout] bounds a whole request. An attempt past it is
 	// given up (its connection closed) and counts as failed: it is retried
 	// like any other error, within MaxAttempts and the request's context,
-	// and the answer returned to the caller must be read within it too.
-	// Negative means none: only the request's context bounds an attempt.
+	// and the answer returned to the caller must be read within it too; it
+	// makes a ResponseHeaderTimeout on the [http.Transport] underneath
+	// needless. Negative means none: only the request's context bounds an attempt.
 	// Defaults to 30s ([DefaultAttemptTimeout]): room for a slow answer,
 	// and half of idem's [idem.DefaultCallTimeout], so that a flow's call
 	// whose first attempt hung is tried again before the call's own bound
@@ -273,7 +275,7 @@ func (t *Transport) settings() (transportSettings, error) {
 		return s, invalidField("Transport.Header", "%q is not a header field name", t.Header)
 	}
 	if s.newKey == nil {
-		s.newKey = newUUID
+		s.newKey = adapter.NewUUID
 	}
 	if s.maxAttempts < 0 {
 		s.maxAttempts = math.MaxInt
@@ -378,7 +380,7 @@ func (s *transportSettings) setKey(out *http.Request) (string, error) {
 	}
 	key := s.newKey()
 	if problem := checkNewKey(key); problem != "" {
-		return "", &fieldError{field: "Transport.NewKey", problem: problem, cause: idem.ErrInvalidKey}
+		return "", &idem.FieldError{Package: "idemhttp", Field: "Transport.NewKey", Problem: problem, Err: idem.ErrInvalidKey}
 	}
 	out.Header.Set(s.header, sfString(key))
 	return key, nil
@@ -433,15 +435,6 @@ func sfString(key string) string {
 	}
 	b.WriteByte('"')
 	return b.String()
-}
-
-// newUUID returns a random UUID, version 4.
-func newUUID() string {
-	var u [16]byte
-	_, _ = crand.Read(u[:]) // never fails: crypto/rand crashes the program rather
-	u[6] = u[6]&0x0f | 0x40
-	u[8] = u[8]&0x3f | 0x80
-	return fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
 }
 
 // bodySource returns the body of each attempt, numbered from 1.

@@ -21,7 +21,7 @@ import (
 	"github.com/pgidem/idem/idemhttp"
 )
 
-// A client that pays through the payments endpoint of [New]'s example.
+// A client that pays through the payments endpoint of [MustNew]'s example.
 // The network loses the answer to its first attempt after the server
 // committed the payment; the Transport sends the request again with the
 // same key, and gets the stored answer rather than a second payment.
@@ -38,7 +38,7 @@ func ExampleTransport() {
 	if _, err := pool.Exec(ctx, paymentTable); err != nil {
 		log.Fatal(err)
 	}
-	mw := idemhttp.New(pool, idemhttp.Config{
+	mw := idemhttp.MustNew(pool, idemhttp.Config{
 		Scope: func(r *http.Request) (string, error) {
 			user, _, ok := r.BasicAuth()
 			if !ok {
@@ -117,7 +117,7 @@ func ExampleTransport_providerKey() {
 	defer provider.Close()
 
 	client := &http.Client{Transport: &idemhttp.Transport{UseProviderKey: true, Header: "Cko-Idempotency-Key"}}
-	checkout := idem.NewFlow("example-checkout", func(s *idem.Steps, amount int64) (string, error) {
+	checkout := idem.MustNewFlow("example-checkout", func(s *idem.Steps, amount int64) (string, error) {
 		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
 			req, err := http.NewRequestWithContext(ctx, http.MethodPost, provider.URL+"/payments", strings.NewReader(fmt.Sprint(amount)))
 			if err != nil {

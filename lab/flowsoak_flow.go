@@ -329,7 +329,7 @@ func isCommit(sql string) bool {
 // newFlow is the soak's flow: reserve the payment, charge it at the
 // provider with the call's provider key, record the provider's answer.
 func (w *flowSoakWorker) newFlow() *idem.Flow[flowSoakInput, flowSoakAnswer] {
-	return idem.NewFlow(w.spec.Flow, func(s *idem.Steps, in flowSoakInput) (flowSoakAnswer, error) {
+	return idem.MustNewFlow(w.spec.Flow, func(s *idem.Steps, in flowSoakInput) (flowSoakAnswer, error) {
 		fault := faultOf(s.Context())
 		paymentID, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64

@@ -311,7 +311,7 @@ func (f *failoverRun) enqueue(ctx context.Context, tx pgx.Tx, p soakPayment) err
 // retries are short, so that a receipt whose lease a failover orphaned
 // is delivered within seconds.
 func (f *failoverRun) startRelay(ctx context.Context) (<-chan struct{}, error) {
-	relay, err := outbox.NewRelay(f.consumer, f.consume, &outbox.Config{
+	relay, err := outbox.StartRelay(ctx, f.consumer, f.consume, &outbox.Config{
 		BatchSize:     16,
 		Destinations:  []string{soakDestination},
 		LeaseDuration: 5 * time.Second,
@@ -329,7 +329,8 @@ func (f *failoverRun) startRelay(ctx context.Context) (<-chan struct{}, error) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		_ = relay.Run(ctx)
+		<-ctx.Done()
+		relay.Stop()
 	}()
 	return done, nil
 }

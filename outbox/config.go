@@ -15,7 +15,7 @@ import (
 // Config is how a [Relay] delivers. The zero value of every field means its
 // default, so a nil *Config, or an empty one, means every default. A
 // negative value means "none" where a field says so (DeliveredRetention);
-// every other negative or out-of-range value makes [NewRelay] fail with an
+// every other negative or out-of-range value makes [StartRelay] fail with an
 // error that names the field and wraps [idem.ErrInvalidOption].
 type Config struct {
 	// BatchSize is the most messages one relay leases in one round. It
@@ -192,5 +192,5 @@ func (c *Config) withDefaults() (Config, error) {
 
 // invalidField is the error of a Config field with an unusable value.
 func invalidField(field, format string, args ...any) error {
-	return fmt.Errorf("outbox: Config.%s: %s: %w", field, fmt.Sprintf(format, args...), idem.ErrInvalidOption)
+	return &idem.FieldError{Package: "outbox", Field: "Config." + field, Problem: fmt.Sprintf(format, args...)}
 }

@@ -37,13 +37,13 @@
 //
 // Run relays where convenient, as many as needed:
 //
-//	relay, err := outbox.NewRelay(pool, func(ctx context.Context, msg outbox.Message) error {
+//	relay, err := outbox.StartRelay(ctx, pool, func(ctx context.Context, msg outbox.Message) error {
 //		return payments.Charge(ctx, msg.IdempotencyKey, msg.Payload)
 //	}, &outbox.Config{Destinations: []string{"payments.charge"}})
 //	if err != nil {
 //		return err
 //	}
-//	go relay.Run(ctx) // returns once ctx ends
+//	defer relay.Stop() // or let ctx end
 //
 // A relay leases a batch of due messages in one statement (FOR UPDATE SKIP
 // LOCKED, so relays never wait for one another), commits it, calls the

@@ -64,22 +64,21 @@ func Example() {
 		fmt.Println("replayed:", res.Replayed)
 	}
 
-	relayCtx, stopRelay := context.WithCancel(ctx)
-	relay, err := outbox.NewRelay(pool, func(ctx context.Context, msg outbox.Message) error {
+	charged := make(chan struct{}, 1)
+	relay, err := outbox.StartRelay(ctx, pool, func(ctx context.Context, msg outbox.Message) error {
 		// Here the handler would call the provider, passing
 		// msg.IdempotencyKey along.
 		fmt.Printf("charge %s, attempt %d, key derived from the order: %t\n", msg.Payload, msg.Attempt,
 			msg.IdempotencyKey == outbox.IdempotencyKey(tenant, "order-42", destination))
-		stopRelay() // the example has one message; a service's relay runs on
+		charged <- struct{}{}
 		return nil
 	}, &outbox.Config{Destinations: []string{destination}})
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
-	if err := relay.Run(relayCtx); err != nil {
-		fmt.Println(err)
-	}
+	<-charged
+	relay.Stop() // the example has one message; a service's relay runs until it stops
 
 	// Output:
 	// replayed: false

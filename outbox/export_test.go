@@ -6,6 +6,13 @@ import (
 	"time"
 )
 
+// NewRelay is a relay checked but not started, for the tests that set its
+// intervals first or run it more than once: Run is what StartRelay runs.
+var NewRelay = newRelay
+
+// Run runs the relay until ctx ends (see StartRelay).
+func (r *Relay) Run(ctx context.Context) error { return r.run(ctx) }
+
 // SetIntervals shortens a relay's background intervals for tests: how
 // often it purges and counts its backlog, how long it waits for its probe
 // notification, and how long before it probes again.

@@ -13,11 +13,12 @@ import (
 	"github.com/pgidem/idem/internal/pgtime"
 )
 
-// ErrLeaseLost is returned by [ExtendLease] when the message's lease can no
-// longer be extended: it ran out and another relay leased the message, or
-// the message is no longer pending (someone else recorded its outcome).
-// The handler should stop: another attempt delivers the message, or has.
-var ErrLeaseLost = errors.New("outbox: the message's lease is lost")
+// ErrMessageLeaseLost is returned by [ExtendLease] when the message's lease
+// can no longer be extended: it ran out and another relay leased the
+// message, or the message is no longer pending (someone else recorded its
+// outcome). The handler should stop: another attempt delivers the message,
+// or has. (idem.ErrLeaseLost is a flow's lease, another matter.)
+var ErrMessageLeaseLost = errors.New("outbox: the message's lease is lost")
 
 // ExtendLease extends the lease of the message whose delivery ctx belongs
 // to, to d from now by the database's clock, and moves the end of the
@@ -34,15 +35,15 @@ var ErrLeaseLost = errors.New("outbox: the message's lease is lost")
 // ctx must be the context the relay passed to the handler, or one derived
 // from it; otherwise, or when d is not positive, ExtendLease returns
 // [idem.ErrInvalidOption]. It returns the context's error once the
-// context has ended, and [ErrLeaseLost] when the lease is no longer the
+// context has ended, and [ErrMessageLeaseLost] when the lease is no longer the
 // message's newest.
 func ExtendLease(ctx context.Context, d time.Duration) error {
 	dl, _ := ctx.Value(deliveryKey{}).(*delivery)
 	if dl == nil {
-		return fmt.Errorf("outbox: ExtendLease: ctx must be a handler call's context: %w", idem.ErrInvalidOption)
+		return &idem.FieldError{Package: "outbox", Field: "ExtendLease", Problem: "ctx must be a handler call's context"}
 	}
 	if d <= 0 {
-		return fmt.Errorf("outbox: ExtendLease: d must be positive, got %s: %w", d, idem.ErrInvalidOption)
+		return &idem.FieldError{Package: "outbox", Field: "ExtendLease", Problem: fmt.Sprintf("d must be positive, got %s", d)}
 	}
 	if err := dl.ctx.Err(); err != nil {
 		return err
@@ -61,7 +62,7 @@ func ExtendLease(ctx context.Context, d time.Duration) error {
 		return err
 	}
 	if n == 0 {
-		return fmt.Errorf("%w (message %d, attempt %d)", ErrLeaseLost, dl.id, dl.attempt)
+		return fmt.Errorf("%w (message %d, attempt %d)", ErrMessageLeaseLost, dl.id, dl.attempt)
 	}
 	// As for the first lease, the extension began by the server's clock
 	// after start.

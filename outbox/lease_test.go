@@ -74,7 +74,7 @@ func TestExtendLeaseErrors(t *testing.T) {
 	if err := <-errs; !errors.Is(err, idem.ErrInvalidOption) {
 		t.Errorf("ExtendLease by 0: %v, want ErrInvalidOption", err)
 	}
-	if err := <-errs; !errors.Is(err, outbox.ErrLeaseLost) {
-		t.Errorf("ExtendLease of a lease another relay took: %v, want ErrLeaseLost", err)
+	if err := <-errs; !errors.Is(err, outbox.ErrMessageLeaseLost) {
+		t.Errorf("ExtendLease of a lease another relay took: %v, want ErrMessageLeaseLost", err)
 	}
 }

@@ -82,6 +82,10 @@ type Relay struct {
 	config  Config // with its defaults, from Config.withDefaults
 	logger  *slog.Logger
 	running atomic.Bool
+	// cancel stops the relay StartRelay started; done is closed once it
+	// has stopped.
+	cancel context.CancelFunc
+	done   chan struct{}
 
 	// direct is db itself when db runs statements on its own (a pool or a
 	// connection): each of the relay's statements is then a transaction of
@@ -105,18 +109,20 @@ type Relay struct {
 	maintainEvery, probeWait, reprobeEvery time.Duration
 }
 
-// NewRelay returns a relay that leases messages through db and delivers
-// them to handler, configured by config: a nil config means every default.
-// It applies the defaults and checks every field once, here: an invalid
-// field gives an error that names it and wraps [idem.ErrInvalidOption], as
-// does a nil db or handler. The relay keeps a copy of config; changing
-// config afterwards changes nothing.
+// StartRelay starts a relay that leases messages through db and delivers
+// them to handler, configured by config (a nil config means every
+// default), in the background, until ctx ends or [Relay.Stop] is called:
+// workers start and stop so throughout idem (see [idem.StartPurger]). It
+// applies the defaults and checks every field once, here: an invalid
+// field gives an [idem.FieldError] that names it, as does a nil db or
+// handler, and a connection that is in a transaction is refused with
+// [idem.ErrConnInTransaction]; no relay runs then. The relay keeps a copy
+// of config; changing config afterwards changes nothing.
 //
 // db is usually a *pgxpool.Pool. A relay given a *pgx.Conn or a
 // *pgxpool.Conn runs its statements on that connection one at a time, each
 // a transaction of its own, and must be the connection's only user while
-// it runs: Run refuses a connection that is in a transaction, with
-// [idem.ErrConnInTransaction]. If the connection breaks, the relay cannot
+// it runs. A connection in a transaction is refused. If the connection breaks, the relay cannot
 // replace it, and logs the failure at every poll until it stops. Any other
 // TxBeginner must be safe for concurrent use: the relay begins
 // transactions on it from several goroutines.
@@ -124,14 +130,59 @@ type Relay struct {
 // When db is a *pgxpool.Pool, or [Config.ListenConnConfig] is set, the
 // relay also opens one connection of its own while it runs, outside any
 // pool (so a pool's hooks, such as AfterConnect, do not run on it), to
-// listen for [Notify]; it closes it when Run returns. Otherwise the relay
+// listen for [Notify]; it closes it when it stops. Otherwise the relay
 // only polls.
-func NewRelay(db idem.TxBeginner, handler Handler, config *Config) (*Relay, error) {
+//
+// Database errors do not stop a relay: it logs them and tries again at
+// the next poll. When it stops, the handlers in flight see their context
+// end. It waits for them and records their outcomes: deliveries that
+// succeeded are marked delivered, and the others are released at once for
+// another relay, without counting the interrupted attempt. A relay that
+// stops without recording (a crash, a lost connection) leaves its
+// messages leased; other relays deliver them once the lease runs out.
+//
+// While it runs, the relay also purges delivered messages and, with an
+// [idem.Observer], counts its backlog, once a minute each, in a goroutine
+// of their own, so that neither delays delivery.
+func StartRelay(ctx context.Context, db idem.TxBeginner, handler Handler, config *Config) (*Relay, error) {
+	r, err := newRelay(db, handler, config)
+	if err != nil {
+		return nil, err
+	}
+	if err := r.checkIdle(); err != nil {
+		return nil, err
+	}
+	ctx, r.cancel = context.WithCancel(ctx)
+	r.done = make(chan struct{})
+	go func() {
+		defer close(r.done)
+		_ = r.run(ctx) // it is not running yet, and db was idle
+	}()
+	return r, nil
+}
+
+// Stop stops the relay and waits for it: for its handlers in flight and
+// for their outcomes to be recorded (see [StartRelay]).
+func (r *Relay) Stop() {
+	r.cancel()
+	<-r.done
+}
+
+// checkIdle refuses a connection that is in a transaction.
+func (r *Relay) checkIdle() error {
+	if err := dberr.CheckIdle(r.db, "a relay runs statements of its own on it: pass the pool, or a connection that is idle and the relay's alone"); err != nil {
+		return fmt.Errorf("outbox: relay: %w", err)
+	}
+	return nil
+}
+
+// newRelay is a relay checked and configured, not started.
+func newRelay(db idem.TxBeginner, handler Handler, config *Config) (*Relay, error) {
 	if db == nil {
-		return nil, fmt.Errorf("outbox: NewRelay: db must not be nil: %w", idem.ErrInvalidOption)
+		return nil, &idem.FieldError{Package: "outbox", Field: "StartRelay", Problem: "db must not be nil"}
 	}
 	if handler == nil {
-		return nil, fmt.Errorf("outbox: NewRelay: handler must not be nil: %w", idem.ErrInvalidOption)
+		return nil, &idem.FieldError{Package: "outbox", Field: "StartRelay", Problem: "handler must not be nil"}
 	}
 	c, err := config.withDefaults()
 	if err != nil {
@@ -165,30 +216,17 @@ func NewRelay(db idem.TxBeginner, handler Handler, config *Config) (*Relay, erro
 	return r, nil
 }
 
-// Run delivers messages until ctx ends, then returns nil. Database errors
-// do not stop it: it logs them and tries again at the next poll. A
-// connection that is in a transaction (see [NewRelay]) is refused at once.
-//
-// When ctx ends, the handlers in flight see their context end too. Run
-// waits for them and records their outcomes before it returns: deliveries
-// that succeeded are marked delivered, and the others are released at once
-// for another relay, without counting the interrupted attempt. A relay
-// that stops without recording (a crash, a lost connection) leaves its
-// messages leased; other relays deliver them once the lease runs out.
-//
-// While it runs, the relay also purges delivered messages and, with an
-// [idem.Observer], counts its backlog, once a minute each, in a goroutine
-// of their own, so that neither delays delivery.
-//
-// A relay runs once at a time: Run returns an error while another call on
-// the same relay is running. It may be run again after it returned.
-func (r *Relay) Run(ctx context.Context) error {
+// run delivers messages until ctx ends, then returns nil, once its
+// handlers in flight have ended and their outcomes are recorded. A relay
+// runs once at a time: run returns an error while another call on the
+// same relay is running. It may be run again after it returned.
+func (r *Relay) run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return errors.New("outbox: the relay is already running")
 	}
 	defer r.running.Store(false)
-	if err := dberr.CheckIdle(r.db, "a relay runs statements of its own on it: pass the pool, or a connection that is idle and the relay's alone"); err != nil {
-		return fmt.Errorf("outbox: relay: %w", err)
+	if err := r.checkIdle(); err != nil {
+		return err
 	}
 
 	hearing := &hearing{relay: r}

@@ -101,7 +101,7 @@ const (
 // and wraps [idem.ErrInvalidOption].
 func NewWebhookHandler(cfg WebhookConfig) (Handler, error) {
 	invalid := func(field, format string, args ...any) error {
-		return fmt.Errorf("outbox: WebhookConfig.%s: %s: %w", field, fmt.Sprintf(format, args...), idem.ErrInvalidOption)
+		return &idem.FieldError{Package: "outbox", Field: "WebhookConfig." + field, Problem: fmt.Sprintf(format, args...)}
 	}
 	var static *endpoint
 	switch {

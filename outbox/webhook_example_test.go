@@ -73,19 +73,13 @@ func ExampleNewWebhookHandler() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	relay, err := outbox.NewRelay(pool, deliver, &outbox.Config{Destinations: []string{destination}})
+	relay, err := outbox.StartRelay(ctx, pool, deliver, &outbox.Config{Destinations: []string{destination}})
 	if err != nil {
 		log.Fatal(err)
 	}
-	relayCtx, stopRelay := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- relay.Run(relayCtx) }()
 
 	fmt.Println("the endpoint applied:", <-received)
-	stopRelay() // a service's relay runs on
-	if err := <-done; err != nil {
-		fmt.Println(err)
-	}
+	relay.Stop() // a service's relay runs until it stops
 	// Output:
 	// the endpoint applied: order.shipped, id true
 }

@@ -38,7 +38,7 @@ func TestInspectFlowAndFlowEnd(t *testing.T) {
 	defer pool.Close()
 	scope := testdb.Name("flow-ops")
 	// A flow whose call failed: in progress, its lease given up.
-	flow := idem.NewFlow(testdb.Name("ops"), func(s *idem.Steps, _ struct{}) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("ops"), func(s *idem.Steps, _ struct{}) (string, error) {
 		return idem.Call(s, "charge", func(context.Context, string) (string, error) {
 			return "", errors.New("provider timeout")
 		})
@@ -52,6 +52,12 @@ func TestInspectFlowAndFlowEnd(t *testing.T) {
 		!strings.Contains(out, providerKey(t, ctx, pool, scope, "k")) || !strings.Contains(out, "input") ||
 		strings.Contains(out, "{}") {
 		t.Fatalf("inspect -flow: exit %d\n%s", code, out)
+	}
+	// Without -flow, inspect says that the key has a flow rather than no
+	// record.
+	if code, out := runCommand(t, url, "inspect", scope, "k"); code != exitOK || !strings.Contains(out, "but a flow") ||
+		!strings.Contains(out, "inspect -flow") {
+		t.Fatalf("inspect of a key with a flow: exit %d\n%s", code, out)
 	}
 	if code, out := runCommand(t, url, "inspect", "-flow", "-show-response", scope, "k"); code != exitOK || !strings.Contains(out, "{}") {
 		t.Fatalf("inspect -flow -show-response: exit %d\n%s", code, out)

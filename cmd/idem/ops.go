@@ -324,11 +324,21 @@ running too.`)
 		running = fmt.Sprintf("yes%s, %d duplicate(s) waiting", since(r.RunningSince, ", its transaction began %s ago"), r.Waiting)
 	}
 	if !r.Found {
+		// A flow keeps no record of Run's kind: say that it is there.
+		f, err := idem.InspectFlow(ctx, pool, scope, key)
+		if err != nil {
+			return fmt.Errorf("inspect: %w", err)
+		}
+		if f.Found {
+			fmt.Fprintf(stdout, "scope %q, key %q: no record, but a flow (%s, %s): idem inspect -flow %s %s shows it\n",
+				scope, key, f.Name, f.State, scope, key)
+			return nil
+		}
 		if r.Running {
 			fmt.Fprintf(stdout, "scope %q, key %q: no record yet; %s: %s\n", scope, key, runningLabel, running)
 			return nil
 		}
-		return fmt.Errorf("no record for scope %q, key %q, and no advisory lock with its id: no operation running on it", scope, key)
+		return fmt.Errorf("no record or flow for scope %q, key %q, and no advisory lock with its id: no operation running on it", scope, key)
 	}
 	state := r.State
 	if r.Expired {

@@ -74,21 +74,21 @@ func run(ctx context.Context, cfg config, api, receiver net.Listener) error {
 		receiver.Close()
 		return err
 	}
-	relay, err := newWebhookRelay(pool, cfg.WebhookURL, cfg.Relay)
+	relay, err := startWebhookRelay(ctx, pool, cfg.WebhookURL, cfg.Relay)
 	if err != nil {
 		api.Close()
 		receiver.Close()
 		return err
 	}
-	// The first of them to fail stops the others.
+	defer relay.Stop() // before the pool closes
+	// The first of them to fail stops the other.
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup
-	errs := make([]error, 3)
+	errs := make([]error, 2)
 	for i, part := range []func() error{
 		func() error { return serve(ctx, api, newAPI(pool)) },
 		func() error { return serve(ctx, receiver, newReceiver(pool)) },
-		func() error { return relay.Run(ctx) },
 	} {
 		wg.Go(func() {
 			if errs[i] = part(); errs[i] != nil {

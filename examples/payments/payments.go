@@ -109,7 +109,7 @@ func merchantOf(r *http.Request) (string, error) {
 // newAPI returns the service's HTTP API: POST /payments, exactly once per
 // Idempotency-Key, which it requires.
 func newAPI(pool *pgxpool.Pool) http.Handler {
-	once := idemhttp.New(pool, idemhttp.Config{Scope: merchantOf, Required: true})
+	once := idemhttp.MustNew(pool, idemhttp.Config{Scope: merchantOf, Required: true})
 	mux := http.NewServeMux()
 	mux.Handle("POST /payments", once(http.HandlerFunc(createPayment)))
 	return mux

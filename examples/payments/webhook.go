@@ -19,10 +19,10 @@ import (
 	"github.com/pgidem/idem/outbox"
 )
 
-// newWebhookRelay returns the relay that posts each payment's webhook to
+// startWebhookRelay starts the relay that posts each payment's webhook to
 // url, with the message's idempotency key in the Idempotency-Key header:
 // at least once, and the receiver recognises the repeats.
-func newWebhookRelay(pool *pgxpool.Pool, url string, cfg outbox.Config) (*outbox.Relay, error) {
+func startWebhookRelay(ctx context.Context, pool *pgxpool.Pool, url string, cfg outbox.Config) (*outbox.Relay, error) {
 	client := &http.Client{Timeout: 10 * time.Second}
 	deliver := func(ctx context.Context, msg outbox.Message) error {
 		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(msg.Payload))
@@ -48,7 +48,7 @@ func newWebhookRelay(pool *pgxpool.Pool, url string, cfg outbox.Config) (*outbox
 		}
 	}
 	cfg.Destinations = []string{webhookDestination}
-	return outbox.NewRelay(pool, deliver, &cfg)
+	return outbox.StartRelay(ctx, pool, deliver, &cfg)
 }
 
 // receiverScope is the scope of the receiver's records: the sender's

@@ -38,7 +38,7 @@ func connectConfig() idemhttp.Config {
 		},
 		Fingerprint: idemgrpc.ConnectFingerprint,
 		Store: func(status int) bool {
-			return idemhttp.StoreFinal(status) && status != http.StatusUnauthorized && status != 499
+			return idemhttp.StoreDefinite(status) && status != http.StatusUnauthorized && status != 499
 		},
 		ReplayHeaders: []string{"X-Payment-Id", "Trailer-X-Served"},
 	}
@@ -81,7 +81,7 @@ func serveConnect(t *testing.T, pool *pgxpool.Pool, cfg idemhttp.Config, p *conn
 	t.Helper()
 	mux := http.NewServeMux()
 	mux.Handle(testpb.PaymentsPay, connect.NewUnaryHandler(testpb.PaymentsPay, p.pay))
-	srv := httptest.NewUnstartedServer(idemhttp.New(pool, cfg)(mux))
+	srv := httptest.NewUnstartedServer(idemhttp.MustNew(pool, cfg)(mux))
 	srv.Config.Protocols = new(http.Protocols)
 	srv.Config.Protocols.SetHTTP1(true)
 	srv.Config.Protocols.SetUnencryptedHTTP2(true)

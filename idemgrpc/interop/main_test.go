@@ -3,7 +3,6 @@ package interop_test
 import (
 	"context"
 	"crypto/rand"
-	"errors"
 	"net"
 	"os"
 	"sync"
@@ -13,27 +12,26 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/metadata"
 
 	"github.com/pgidem/idem/idemgrpc"
+	"github.com/pgidem/idem/idemgrpc/internal/grpctest"
 	"github.com/pgidem/idem/idemgrpc/internal/testpb"
 	"github.com/pgidem/idem/idemtest"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 func TestMain(m *testing.M) { os.Exit(idemtest.Main(m)) }
 
-// tenantKey names the caller in the tests, in gRPC metadata and as an HTTP
-// header: it stands in for authentication.
-const tenantKey = "x-tenant"
+// Shared helpers, under the names this package's tests use. tenantKey
+// names the caller in gRPC metadata and as an HTTP header.
+const tenantKey = grpctest.TenantMetadata
 
-func tenantScope(ctx context.Context) (string, error) {
-	md, _ := metadata.FromIncomingContext(ctx)
-	if tenant := md.Get(tenantKey); len(tenant) == 1 && tenant[0] != "" {
-		return tenant[0], nil
-	}
-	return "", errors.New("no tenant")
-}
+var (
+	tenantScope = grpctest.TenantScope
+	dial        = grpctest.Dial
+	loseFirst   = grpctest.LoseFirst
+	count       = testdb.Count
+)
 
 // setup marks the test parallel and returns a context, a pool on a
 // database of the test's own with the payment table, and a tenant.
@@ -91,25 +89,4 @@ func serveGRPC(t *testing.T, pool *pgxpool.Pool, p *payments, before ...grpc.Una
 	go func() { _ = s.Serve(lis) }()
 	t.Cleanup(s.Stop)
 	return lis.Addr().String()
-}
-
-// dial returns a client connection to addr, closed when the test ends.
-func dial(t *testing.T, addr string, opts ...grpc.DialOption) *grpc.ClientConn {
-	t.Helper()
-	conn, err := grpc.NewClient(addr, append(opts, grpc.WithTransportCredentials(insecure.NewCredentials()))...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	return conn
-}
-
-// count returns the number that sql counts.
-func count(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n
 }

@@ -28,7 +28,7 @@ import (
 func documentedClient(perAttempt time.Duration, waitForReady bool) []grpc.DialOption {
 	opts := []grpc.DialOption{
 		grpc.WithChainUnaryInterceptor(
-			idemgrpc.NewClientInterceptor(idemgrpc.WithProviderKey()), // first: one key per logical call
+			idemgrpc.MustNewClientInterceptor(idemgrpc.WithProviderKey()), // first: one key per logical call
 			retry.UnaryClientInterceptor(
 				retry.WithCodes(codes.Unavailable, codes.Aborted),
 				retry.WithMax(10),

@@ -5,7 +5,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,20 +17,6 @@ import (
 	"github.com/pgidem/idem/idemgrpc"
 	"github.com/pgidem/idem/idemgrpc/internal/testpb"
 )
-
-// loseFirst returns a server interceptor that lets the first n calls
-// complete, committed, and then answers them UNAVAILABLE, as if the answer
-// had been lost on its way.
-func loseFirst(n int64) grpc.UnaryServerInterceptor {
-	var calls atomic.Int64
-	return func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-		resp, err := handler(ctx, req)
-		if calls.Add(1) <= n {
-			return nil, status.Error(codes.Unavailable, "the answer was lost")
-		}
-		return resp, err
-	}
-}
 
 // attempts is a client interceptor, chained last, that records the key of
 // every attempt that goes to the wire.
@@ -66,7 +51,7 @@ func TestGoGRPCMiddlewareRetryKeepsOneKey(t *testing.T) {
 	var p payments
 	addr := serveGRPC(t, pool, &p, loseFirst(2))
 	var a attempts
-	conn := dial(t, addr, grpc.WithChainUnaryInterceptor(idemgrpc.NewClientInterceptor(), retrying(), a.intercept))
+	conn := dial(t, addr, grpc.WithChainUnaryInterceptor(idemgrpc.MustNewClientInterceptor(), retrying(), a.intercept))
 	var header metadata.MD
 	res, err := testpb.NewPaymentsClient(conn).Pay(metadata.AppendToOutgoingContext(ctx, tenantKey, tenant),
 		&testpb.PayRequest{AmountCents: 100}, grpc.Header(&header))
@@ -87,9 +72,9 @@ func TestBeneathGoGRPCMiddlewareRetryFailsRatherThanRunTwice(t *testing.T) {
 	var p payments
 	addr := serveGRPC(t, pool, &p, loseFirst(1))
 	// The wrong order: the retry interceptor first.
-	conn := dial(t, addr, grpc.WithChainUnaryInterceptor(retrying(), idemgrpc.NewClientInterceptor()))
+	conn := dial(t, addr, grpc.WithChainUnaryInterceptor(retrying(), idemgrpc.MustNewClientInterceptor()))
 	_, err := testpb.NewPaymentsClient(conn).Pay(metadata.AppendToOutgoingContext(ctx, tenantKey, tenant), &testpb.PayRequest{AmountCents: 100})
-	if st := status.Convert(err); st.Code() != codes.Internal || !strings.Contains(st.Message(), "chain idemgrpc.NewClientInterceptor() before the retry interceptor") {
+	if st := status.Convert(err); st.Code() != codes.Internal || !strings.Contains(st.Message(), "chain idemgrpc.MustNewClientInterceptor() before the retry interceptor") {
 		t.Fatalf("the retry beneath the wrong chain: %v; want INTERNAL that says how to chain", err)
 	}
 	if p.runs.Load() != 1 || count(t, pool, `SELECT count(*) FROM payment WHERE scope = $1`, tenant) != 1 {

@@ -40,7 +40,7 @@ func TestRetryStormThroughAConnectionCutter(t *testing.T) {
 	var wg sync.WaitGroup
 	for c := range clients {
 		conn := dial(t, cut.addr(),
-			grpc.WithChainUnaryInterceptor(idemgrpc.NewClientInterceptor(),
+			grpc.WithChainUnaryInterceptor(idemgrpc.MustNewClientInterceptor(),
 				retry.UnaryClientInterceptor(retry.WithMax(50), retry.WithCodes(codes.Unavailable, codes.Aborted),
 					retry.WithBackoff(retry.BackoffLinear(5*time.Millisecond))),
 				countAttempt),

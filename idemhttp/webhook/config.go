@@ -2,16 +2,15 @@ package webhook
 
 import (
 	"cmp"
-	"fmt"
 	"log/slog"
 	"math"
 	"net/http"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
+	"github.com/pgidem/idem/internal/adapter"
 	"github.com/pgidem/idem/internal/httpedge"
 )
 
@@ -126,25 +125,10 @@ type settings struct {
 	retryAfter string
 }
 
-// fieldError is a Config field, or an argument of NewReceiver, that cannot
-// work. It wraps idem.ErrInvalidOption, and the error of idem's that
-// refused the value, if any.
-type fieldError struct {
-	field, problem string
-	cause          error
-}
-
-func (e *fieldError) Error() string { return "webhook: " + e.field + ": " + e.problem }
-
-func (e *fieldError) Unwrap() []error {
-	if e.cause == nil {
-		return []error{idem.ErrInvalidOption}
-	}
-	return []error{idem.ErrInvalidOption, e.cause}
-}
-
+// invalidField is a field of Config, or an argument of NewReceiver, that
+// cannot work.
 func invalidField(field, format string, args ...any) error {
-	return &fieldError{field: field, problem: fmt.Sprintf(format, args...)}
+	return adapter.Invalid("webhook", field, format, args...)
 }
 
 // newSettings checks every field of cfg and applies the defaults.
@@ -167,10 +151,9 @@ func newSettings(cfg Config) (settings, error) {
 	}
 
 	s.tolerance = cmp.Or(cfg.Tolerance, DefaultTolerance)
-	retention := cmp.Or(cfg.Retention, DefaultRetention)
-	if err := idem.CheckOptions(idem.WithRetention(retention)); err != nil {
-		return settings{}, &fieldError{field: "Config.Retention",
-			problem: strings.TrimPrefix(err.Error(), idem.ErrInvalidOption.Error()+": "), cause: err}
+	retention, err := adapter.Retention("webhook", "Config.Retention", cfg.Retention, DefaultRetention)
+	if err != nil {
+		return settings{}, err
 	}
 	if s.tolerance > 0 && retention < s.tolerance {
 		// A delivery captured on the way could be sent again, and be
@@ -179,12 +162,11 @@ func newSettings(cfg Config) (settings, error) {
 			"must be at least Config.Tolerance (%s), or a delivery sent again within the tolerance would be applied again; got %s", s.tolerance, retention)
 	}
 
-	wait := max(cmp.Or(cfg.Wait, idem.DefaultWait), 0)
-	if err := idem.CheckOptions(idem.WithWait(wait)); err != nil {
-		return settings{}, &fieldError{field: "Config.Wait",
-			problem: fmt.Sprintf("must not exceed math.MaxInt32 milliseconds, the longest lock_timeout, got %s", cfg.Wait), cause: err}
+	wait, err := adapter.Wait("webhook", "Config.Wait", cfg.Wait)
+	if err != nil {
+		return settings{}, err
 	}
-	s.retryAfter = strconv.FormatInt(max(int64((wait+time.Second-1)/time.Second), 1), 10)
+	s.retryAfter = strconv.FormatInt(int64(adapter.RetryAfter(wait)/time.Second), 10)
 
 	s.maxBodyBytes = cmp.Or(cfg.MaxBodyBytes, DefaultMaxBodyBytes)
 	if s.maxBodyBytes < 0 {
@@ -201,7 +183,7 @@ func newSettings(cfg Config) (settings, error) {
 		s.runOptions = append(s.runOptions, idem.WithObserver(cfg.Observer))
 		var err error
 		if s.metrics, err = newMetrics(cfg.Observer); err != nil {
-			return settings{}, &fieldError{field: "Config.Observer", problem: err.Error(), cause: err}
+			return settings{}, &idem.FieldError{Package: "webhook", Field: "Config.Observer", Problem: err.Error(), Err: err}
 		}
 	}
 	return s, nil

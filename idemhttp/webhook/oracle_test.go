@@ -330,14 +330,11 @@ func TestOracleVerifiesTheOutboxSender(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	relay, err := outbox.NewRelay(pool, deliver, &outbox.Config{Destinations: []string{dest}, Logger: quiet})
+	relay, err := outbox.StartRelay(ctx, pool, deliver, &outbox.Config{Destinations: []string{dest}, Logger: quiet})
 	if err != nil {
 		t.Fatal(err)
 	}
-	relayCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- relay.Run(relayCtx) }()
-	defer func() { stop(); <-done }()
+	defer relay.Stop()
 	seen := map[string]bool{}
 	for len(seen) < messages {
 		select {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
+	"github.com/pgidem/idem/internal/adapter"
 	"github.com/pgidem/idem/internal/httpedge"
 	"github.com/pgidem/idem/internal/ident"
 )
@@ -276,7 +277,7 @@ func (rc *Receiver) fail(w http.ResponseWriter, r *http.Request, ev Event, err e
 			append(attrs, slog.Any("panic", handler.panic), slog.String("stack", string(handler.stack)))...)
 		rc.writeProblem(w, http.StatusInternalServerError, idemhttp.ProblemRequestFailed,
 			"The event could not be applied. Nothing of it was kept: delivering it again is safe.")
-	case httpedge.DatabaseUnavailable(err):
+	case adapter.DatabaseUnavailable(err):
 		rc.metrics.delivery(ctx, outcomeFailed, reasonDatabaseUnavailable, true)
 		if ctx.Err() == nil {
 			rc.logger.LogAttrs(ctx, slog.LevelError, "webhook: database unavailable; the sender is asked to deliver again", append(attrs, slog.Any("error", err))...)

@@ -114,7 +114,7 @@ type StandardWebhooks struct{ keys webhooksig.Keys }
 func NewStandardWebhooks(secrets ...string) (*StandardWebhooks, error) {
 	keys, err := webhooksig.ParseKeys(secrets)
 	if err != nil {
-		return nil, fmt.Errorf("webhook: NewStandardWebhooks: %w: %w", err, idem.ErrInvalidOption)
+		return nil, &idem.FieldError{Package: "webhook", Field: "NewStandardWebhooks", Problem: err.Error(), Err: err}
 	}
 	return &StandardWebhooks{keys: keys}, nil
 }
@@ -334,12 +334,12 @@ func (g *GitHub) Sign(h http.Header, id string, body []byte) {
 // empty ones.
 func rawSecrets(fn string, secrets []string) ([][]byte, error) {
 	if len(secrets) == 0 {
-		return nil, fmt.Errorf("webhook: %s: no secrets: %w", fn, idem.ErrInvalidOption)
+		return nil, &idem.FieldError{Package: "webhook", Field: fn, Problem: "no secrets"}
 	}
 	raw := make([][]byte, len(secrets))
 	for i, s := range secrets {
 		if s == "" {
-			return nil, fmt.Errorf("webhook: %s: secret %d is empty: %w", fn, i, idem.ErrInvalidOption)
+			return nil, &idem.FieldError{Package: "webhook", Field: fn, Problem: fmt.Sprintf("secret %d is empty", i)}
 		}
 		raw[i] = []byte(s)
 	}

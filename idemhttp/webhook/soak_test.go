@@ -187,7 +187,7 @@ func TestWebhookSoak(t *testing.T) {
 	relayCtx, stopRelays := context.WithCancel(ctx)
 	var relays sync.WaitGroup
 	for range 2 {
-		relay, err := outbox.NewRelay(pool, func(ctx context.Context, msg outbox.Message) error {
+		relay, err := outbox.StartRelay(relayCtx, pool, func(ctx context.Context, msg outbox.Message) error {
 			tally.deliveries.Add(1)
 			err := deliver(ctx, msg)
 			tally.count(err)
@@ -197,7 +197,7 @@ func TestWebhookSoak(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		relays.Go(func() { _ = relay.Run(relayCtx) })
+		relays.Go(func() { <-relayCtx.Done(); relay.Stop() })
 	}
 
 	// The provider-like sender: twins, shuffled order, and later

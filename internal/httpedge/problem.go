@@ -1,24 +1,15 @@
 // Package httpedge is what idemhttp and idemhttp/webhook share at the HTTP
 // edge: the RFC 9457 problems they answer themselves, written the same way
-// with the same headers and titles; the test that tells a database that is
-// unavailable (503, retry later) from a statement that failed; and the
-// bounded read of a request's body.
+// with the same headers and titles, and the bounded read of a request's body.
 package httpedge
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
-	"net"
 	"net/http"
 	"net/url"
 	"strconv"
 	"strings"
-
-	"github.com/jackc/pgx/v5/pgconn"
-
-	"github.com/pgidem/idem"
 )
 
 // Details is an RFC 9457 problem details object with a code member.
@@ -98,37 +89,8 @@ func CheckTypeBase(base string) string {
 	return ""
 }
 
-// SQLSTATE codes with which PostgreSQL ends a session it will not serve.
-const (
-	sqlstateAdminShutdown    = "57P01"
-	sqlstateCrashShutdown    = "57P02"
-	sqlstateCannotConnectNow = "57P03"
-)
-
 // UnavailableRetryAfter is the Retry-After of a 503, in seconds: when the
 // database will be back is unknown (a restart takes seconds, a failover
 // seconds to a minute), so it is the least wait, from which clients back
 // off.
 const UnavailableRetryAfter = "1"
-
-// DatabaseUnavailable reports whether err says that the database could not
-// be reached, that the connection to it broke, or that it reached a
-// standby (idem.ErrReadOnly: idemhttp never asks for a read-only
-// transaction), rather than that a statement failed.
-func DatabaseUnavailable(err error) bool {
-	var connectErr *pgconn.ConnectError
-	var opErr *net.OpError
-	var pgErr *pgconn.PgError
-	switch {
-	case errors.As(err, &connectErr), errors.Is(err, pgconn.ErrConnClosed),
-		errors.As(err, &opErr), errors.Is(err, io.ErrUnexpectedEOF),
-		errors.Is(err, idem.ErrReadOnly):
-		return true
-	case errors.As(err, &pgErr):
-		switch pgErr.Code {
-		case sqlstateAdminShutdown, sqlstateCrashShutdown, sqlstateCannotConnectNow:
-			return true
-		}
-	}
-	return false
-}

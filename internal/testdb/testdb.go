@@ -27,6 +27,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -232,22 +233,57 @@ func Name(prefix string) string { return prefix + "-" + testserver.RandomHex(8) 
 // CountPayments counts the rows of the tests' payment table in scope.
 func CountPayments(t testing.TB, pool *pgxpool.Pool, scope string) int {
 	t.Helper()
-	return count(t, pool, `SELECT count(*) FROM payment WHERE scope = $1`, scope)
+	return Count(t, pool, `SELECT count(*) FROM payment WHERE scope = $1`, scope)
 }
 
 // CountRecords counts idem's records in scope.
 func CountRecords(t testing.TB, pool *pgxpool.Pool, scope string) int {
 	t.Helper()
-	return count(t, pool, `SELECT count(*) FROM idempotency_key WHERE scope = $1`, scope)
+	return Count(t, pool, `SELECT count(*) FROM idempotency_key WHERE scope = $1`, scope)
 }
 
-func count(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) int {
+// Count returns the number that sql, given args, counts.
+func Count(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) int {
 	t.Helper()
 	var n int
 	if err := pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
 		t.Fatalf("%s: %v", sql, err)
 	}
 	return n
+}
+
+// WaitForBlocked returns once some session waits for a lock that the
+// session pid holds: a duplicate request or call is waiting on the claim.
+func WaitForBlocked(ctx context.Context, t testing.TB, pool *pgxpool.Pool, pid int32) {
+	t.Helper()
+	for {
+		var waiting bool
+		err := pool.QueryRow(ctx,
+			`SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid)))`, pid).Scan(&waiting)
+		if err != nil {
+			t.Fatalf("look for a waiting duplicate: %v", err)
+		}
+		if waiting {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatal("no duplicate waited for the first")
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// Setup marks the test parallel and returns a context that ends with it
+// (within two minutes), the pool of a database of the test's own, and a
+// name no other test uses, for a scope or tenant.
+func (e *Env) Setup(t *testing.T, prefix string) (context.Context, *pgxpool.Pool, string) {
+	t.Helper()
+	t.Parallel()
+	pool := e.Pool(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return ctx, pool, Name(prefix)
 }
 
 // Expire moves a record's expiry into the past, as time would.

@@ -44,7 +44,7 @@ func setup(t *testing.T) *service {
 	t.Helper()
 	t.Parallel()
 	s := &service{pool: env.Pool(t), tenant: testdb.Name("tenant"), keys: make(map[string][]string)}
-	mw := idemhttp.New(s.pool, idemhttp.Config{
+	mw := idemhttp.MustNew(s.pool, idemhttp.Config{
 		Scope:    func(r *http.Request) (string, error) { return r.Header.Get(tenantHeader), nil },
 		Required: true,
 	})

@@ -1,0 +1,56 @@
+// Package grpctest is what idemgrpc's tests and its interop tests share:
+// the tenant that stands in for authentication, a client connection that
+// ends with the test, and a server interceptor that loses answers.
+package grpctest
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+)
+
+// TenantMetadata stands in for authentication in the tests: it names the
+// caller, and TenantScope turns it into the scope.
+const TenantMetadata = "x-tenant"
+
+// TenantScope is the tests' Config.Scope: the caller that TenantMetadata
+// names.
+func TenantScope(ctx context.Context) (string, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	if tenant := md.Get(TenantMetadata); len(tenant) == 1 && tenant[0] != "" {
+		return tenant[0], nil
+	}
+	return "", errors.New("no tenant")
+}
+
+// Dial returns a client connection to target, closed when the test ends.
+func Dial(t testing.TB, target string, opts ...grpc.DialOption) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient(target, append(opts, grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// LoseFirst returns a server interceptor that lets the first n calls
+// complete, committed, and then answers them UNAVAILABLE, as if the answer
+// was lost on its way.
+func LoseFirst(n int64) grpc.UnaryServerInterceptor {
+	var calls atomic.Int64
+	return func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		resp, err := handler(ctx, req)
+		if calls.Add(1) <= n {
+			return nil, status.Error(codes.Unavailable, "the answer was lost")
+		}
+		return resp, err
+	}
+}
