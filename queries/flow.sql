@@ -216,7 +216,7 @@ SELECT EXISTS (SELECT FROM leased)::bool AS leased,
 -- there after all fails it with a unique violation, and nothing is called.
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = clock_timestamp() + @lease::interval,
+    SET leased_until = statement_timestamp() + @lease::interval,
         step = @step::text
     WHERE scope = @scope::text
       AND key = @key::text

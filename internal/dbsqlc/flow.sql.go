@@ -340,7 +340,7 @@ func (q *Queries) FlowCallStart(ctx context.Context, arg FlowCallStartParams) (F
 const flowCallStartNew = `-- name: FlowCallStartNew :one
 WITH leased AS (
     UPDATE idem_flow
-    SET leased_until = clock_timestamp() + $1::interval,
+    SET leased_until = statement_timestamp() + $1::interval,
         step = $2::text
     WHERE scope = $3::text
       AND key = $4::text
