@@ -86,11 +86,9 @@ func (h *held) of(tx pgx.Tx, conn *pgx.Conn) bool {
 	if conn == nil {
 		return true
 	}
-	if h.tx == nil || tx == nil {
-		return false
-	}
-	t := reflect.TypeOf(tx)
-	return t == reflect.TypeOf(h.tx) && t.Comparable() && h.tx == tx
+	// Interfaces compare their dynamic types first; == panics only on
+	// two values of one type that is not comparable.
+	return h.tx != nil && tx != nil && reflect.TypeOf(tx).Comparable() && h.tx == tx
 }
 
 // count adds what KeyLock did to the count of tx, its transaction. A lock

@@ -105,7 +105,11 @@ func ReadStats(ctx context.Context, db TxBeginner) (Stats, error) {
 	var s Stats
 	err := WithTx(ctx, db, readOnly, func(ctx context.Context, tx pgx.Tx) error {
 		q := dbsqlc.New(tx)
-		f, err := keyInFlight(ctx, tx, 0)
+		citus, err := q.CitusInstalled(ctx)
+		if err != nil {
+			return fmt.Errorf("idem: stats: %w", err)
+		}
+		f, err := keyInFlight(ctx, tx, 0, citus)
 		if err != nil {
 			return fmt.Errorf("idem: stats: operations running: %w", err)
 		}
@@ -113,8 +117,10 @@ func ReadStats(ctx context.Context, db TxBeginner) (Stats, error) {
 		if err != nil {
 			return fmt.Errorf("idem: stats: records: %w", err)
 		}
-		if k.TableBytes, k.IndexBytes, err = citusSizes(ctx, tx, k.TableBytes, k.IndexBytes); err != nil {
-			return fmt.Errorf("idem: stats: records' size: %w", err)
+		if citus {
+			if k.TableBytes, k.IndexBytes, err = citusSizes(ctx, tx, k.TableBytes, k.IndexBytes); err != nil {
+				return fmt.Errorf("idem: stats: records' size: %w", err)
+			}
 		}
 		o, err := q.OutboxStats(ctx)
 		if err != nil {
@@ -138,16 +144,11 @@ func ReadStats(ctx context.Context, db TxBeginner) (Stats, error) {
 	return s, err
 }
 
-// citusSizes returns the size of the records' shards on a Citus
-// coordinator whose idempotency_key is distributed (see docs/citus.sql),
-// where the table's own size is that of an empty shell; elsewhere, table
-// and index, as they are.
+// citusSizes returns, on a Citus coordinator, the size of the records'
+// shards when idempotency_key is distributed (see docs/citus.sql), where
+// the table's own size is that of an empty shell; otherwise table and
+// index, as they are.
 func citusSizes(ctx context.Context, tx pgx.Tx, table, index int64) (int64, int64, error) {
-	q := dbsqlc.New(tx)
-	citus, err := q.CitusInstalled(ctx)
-	if err != nil || !citus {
-		return table, index, err
-	}
 	// Citus refuses the size of a table it does not distribute: the
 	// savepoint keeps the transaction usable then.
 	sp, err := tx.Begin(ctx)
@@ -163,16 +164,12 @@ func citusSizes(ctx context.Context, tx pgx.Tx, table, index int64) (int64, int6
 
 // keyInFlight counts the key locks held and waited for (KeyInFlight), for
 // every key, or with lockID not zero, for that key's. On a Citus
-// coordinator it adds the workers' (KeyInFlightCitus): there a call takes
-// its key's lock on the node of its scope's shard, never on the
+// coordinator (citus) it adds the workers' (KeyInFlightCitus): there a
+// call takes its key's lock on the node of its scope's shard, never on the
 // coordinator, whose own count is then zero.
-func keyInFlight(ctx context.Context, tx pgx.Tx, lockID int64) (dbsqlc.KeyInFlightRow, error) {
+func keyInFlight(ctx context.Context, tx pgx.Tx, lockID int64, citus bool) (dbsqlc.KeyInFlightRow, error) {
 	q := dbsqlc.New(tx)
 	f, err := q.KeyInFlight(ctx, dbsqlc.KeyInFlightParams{LockTag: keylock.Tag, LockID: lockID})
-	if err != nil {
-		return f, err
-	}
-	citus, err := q.CitusInstalled(ctx)
 	if err != nil || !citus {
 		return f, err
 	}
@@ -238,7 +235,11 @@ func Inspect(ctx context.Context, db TxBeginner, scope, key string) (KeyInfo, er
 	var info KeyInfo
 	err = WithTx(ctx, db, readOnly, func(ctx context.Context, tx pgx.Tx) error {
 		q := dbsqlc.New(tx)
-		f, err := keyInFlight(ctx, tx, k.lockID)
+		citus, err := q.CitusInstalled(ctx)
+		if err != nil {
+			return fmt.Errorf("idem: inspect: %w", err)
+		}
+		f, err := keyInFlight(ctx, tx, k.lockID, citus)
 		if err != nil {
 			return fmt.Errorf("idem: inspect: lock: %w", err)
 		}
