@@ -18,6 +18,7 @@ import (
 	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/ident"
+	"github.com/pgidem/idem/internal/keylock"
 	"github.com/pgidem/idem/internal/pgtime"
 )
 
@@ -183,9 +184,12 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 	// An executor that finds it no longer holds the flow (another took it
 	// over, or an operator ended it) looks at it again as a duplicate
 	// would: it answers its caller what a retry would get, the other
-	// executor's answer, rather than an error about leases.
-	for reclaims := 0; ; reclaims++ {
-		r, stored, err := f.claim(ctx, db, k, input, &o, obs)
+	// executor's answer, rather than an error about leases. One whose
+	// flow another executor was starting (errTaken) looks again too,
+	// after a while, within the same wait budget.
+	deadline := time.Now().Add(o.wait)
+	for reclaims, polls := 0, 0; ; {
+		r, stored, err := f.claim(ctx, db, k, input, &o, obs, deadline)
 		if err != nil {
 			return Result[Out]{}, err
 		}
@@ -202,9 +206,23 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 			return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
 		}
 		res, err := f.execute(ctx, r, decoded.Value)
-		if !errors.Is(err, ErrLeaseLost) || reclaims == maxReclaims || ctx.Err() != nil {
+		switch {
+		case errors.Is(err, errTaken):
+			remaining := time.Until(deadline)
+			if remaining <= 0 {
+				obs.claimDone(outcomeInProgress)
+				return Result[Out]{}, fmt.Errorf("%w: flow %q is being started elsewhere past the wait budget", ErrInProgress, f.name)
+			}
+			if err := backoff.Sleep(ctx, min(pollDelay(polls), remaining)); err != nil {
+				return Result[Out]{}, err
+			}
+			polls++
+			continue
+		case !errors.Is(err, ErrLeaseLost) || reclaims == maxReclaims || ctx.Err() != nil:
 			return res, err
 		}
+		reclaims++
+		deadline = time.Now().Add(o.wait)
 	}
 }
 
@@ -219,35 +237,34 @@ const (
 	flowEnded     = "ended"
 )
 
-// claim starts k's flow (FlowStart, or FlowRestart when it expired), takes
-// it over (FlowTakeOver), or finds its answer (FlowGet), in one round trip
-// that also reads the steps of a flow taken over (FlowSteps), and looks
-// again, in one round trip of the last three, while another executor holds
-// the flow, until the wait budget runs out. None of the statements waits
-// for a row another transaction holds: a duplicate waits under its budget
-// only, polling.
+// claim finds k's flow: none yet, and it returns a run that starts it
+// with its first statement (FlowStart, see flowRun.start); expired, and it
+// starts it again (FlowRestart); abandoned by its executor, and it takes
+// it over (FlowTakeOver); or its answer, to replay (FlowGet); in one round
+// trip that also reads the steps of a flow taken over (FlowSteps), and
+// looks again, in one round trip of the last three, while another executor
+// holds the flow, until deadline, the end of the wait budget. None of the
+// statements waits for a row another transaction holds: a duplicate waits
+// under its budget only, polling.
 // It returns the run to execute, or the stored answer to replay.
-func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation) (*flowRun, []byte, error) {
-	deadline := time.Now().Add(o.wait)
+func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation,
+	deadline time.Time,
+) (*flowRun, []byte, error) {
 	lease := pgtime.Interval(o.lease)
 	// start is false while another executor is known to hold the flow,
-	// which neither FlowStart nor FlowRestart would change.
+	// which FlowRestart would not change.
 	start := true
 	for attempt := 0; ; attempt++ {
 		var (
-			started, restarted, tookOver, found bool
-			startRow                            dbsqlc.FlowStartRow
-			restartRow                          dbsqlc.FlowRestartRow
-			takenRow                            dbsqlc.FlowTakeOverRow
-			rec                                 dbsqlc.FlowGetRow
-			steps                               []dbsqlc.FlowStepsRow
+			restarted, tookOver, found bool
+			restartRow                 dbsqlc.FlowRestartRow
+			takenRow                   dbsqlc.FlowTakeOverRow
+			rec                        dbsqlc.FlowGetRow
+			steps                      []dbsqlc.FlowStepsRow
 		)
 		epoch := newEpoch()
-		tried := start
 		b := &pgx.Batch{}
 		if start {
-			dbsqlc.QueueFlowStart(b, dbsqlc.FlowStartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
-				Input: string(input), Epoch: epoch, Lease: lease, Retention: o.retentionInterval()}, &startRow, &started)
 			dbsqlc.QueueFlowRestart(b, dbsqlc.FlowRestartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
 				Input: string(input), Epoch: epoch, Lease: lease, Retention: o.retentionInterval()}, &restartRow, &restarted)
 		}
@@ -260,10 +277,6 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			return nil, nil, translate("idem: flow: claim key", err)
 		}
 		switch {
-		case started:
-			obs.claimDone(outcomeClaimed)
-			keys := providerKeys{namespace: startRow.ProviderNamespace, operation: startRow.Operation}
-			return newFlowRun(db, k, f.name, keys, epoch, input, sent, nil, o, obs), nil, nil
 		case restarted:
 			obs.claimDone(outcomeClaimed)
 			keys := providerKeys{namespace: restartRow.ProviderNamespace, operation: restartRow.Operation}
@@ -272,10 +285,17 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			obs.claimDone(outcomeResumed)
 			keys := providerKeys{namespace: takenRow.ProviderNamespace, operation: takenRow.Operation}
 			return newFlowRun(db, k, f.name, keys, epoch, takenRow.Input, sent, steps, o, obs), nil, nil
-		case !found || rec.Expired:
-			// Gone between the statements or since the last look (ended,
-			// expired and purged), or expired with another caller starting
-			// the key's next operation: start it, or look again.
+		case !found:
+			// No flow yet (or gone since the last look: ended, expired
+			// and purged): the run starts it with its first statement,
+			// and says so then.
+			r := newFlowRun(db, k, f.name, providerKeys{}, epoch, input, sent, nil, o, obs)
+			r.start = &dbsqlc.FlowStartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp, Input: string(input),
+				Epoch: epoch, Lease: lease, Retention: o.retentionInterval(), LockID: keylock.FlowID(k.scope, k.key)}
+			return r, nil, nil
+		case rec.Expired:
+			// Expired, with another caller starting the key's next
+			// operation (FlowRestart skipped its row): look again.
 			start = true
 		case rec.Name != f.name || !bytes.Equal(rec.Fingerprint, k.fp):
 			obs.claimDone(outcomeMismatch)
@@ -299,9 +319,6 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			// Another executor holds the flow: wait for it to finish, or
 			// for its lease to run out.
 			start = false
-		}
-		if !found && !tried {
-			continue // gone since the last look: start it at once
 		}
 		// Look again, within the wait budget.
 		remaining := time.Until(deadline)
@@ -343,6 +360,12 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 	}()
 	out, err := f.fn(&Steps{ctx: ctx, run: r}, in)
 	r.returned.Store(true)
+	if taken := r.takenError(); taken != nil {
+		// Another executor was starting the flow: this run committed
+		// nothing, and holds nothing to give up, whatever its function
+		// made of the error its step returned.
+		return Result[Out]{}, taken
+	}
 	switch {
 	case errors.Is(err, ErrLeaseLost), errors.Is(err, ErrFlowStopped):
 		// Not this executor's flow any more, or stopped: nothing to give up.
@@ -419,11 +442,17 @@ type flowRun struct {
 	// open is the last local step's transaction, left open, and result
 	// the last call's result, not recorded yet (see flow_pending.go).
 	// failed is the error of an open step that committed alone
-	// (commitIdle); mu guards the three.
+	// (commitIdle). start is the flow's row, for a flow that no one had
+	// started when the executor claimed it: it travels with the flow's
+	// first statement (FlowStart), and is nil once it committed; taken is
+	// errTaken once that statement found the flow taken. mu guards the
+	// five.
 	mu     sync.Mutex
 	open   *openStep
 	failed error
 	result *dbsqlc.FlowCallDoneParams
+	start  *dbsqlc.FlowStartParams
+	taken  error
 }
 
 // newFlowRun returns the run of the executor that claimed the flow under

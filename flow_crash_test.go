@@ -392,9 +392,11 @@ func TestFlowCrashBeforeALocalStepCommitsRunsTheStepOnce(t *testing.T) {
 	ctx, pool, scope, p, providerURL, crash := setupCrash(t)
 	name := testdb.Name("crash")
 	crash(name, "k", crashBeforeCommit)
-	// The step's transaction was open: its writes died with the process.
-	if countPayments(t, pool, scope) != 0 || p.calls.Load() != 0 {
-		t.Fatalf("before the retry: %d payments, %d calls; want 0, 0", countPayments(t, pool, scope), p.calls.Load())
+	// The step's transaction was open: its writes died with the process,
+	// and so did the flow's row, which the flow's first step writes.
+	if countPayments(t, pool, scope) != 0 || p.calls.Load() != 0 || countFlows(t, pool, scope) != 0 {
+		t.Fatalf("before the retry: %d payments, %d calls, %d flows; want 0, 0, 0",
+			countPayments(t, pool, scope), p.calls.Load(), countFlows(t, pool, scope))
 	}
 	res, err := crashFlow(name, providerURL, "").Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
 	if err != nil || res.Value.ChargeID != "ch_1" {
@@ -408,15 +410,17 @@ func TestFlowCrashDuringTheCommitOfTheLocalStepAndIntent(t *testing.T) {
 	name := testdb.Name("crash")
 	crash(name, "k", crashInCommit)
 	// Whether the server committed or not, the call was not made; the
-	// step's writes and its record are both there, or neither is.
+	// step's writes, its record and the flow's row (which the flow's first
+	// step writes) are all there, or none is.
 	var payments, steps int
 	err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM payment WHERE scope = $1),
 		(SELECT count(*) FROM idem_flow_step WHERE scope = $1 AND name = 'reserve')`, scope).Scan(&payments, &steps)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if payments != steps || p.calls.Load() != 0 {
-		t.Fatalf("before the retry: %d payments, %d step records, %d calls; want as many payments as records, 0 calls", payments, steps, p.calls.Load())
+	if flows := countFlows(t, pool, scope); payments != steps || flows != steps || p.calls.Load() != 0 {
+		t.Fatalf("before the retry: %d payments, %d step records, %d flows, %d calls; want as many of the three, 0 calls",
+			payments, steps, flows, p.calls.Load())
 	}
 	res, err := crashFlow(name, providerURL, "").Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
 	if err != nil || res.Value.ChargeID != "ch_1" {
@@ -450,4 +454,14 @@ func checkOneCharge(t *testing.T, pool *pgxpool.Pool, scope, key string, p *prov
 	if charges != 1 || len(keys) != 1 || keys[want] != calls || countPayments(t, pool, scope) != 1 {
 		t.Fatalf("charges %d, keys %v, payments %d; want 1, {%s: %d}, 1", charges, keys, countPayments(t, pool, scope), want, calls)
 	}
+}
+
+// countFlows counts the flows' rows of scope.
+func countFlows(t *testing.T, pool *pgxpool.Pool, scope string) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM idem_flow WHERE scope = $1`, scope).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
 }

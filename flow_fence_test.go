@@ -3,6 +3,7 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -182,34 +183,51 @@ func expiredFlow(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, k
 }
 
 func TestFlowDuplicatesAndResumeDoNotWaitOnALocalStepsLock(t *testing.T) {
-	ctx, pool, scope, p := setupFlow(t)
-	inStep, release := make(chan struct{}), make(chan struct{})
-	flow := idem.MustNewFlow(testdb.Name("slow-step"), func(s *idem.Steps, in chargeIn) (int, error) {
-		return idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
-			close(inStep)
-			<-release // a local step that outlasts its lease, holding the flow's row
-			return 1, nil
-		})
-	}, idem.WithLease(50*time.Millisecond))
-	done := make(chan error, 1)
-	go func() {
-		_, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 1})
-		done <- err
-	}()
-	<-inStep
-	leaseRanOut(t, ctx, pool, scope, "k")
-	// Neither waits for the row: the duplicate's budget is nothing.
-	if _, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 1}, idem.WithWait(0)); !errors.Is(err, idem.ErrInProgress) {
-		t.Fatalf("a duplicate with no wait: %v, want ErrInProgress", err)
+	ctx, pool, scope, _ := setupFlow(t)
+	// Two executors whose local step outlasts its lease: a new flow's,
+	// whose step holds the flow's row uncommitted (and the flow's lock),
+	// and a flow's taken over after a failed run, whose step holds the
+	// committed row, locked.
+	for _, takenOver := range []bool{false, true} {
+		key := fmt.Sprintf("taken-over-%t", takenOver)
+		var runs atomic.Int64
+		inStep, release := make(chan struct{}), make(chan struct{})
+		flow := idem.MustNewFlow(testdb.Name("slow-step"), func(s *idem.Steps, in chargeIn) (int, error) {
+			return idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
+				if runs.Add(1) == 1 && takenOver {
+					return 0, errors.New("out of stock") // gives the lease up
+				}
+				close(inStep)
+				<-release // a local step that outlasts its lease, holding the flow's row
+				return 1, nil
+			})
+		}, idem.WithLease(50*time.Millisecond))
+		if takenOver {
+			if _, err := flow.Run(ctx, pool, scope, key, nil, chargeIn{Amount: 1}); !errors.Is(err, idem.ErrFlowIncomplete) {
+				t.Fatalf("the failed run: %v, want ErrFlowIncomplete", err)
+			}
+		}
+		done := make(chan error, 1)
+		go func() {
+			_, err := flow.Run(ctx, pool, scope, key, nil, chargeIn{Amount: 1})
+			done <- err
+		}()
+		<-inStep
+		if takenOver {
+			leaseRanOut(t, ctx, pool, scope, key)
+		}
+		// Neither waits for the row: the duplicate's budget is nothing.
+		if _, err := flow.Run(ctx, pool, scope, key, nil, chargeIn{Amount: 1}, idem.WithWait(0)); !errors.Is(err, idem.ErrInProgress) {
+			t.Fatalf("taken over %t: a duplicate with no wait: %v, want ErrInProgress", takenOver, err)
+		}
+		if resumed, err := flow.Resume(ctx, pool); err != nil || resumed != 0 {
+			t.Fatalf("taken over %t: Resume = %d, %v; want nothing taken", takenOver, resumed, err)
+		}
+		close(release)
+		if err := <-done; err != nil {
+			t.Fatalf("taken over %t: the executor whose step outlasted its lease: %v", takenOver, err)
+		}
 	}
-	if resumed, err := flow.Resume(ctx, pool); err != nil || resumed != 0 {
-		t.Fatalf("Resume = %d, %v; want nothing taken", resumed, err)
-	}
-	close(release)
-	if err := <-done; err != nil {
-		t.Fatalf("the executor whose step outlasted its lease: %v", err)
-	}
-	_ = p
 }
 
 func TestFlowStepWhoseErrorTheFunctionHandledLeavesTheFlowResumable(t *testing.T) {
@@ -315,7 +333,9 @@ func TestFlowLocalStepLongerThanItsLeaseDoesNotFenceTheNextStep(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	flow := idem.MustNewFlow(testdb.Name("long-step"), func(s *idem.Steps, in chargeIn) (string, error) {
 		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
-			leaseRanOut(t, ctx, pool, s.Scope(), s.Key()) // the step outlasts the lease
+			// The step outlasts the lease (which, the flow's first, wrote
+			// the flow's row: only its own transaction sees it).
+			leaseRanOut(t, ctx, tx, s.Scope(), s.Key())
 			return 1, nil
 		}); err != nil {
 			return "", err

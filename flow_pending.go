@@ -2,11 +2,14 @@ package idem
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
 )
@@ -31,6 +34,79 @@ import (
 // [Reconcile]); an [AtMostOnce] call's result is therefore committed at
 // once, since a call made again is what it must never be.
 
+// A flow that no one had started when its executor claimed it is started
+// by its first statement, in its transaction (FlowStart): the first local
+// step's, or the implicit one of its first call's intent (or of its
+// answer, or of the lease given up), so that the claim commits nothing of
+// its own, and local–call–local commits twice. Until then the flow's row
+// is invisible to others, and the transaction that writes it holds the
+// flow's advisory lock (keylock.FlowID): a duplicate, which sees no row,
+// finds the lock taken and looks again, under its wait budget, as it does
+// for a flow that another executor holds; it never waits for the
+// uncommitted row. A run whose first statement finds the flow taken
+// (errTaken) commits nothing, and looks at the flow again (Flow.Run).
+
+// errTaken is what a run that was to start its flow gets when another
+// executor was starting it, or had started it, since the claim: the run
+// committed nothing, and looks at the flow again, as a duplicate.
+var errTaken = errors.New("idem: another executor is starting the flow, or started it, since it was claimed")
+
+// starting is the flow's row queued on a batch (queueStart), and what the
+// batch found.
+type starting struct {
+	row     dbsqlc.FlowStartRow
+	written bool
+}
+
+// queueStart queues the flow's row (FlowStart), at step (none when
+// empty), on b when it is still to be written, and returns what reads its
+// outcome, or nil.
+func (r *flowRun) queueStart(b *pgx.Batch, step string) *starting {
+	if r.start == nil {
+		return nil
+	}
+	st := &starting{}
+	params := *r.start
+	params.Step = pgtype.Text{String: step, Valid: step != ""}
+	dbsqlc.QueueFlowStart(b, params, &st.row, &st.written)
+	return st
+}
+
+// started judges what the batch that carried the flow's row (st, nil for
+// none) found, err being the batch's error: errTaken, noted on the run,
+// when the row was not written, or was there already (a unique violation
+// on the flow's primary key, or its shard's); err otherwise.
+func (r *flowRun) started(st *starting, err error) error {
+	if st == nil {
+		return err
+	}
+	var pgErr *pgconn.PgError
+	switch {
+	case err == nil && st.written:
+		r.keys = providerKeys{namespace: st.row.ProviderNamespace, operation: st.row.Operation}
+		return nil
+	case err == nil,
+		errors.As(err, &pgErr) && pgErr.Code == "23505" && strings.HasPrefix(pgErr.ConstraintName, "idem_flow_pkey"):
+		r.taken = errTaken
+		return errTaken
+	}
+	return err
+}
+
+// startCommitted notes that the flow's row committed.
+func (r *flowRun) startCommitted() {
+	r.start = nil
+	r.obs.claimDone(outcomeClaimed)
+}
+
+// takenError is errTaken when the run's first statement found the flow
+// taken, else nil.
+func (r *flowRun) takenError() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.taken
+}
+
 // openStep is a local step's transaction, left open when its function
 // returned: its writes and the flow's row are locked, its record is still
 // to be sent.
@@ -42,8 +118,9 @@ type openStep struct {
 	record  dbsqlc.FlowStepRecordParams
 	lease   dbsqlc.FlowLeaseParams
 	// carries is set when the transaction also records the call's result
-	// (flowRun.result), sent as it began.
-	carries bool
+	// (flowRun.result), sent as it began; starts when it wrote the flow's
+	// row (flowRun.start).
+	carries, starts bool
 	// timer commits the transaction alone when the next step is late
 	// (commitIdle).
 	timer *time.Timer
@@ -121,9 +198,18 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 	if open != nil {
 		open.timer.Stop()
 	}
+	if r.taken != nil {
+		return r.taken
+	}
 	b := &pgx.Batch{}
 	var recorded int64
 	carried := r.result != nil && (open == nil || open.carries)
+	// A flow not started yet is started by what is queued (never with a
+	// step's transaction open: that one wrote the row as it began).
+	var st *starting
+	if open == nil && queue != nil {
+		st = r.queueStart(b, "")
+	}
 	switch {
 	case open != nil && queue == nil:
 		// Nothing after the record renews the lease: the record does,
@@ -144,8 +230,13 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 	}
 	sent := time.Now()
 	if open == nil {
-		if err := sendBatch(ctx, r.db, b); err != nil {
+		if err := r.started(st, sendBatch(ctx, r.db, b)); errors.Is(err, errTaken) {
+			return err
+		} else if err != nil {
 			return translate("record the call's result", err)
+		}
+		if st != nil {
+			r.startCommitted()
 		}
 		if carried {
 			r.result = nil
@@ -174,6 +265,9 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 	}
 	if open.carries {
 		r.result = nil
+	}
+	if open.starts {
+		r.startCommitted()
 	}
 	if queue == nil {
 		r.lease.renewed(sent)

@@ -2,6 +2,7 @@ package idem
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -125,6 +126,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	lease := dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	var tx pgx.Tx
 	var leased bool
+	var st *starting
 	carries := r.result != nil
 	recorded := int64(1)
 	sent := time.Now()
@@ -133,8 +135,11 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		b := &pgx.Batch{}
 		b.BeginTx(opts)
 		// The lease first: it holds the flow's row, so that the call's
-		// result, recorded after it, need not write that row again.
-		dbsqlc.QueueFlowLease(b, lease, &leased)
+		// result, recorded after it, need not write that row again. A
+		// flow not started yet is started here instead, leased.
+		if st = r.queueStart(b, name); st == nil {
+			dbsqlc.QueueFlowLease(b, lease, &leased)
+		}
 		if carries {
 			res := r.result
 			dbsqlc.QueueFlowCallDoneHeld(b, dbsqlc.FlowCallDoneHeldParams{Result: res.Result, Reconciled: res.Reconciled,
@@ -148,11 +153,23 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		if conn != nil {
 			beginner = conn
 		}
-		if tx, err = beginner.BeginTx(ctx, opts); err == nil {
+		if tx, err = beginner.BeginTx(ctx, opts); err == nil && r.start != nil {
+			st = &starting{}
+			params := *r.start
+			params.Step = pgtype.Text{String: name, Valid: true}
+			st.row, err = dbsqlc.New(tx).FlowStart(ctx, params)
+			st.written = err == nil
+			if errors.Is(err, pgx.ErrNoRows) {
+				err = nil
+			}
+		} else if err == nil {
 			var n int64
 			n, err = dbsqlc.New(tx).FlowLease(ctx, lease)
 			leased = n == 1
 		}
+	}
+	if err = r.started(st, err); st != nil {
+		leased = err == nil
 	}
 	ended := false
 	defer func() {
@@ -160,7 +177,10 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 			rollback(ctx, tx)
 		}
 	}()
-	if err != nil {
+	switch {
+	case errors.Is(err, errTaken):
+		return zero, err
+	case err != nil:
 		return zero, translate("begin, renewing the lease", err)
 	}
 	if !leased || recorded == 0 {
@@ -183,7 +203,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		if err != nil {
 			return zero, err
 		}
-		r.keepOpen(&openStep{name: name, conn: conn, release: release, tx: tx, record: record, lease: lease, carries: carries})
+		r.keepOpen(&openStep{name: name, conn: conn, release: release, tx: tx, record: record, lease: lease, carries: carries, starts: st != nil})
 		ended, kept = true, true
 		return value, nil
 	}
@@ -201,6 +221,9 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		ended = true
 		if err := tx.Commit(ctx); err != nil {
 			return zero, translate("commit", err)
+		}
+		if st != nil {
+			r.startCommitted()
 		}
 		r.lease.renewed(sent)
 		return decodedResult[T](r, encoded)
@@ -228,6 +251,9 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	if carries {
 		r.result = nil
 	}
+	if st != nil {
+		r.startCommitted()
+	}
 	r.lease.renewed(sent)
 	return decodedResult[T](r, encoded)
 }
@@ -254,6 +280,9 @@ func (r *flowRun) begin(name, kind string) (int32, *dbsqlc.FlowStepsRow, error) 
 	}
 	if r.returned.Load() {
 		return 0, nil, fmt.Errorf("idem: step %q: the flow's function has returned: steps run only inside it", name)
+	}
+	if err := r.takenError(); err != nil {
+		return 0, nil, err // another executor's flow: nothing more runs
 	}
 	if !r.stepping.CompareAndSwap(false, true) {
 		return 0, nil, fmt.Errorf("idem: step %q: another step of the flow is running: steps run one at a time", name)

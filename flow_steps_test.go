@@ -164,17 +164,23 @@ func TestFlowHoldsNoTransactionOrConnectionDuringACall(t *testing.T) {
 	}
 }
 
-// leaseRanOut waits until the lease of the flow (scope, key) has run out,
-// as the database's clock tells.
-func leaseRanOut(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key string) {
+// leaseRanOut waits until the flow (scope, key) has a row that db sees,
+// and its lease has run out, as the database's clock tells.
+func leaseRanOut(t *testing.T, ctx context.Context, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, scope, key string,
+) {
 	t.Helper()
 	for {
 		var out bool
-		err := pool.QueryRow(ctx, `SELECT leased_until <= now() FROM idem_flow WHERE scope = $1 AND key = $2`, scope, key).Scan(&out)
-		if err != nil {
+		err := db.QueryRow(ctx, `SELECT leased_until <= clock_timestamp() FROM idem_flow WHERE scope = $1 AND key = $2`, scope, key).Scan(&out)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+			// Not committed yet: a new flow's row commits with its first
+			// step.
+		case err != nil:
 			t.Fatal(err)
-		}
-		if out {
+		case out:
 			return
 		}
 		time.Sleep(10 * time.Millisecond)

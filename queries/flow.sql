@@ -1,23 +1,32 @@
 -- name: FlowStart :one
--- FlowStart writes a new flow's row, running, leased to the caller under
--- @epoch (a random number: see Flow), with the installation's id as the
--- namespace of its provider keys (idem_installation; a missing row fails
--- the CHECK). It locks nothing that exists, nor waits for it: when a flow
--- holds the key, it returns no row, and the caller restarts the flow if
--- it expired (FlowRestart), takes it over if its lease ran out
--- (FlowTakeOver), or judges it (FlowGet), in the same round trip. Leases
--- are dated by the clock, not by the start of the transaction, which may
--- have waited: clock_timestamp() here and in SELECTs; in UPDATEs,
--- statement_timestamp(), when the server received the statement, since
--- Citus refuses volatile functions in an UPDATE of a distributed table
--- (it evaluates statement_timestamp() on the coordinator). Either is no
--- earlier than the moment the executor sent the statement, from which it
--- counts its lease (flow_lease.go). Stored values are sent as text, as
--- KeyInsert's are.
-INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, runs, retention)
+-- FlowStart writes a new flow's row, running, leased to the executor under
+-- @epoch (a random number: see Flow), at @step, with the installation's id
+-- as the namespace of its provider keys (idem_installation; a missing row
+-- fails the CHECK). The claim does not send it: it travels with the flow's
+-- first statement (its first local step's BEGIN, in that step's
+-- transaction; or its first call's intent, or its answer), so that the
+-- row commits with the first step, not alone. Until then the row is not
+-- visible to others, so the inserting transaction holds the flow's
+-- advisory lock (@lock_id: keylock.FlowID) until it ends, and a duplicate,
+-- which sees no row, tries that lock rather than the unique index, which
+-- would wait for the uncommitted row: it returns no row, inserting
+-- nothing, when another transaction holds the lock, or when a flow holds
+-- the key; a row committed between this statement's snapshot and its lock
+-- fails it with a unique violation (idem_flow_pkey). Either way the
+-- caller commits nothing of its transaction and looks at the flow again,
+-- as a duplicate. Leases are dated by the clock, not by the start of the
+-- transaction, which may have waited: clock_timestamp() here and in
+-- SELECTs; in UPDATEs, statement_timestamp(), when the server received
+-- the statement, since Citus refuses volatile functions in an UPDATE of a
+-- distributed table (it evaluates statement_timestamp() on the
+-- coordinator). Either is no earlier than the moment the executor sent
+-- the statement, from which it counts its lease (flow_lease.go). Stored
+-- values are sent as text, as KeyInsert's are. A plain INSERT, without ON
+-- CONFLICT's speculative insertion and its confirmation in the WAL.
+INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, step, runs, retention)
 SELECT @scope::text, @key::text, @flow_name::text, @fingerprint::bytea, 'running',
        sqlc.arg(input)::text::jsonb, (SELECT id FROM idem_installation), @epoch::bigint,
-       clock_timestamp() + @lease::interval, 1, @retention::interval
+       clock_timestamp() + @lease::interval, sqlc.narg(step)::text, 1, @retention::interval
 -- Without a row to see, the INSERT is not tried: the unique index would
 -- otherwise wait for a transaction that holds the row (a local step's).
 WHERE NOT EXISTS (
@@ -25,7 +34,7 @@ WHERE NOT EXISTS (
     WHERE scope = @scope::text
       AND key = @key::text
 )
-ON CONFLICT (scope, key) DO NOTHING
+  AND pg_try_advisory_xact_lock(@lock_id::bigint)
 RETURNING provider_namespace, operation;
 
 -- name: FlowRestart :one

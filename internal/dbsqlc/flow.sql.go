@@ -896,16 +896,16 @@ func (q *Queries) FlowRestart(ctx context.Context, arg FlowRestartParams) (FlowR
 }
 
 const flowStart = `-- name: FlowStart :one
-INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, runs, retention)
+INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, step, runs, retention)
 SELECT $1::text, $2::text, $3::text, $4::bytea, 'running',
        $5::text::jsonb, (SELECT id FROM idem_installation), $6::bigint,
-       clock_timestamp() + $7::interval, 1, $8::interval
+       clock_timestamp() + $7::interval, $8::text, 1, $9::interval
 WHERE NOT EXISTS (
     SELECT FROM idem_flow
     WHERE scope = $1::text
       AND key = $2::text
 )
-ON CONFLICT (scope, key) DO NOTHING
+  AND pg_try_advisory_xact_lock($10::bigint)
 RETURNING provider_namespace, operation
 `
 
@@ -917,7 +917,9 @@ type FlowStartParams struct {
 	Input       string
 	Epoch       int64
 	Lease       pgtype.Interval
+	Step        pgtype.Text
 	Retention   pgtype.Interval
+	LockID      int64
 }
 
 type FlowStartRow struct {
@@ -925,21 +927,30 @@ type FlowStartRow struct {
 	Operation         pgtype.Int8
 }
 
-// FlowStart writes a new flow's row, running, leased to the caller under
-// @epoch (a random number: see Flow), with the installation's id as the
-// namespace of its provider keys (idem_installation; a missing row fails
-// the CHECK). It locks nothing that exists, nor waits for it: when a flow
-// holds the key, it returns no row, and the caller restarts the flow if
-// it expired (FlowRestart), takes it over if its lease ran out
-// (FlowTakeOver), or judges it (FlowGet), in the same round trip. Leases
-// are dated by the clock, not by the start of the transaction, which may
-// have waited: clock_timestamp() here and in SELECTs; in UPDATEs,
-// statement_timestamp(), when the server received the statement, since
-// Citus refuses volatile functions in an UPDATE of a distributed table
-// (it evaluates statement_timestamp() on the coordinator). Either is no
-// earlier than the moment the executor sent the statement, from which it
-// counts its lease (flow_lease.go). Stored values are sent as text, as
-// KeyInsert's are.
+// FlowStart writes a new flow's row, running, leased to the executor under
+// @epoch (a random number: see Flow), at @step, with the installation's id
+// as the namespace of its provider keys (idem_installation; a missing row
+// fails the CHECK). The claim does not send it: it travels with the flow's
+// first statement (its first local step's BEGIN, in that step's
+// transaction; or its first call's intent, or its answer), so that the
+// row commits with the first step, not alone. Until then the row is not
+// visible to others, so the inserting transaction holds the flow's
+// advisory lock (@lock_id: keylock.FlowID) until it ends, and a duplicate,
+// which sees no row, tries that lock rather than the unique index, which
+// would wait for the uncommitted row: it returns no row, inserting
+// nothing, when another transaction holds the lock, or when a flow holds
+// the key; a row committed between this statement's snapshot and its lock
+// fails it with a unique violation (idem_flow_pkey). Either way the
+// caller commits nothing of its transaction and looks at the flow again,
+// as a duplicate. Leases are dated by the clock, not by the start of the
+// transaction, which may have waited: clock_timestamp() here and in
+// SELECTs; in UPDATEs, statement_timestamp(), when the server received
+// the statement, since Citus refuses volatile functions in an UPDATE of a
+// distributed table (it evaluates statement_timestamp() on the
+// coordinator). Either is no earlier than the moment the executor sent
+// the statement, from which it counts its lease (flow_lease.go). Stored
+// values are sent as text, as KeyInsert's are. A plain INSERT, without ON
+// CONFLICT's speculative insertion and its confirmation in the WAL.
 // Without a row to see, the INSERT is not tried: the unique index would
 // otherwise wait for a transaction that holds the row (a local step's).
 func (q *Queries) FlowStart(ctx context.Context, arg FlowStartParams) (FlowStartRow, error) {
@@ -951,7 +962,9 @@ func (q *Queries) FlowStart(ctx context.Context, arg FlowStartParams) (FlowStart
 		arg.Input,
 		arg.Epoch,
 		arg.Lease,
+		arg.Step,
 		arg.Retention,
+		arg.LockID,
 	)
 	var i FlowStartRow
 	err := row.Scan(&i.ProviderNamespace, &i.Operation)

@@ -37,3 +37,16 @@ func ID(scope, key string) int64 {
 	}
 	return Tag<<48 | int64(h&(1<<48-1))
 }
+
+// FlowTag fills the top 16 bits of a flow's lock id, apart from the keys'
+// (Tag), so that idem stats and idem_key_lock, which count the keys' locks
+// in flight, do not count flows, and a flow and a key of the same scope
+// and key do not wait for each other.
+const FlowTag = 0x1de1
+
+// FlowID is the id of the transaction-scoped advisory lock that the
+// transaction writing a new flow's row for (scope, key) holds until it
+// ends (see idem.Flow): ID's hash of scope and key, under FlowTag.
+func FlowID(scope, key string) int64 {
+	return FlowTag<<48 | ID(scope, key)&(1<<48-1)
+}
