@@ -58,7 +58,7 @@ type flowSoakWorkerSpec struct {
 // itself there, or, for the two points in the call, the provider kills or
 // freezes it.
 const (
-	killAfterReserve   = "after-reserve"       // the reserve committed, the call's intent not recorded
+	killAfterReserve   = "after-reserve"       // the reserve's fn returned, its transaction open (it commits with the call's intent)
 	killBeforeSend     = "call-before-send"    // the call's intent recorded, the request not sent
 	killBeforeApply    = "call-before-apply"   // the call sent, not applied
 	killAfterApply     = "call-after-apply"    // the call applied, its answer not received
