@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 	"github.com/pgidem/idem/internal/citustemp"
 )
 
@@ -41,7 +42,7 @@ func TestCitusCommand(t *testing.T) {
 	mustRun := func(want string, args ...string) string {
 		t.Helper()
 		code, out := runCommand(t, url, args...)
-		if code != exitOK || !strings.Contains(out, want) {
+		if code != cli.ExitOK || !strings.Contains(out, want) {
 			t.Fatalf("idem %s: exit %d, want 0 and %q in:\n%s", strings.Join(args, " "), code, want, out)
 		}
 		return out
