@@ -34,6 +34,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/faultproxy"
 	"github.com/pgidem/idem/internal/testserver"
 )
 
@@ -294,4 +295,16 @@ func Expire(t testing.TB, pool *pgxpool.Pool, scope, key string) {
 	if err != nil || tag.RowsAffected() != 1 {
 		t.Fatalf("expire %s/%s: %v (%d rows)", scope, key, err, tag.RowsAffected())
 	}
+}
+
+// StartFreezer starts a faultproxy.Freezer in front of the PostgreSQL
+// server at host and port, closed when the test ends.
+func StartFreezer(t testing.TB, host string, port uint16) *faultproxy.Freezer {
+	t.Helper()
+	f, err := faultproxy.StartFreezer(faultproxy.PostgresAddress(host, port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(f.Close)
+	return f
 }
