@@ -37,6 +37,9 @@ var (
 	loseFirst      = grpctest.LoseFirst
 	count          = testdb.Count
 	waitForBlocked = testdb.WaitForBlocked
+	flowCall       = testdb.FlowStep
+	countPayments  = testdb.CountPayments
+	countRecords   = testdb.CountRecords
 )
 
 // paymentTable is the table the tests' handlers write to.
@@ -193,12 +196,4 @@ func wantReason(t *testing.T, err error, code codes.Code, reason string) *status
 	}
 	t.Fatalf("%v carries no ErrorInfo", err)
 	return nil
-}
-
-func countPayments(t *testing.T, pool *pgxpool.Pool, scope string) int {
-	return count(t, pool, `SELECT count(*) FROM payment WHERE scope = $1`, scope)
-}
-
-func countRecords(t *testing.T, pool *pgxpool.Pool, scope string) int {
-	return count(t, pool, `SELECT count(*) FROM idempotency_key WHERE scope = $1`, scope)
 }

@@ -13,22 +13,6 @@ import (
 	"github.com/pgidem/idem/internal/testdb"
 )
 
-// providerKey is the provider key of the flow (scope, key)'s call charge.
-func providerKey(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key string) string {
-	t.Helper()
-	info, err := idem.InspectFlow(ctx, pool, scope, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, s := range info.Steps {
-		if s.Name == "charge" {
-			return s.ProviderKey
-		}
-	}
-	t.Fatalf("the flow for %s has no call charge", key)
-	return ""
-}
-
 func TestInspectFlowAndFlowEnd(t *testing.T) {
 	url := env.URL(t)
 	ctx := context.Background()
@@ -50,7 +34,7 @@ func TestInspectFlowAndFlowEnd(t *testing.T) {
 
 	code, out := runCommand(t, url, "inspect", "-flow", scope, "k")
 	if code != cli.ExitOK || !strings.Contains(out, "no executor holds it") || !strings.Contains(out, "provider timeout") ||
-		!strings.Contains(out, providerKey(t, ctx, pool, scope, "k")) || !strings.Contains(out, "input") ||
+		!strings.Contains(out, testdb.FlowStep(t, ctx, pool, scope, "k", "charge").ProviderKey) || !strings.Contains(out, "input") ||
 		strings.Contains(out, "{}") {
 		t.Fatalf("inspect -flow: exit %d\n%s", code, out)
 	}

@@ -308,3 +308,20 @@ func StartFreezer(t testing.TB, host string, port uint16) *faultproxy.Freezer {
 	t.Cleanup(f.Close)
 	return f
 }
+
+// FlowStep returns the step named step of the flow (scope, key), as
+// idem.InspectFlow reads it, and fails the test if there is none.
+func FlowStep(t testing.TB, ctx context.Context, pool *pgxpool.Pool, scope, key, step string) idem.FlowStep {
+	t.Helper()
+	info, err := idem.InspectFlow(ctx, pool, scope, key)
+	if err != nil || !info.Found {
+		t.Fatalf("no flow for %s: %v", key, err)
+	}
+	for _, s := range info.Steps {
+		if s.Name == step {
+			return s
+		}
+	}
+	t.Fatalf("the flow for %s has no step named %s: %+v", key, step, info.Steps)
+	return idem.FlowStep{}
+}
