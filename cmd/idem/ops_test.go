@@ -85,14 +85,7 @@ func TestCommandsOnAnUnmigratedDatabase(t *testing.T) {
 func TestMigrateStatsInspectPurge(t *testing.T) {
 	url := env.EmptyDatabase(t)
 	ctx := context.Background()
-	mustRun := func(want string, args ...string) string {
-		t.Helper()
-		code, out := runCommand(t, url, args...)
-		if code != cli.ExitOK || !strings.Contains(out, want) {
-			t.Fatalf("idem %s: exit %d, want 0 and %q in:\n%s", strings.Join(args, " "), code, want, out)
-		}
-		return out
-	}
+	mustRun := mustRunner(t, url)
 	mustRun("applied", "migrate", "up")
 	mustRun("up to date", "migrate", "up")
 	mustRun("applied", "migrate", "status")
@@ -133,33 +126,7 @@ func TestMigrateStatsInspectPurge(t *testing.T) {
 	}
 	// An operation running now has no record yet at READ COMMITTED: stats
 	// and inspect see it, and the duplicate waiting for it, by its lock.
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	if _, err := idem.Do(ctx, tx, "tenant", "running", nil, fn); err != nil {
-		t.Fatal(err)
-	}
-	waiter := make(chan error, 1)
-	go func() {
-		_, err := idem.Run(ctx, pool, "tenant", "running", nil, fn, idem.WithWait(time.Minute))
-		waiter <- err
-	}()
-	waitFor(t, func() bool {
-		_, out := runCommand(t, url, "stats")
-		return regexp.MustCompile(`duplicates waiting \(advisory lock waits with idem's tag\) +1\n`).MatchString(out)
-	})
-	if out := mustRun("operations running now", "stats"); !regexp.MustCompile(`operations running now \(advisory locks with idem's tag\) +1 \(oldest began`).MatchString(out) {
-		t.Errorf("stats while one operation runs:\n%s", out)
-	}
-	mustRun("no record yet; running now (advisory lock with its id): yes, its transaction began", "inspect", "tenant", "running")
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-waiter; err != nil {
-		t.Fatalf("the waiting duplicate: %v", err)
-	}
+	checkRunning(t, ctx, pool, url, fn, "no record yet; running now (advisory lock with its id): yes, its transaction began")
 	if out := mustRun("running now", "inspect", "tenant", "running"); !regexp.MustCompile(`running now \(advisory lock with its id\) +no\n`).MatchString(out) {
 		t.Errorf("inspect after the operation committed:\n%s", out)
 	}
@@ -297,6 +264,57 @@ func TestAuthenticationFailureIsReportedOnceAsSuch(t *testing.T) {
 }
 
 // waitFor polls cond until it holds, or fails the test after ten seconds.
+// mustRunner returns mustRun, which runs the command line args against the
+// database at url, fails the test unless it succeeds and prints want, and
+// returns what it printed.
+func mustRunner(t *testing.T, url string) func(want string, args ...string) string {
+	return func(want string, args ...string) string {
+		t.Helper()
+		code, out := runCommand(t, url, args...)
+		if code != cli.ExitOK || !strings.Contains(out, want) {
+			t.Fatalf("idem %s: exit %d, want 0 and %q in:\n%s", strings.Join(args, " "), code, want, out)
+		}
+		return out
+	}
+}
+
+// checkRunning runs fn on the key (tenant, running) in a transaction it
+// leaves open, and a duplicate that waits for it; it checks that stats
+// counts the operation and its waiting duplicate, and that inspect of the
+// key says inspecting; then it commits, and checks that the duplicate
+// returned.
+func checkRunning(t *testing.T, ctx context.Context, pool *pgxpool.Pool, url string, fn func(context.Context, pgx.Tx) (map[string]string, error), inspecting string) {
+	t.Helper()
+	mustRun := mustRunner(t, url)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := idem.Do(ctx, tx, "tenant", "running", nil, fn); err != nil {
+		t.Fatal(err)
+	}
+	waiter := make(chan error, 1)
+	go func() {
+		_, err := idem.Run(ctx, pool, "tenant", "running", nil, fn, idem.WithWait(time.Minute))
+		waiter <- err
+	}()
+	waitFor(t, func() bool {
+		_, out := runCommand(t, url, "stats")
+		return regexp.MustCompile(`duplicates waiting \(advisory lock waits with idem's tag\) +1\n`).MatchString(out)
+	})
+	if out := mustRun("operations running now", "stats"); !regexp.MustCompile(`operations running now \(advisory locks with idem's tag\) +1 \(oldest began`).MatchString(out) {
+		t.Errorf("stats while one operation runs:\n%s", out)
+	}
+	mustRun(inspecting, "inspect", "tenant", "running")
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-waiter; err != nil {
+		t.Fatalf("the waiting duplicate: %v", err)
+	}
+}
+
 func waitFor(t *testing.T, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
