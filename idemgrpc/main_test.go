@@ -2,7 +2,6 @@ package idemgrpc_test
 
 import (
 	"context"
-	"crypto/rand"
 	"log/slog"
 	"net"
 	"os"
@@ -54,14 +53,7 @@ const paymentTable = `CREATE TABLE payment (
 // database of the test's own with the payment table, and a tenant.
 func setup(t *testing.T) (context.Context, *pgxpool.Pool, string) {
 	t.Helper()
-	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	t.Cleanup(cancel)
-	pool := idemtest.Pool(t)
-	if _, err := pool.Exec(ctx, paymentTable); err != nil {
-		t.Fatal(err)
-	}
-	return ctx, pool, "tenant-" + rand.Text()[:8]
+	return grpctest.Setup(t, 2*time.Minute, paymentTable)
 }
 
 // payments is the Payments service of the tests. Pay records a payment on
