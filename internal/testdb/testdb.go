@@ -325,3 +325,39 @@ func FlowStep(t testing.TB, ctx context.Context, pool *pgxpool.Pool, scope, key,
 	t.Fatalf("the flow for %s has no step named %s: %+v", key, step, info.Steps)
 	return idem.FlowStep{}
 }
+
+// CallersTx acquires a connection of pool and begins a caller's
+// transaction on it that writes a payment in scope and, when state is
+// "failed", then fails, for a test of a call that must refuse a connection
+// in a transaction. db is the connection as the call gets it: its
+// *pgx.Conn when kind is "pgx.Conn", else the *pgxpool.Conn. want is the
+// status the transaction must keep: 'T' open, 'E' failed. The connection
+// is released when the test ends.
+func CallersTx(t testing.TB, ctx context.Context, pool *pgxpool.Pool, kind, state, scope string) (conn *pgxpool.Conn, db idem.TxBeginner, tx pgx.Tx, want byte) {
+	t.Helper()
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(conn.Release)
+	db = conn
+	if kind == "pgx.Conn" {
+		db = conn.Conn()
+	}
+	tx, err = conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if _, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, 'caller', 1)`, scope); err != nil {
+		t.Fatal(err)
+	}
+	want = 'T'
+	if state == "failed" {
+		want = 'E'
+		if _, err := tx.Exec(ctx, `SELECT 1/0`); err == nil {
+			t.Fatal("SELECT 1/0 did not fail")
+		}
+	}
+	return conn, db, tx, want
+}
