@@ -84,11 +84,12 @@ exactly-once endpoint for the Idempotency-Key header, and its client
 Transport retries with one key; idemhttp/webhook receives signed webhooks,
 each event applied once; outbox delivers messages to systems outside the
 database, at least once, each with an idempotency key the receiver can
-deduplicate on; and idemtest gives an application's tests PostgreSQL
-databases of their own, with idem's migrations applied. The gRPC
-interceptors, idemgrpc, are a module of their own, so that no other user
-downloads gRPC. The idem command (cmd/idem) migrates, purges, inspects
-and ends flows.
+deduplicate on; idemsql gives the same calls to code on database/sql (an
+ORM such as GORM or sqlx); and idemtest gives an application's tests
+PostgreSQL databases of their own, with idem's migrations applied. The
+gRPC interceptors, idemgrpc, are a module of their own, so that no other
+user downloads gRPC. The idem command (cmd/idem) migrates, purges, shows
+stats, inspects records and flows, ends flows, and prints the schema.
 
 # Options and errors
 

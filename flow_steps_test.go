@@ -252,7 +252,7 @@ func TestFlowStalledCallIsFencedAndRecordsNothing(t *testing.T) {
 		first <- err
 	}()
 	<-calling
-	f.freeze() // and its host is cut off: its lease cannot be renewed
+	f.Freeze() // and its host is cut off: its lease cannot be renewed
 	leaseRanOut(t, ctx, pool, scope, "k")
 	second, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
 	if err != nil || second.Value.ChargeID != "ch_1" {

@@ -174,17 +174,11 @@ type ran[T any] struct {
 // operation (scope, key), as InspectFlow reads it.
 func providerKeyOf(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key, step string) string {
 	t.Helper()
-	info, err := idem.InspectFlow(ctx, pool, scope, key)
-	if err != nil || !info.Found {
-		t.Fatalf("no flow for %s: %v", key, err)
+	call := testdb.FlowStep(t, ctx, pool, scope, key, step)
+	if call.ProviderKey == "" {
+		t.Fatalf("the step %s of the flow for %s is no call: %+v", step, key, call)
 	}
-	for _, s := range info.Steps {
-		if s.Name == step && s.ProviderKey != "" {
-			return s.ProviderKey
-		}
-	}
-	t.Fatalf("the flow for %s has no call named %s: %+v", key, step, info.Steps)
-	return ""
+	return call.ProviderKey
 }
 
 // setupFlow is setup for the flow tests: the context, the pool, a scope of

@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -62,22 +61,6 @@ func payFlow(name string, conn *grpc.ClientConn, tenant string, fields func() []
 			return res.GetId(), err
 		}, opts...)
 	})
-}
-
-// flowCall returns the step of the flow (scope, key) named step.
-func flowCall(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key, step string) idem.FlowStep {
-	t.Helper()
-	info, err := idem.InspectFlow(ctx, pool, scope, key)
-	if err != nil || !info.Found {
-		t.Fatalf("no flow for %s: %v", key, err)
-	}
-	for _, s := range info.Steps {
-		if s.Name == step {
-			return s
-		}
-	}
-	t.Fatalf("the flow for %s has no step named %s: %+v", key, step, info.Steps)
-	return idem.FlowStep{}
 }
 
 func TestClientSendsAFlowCallsProviderKeyOnEveryAttempt(t *testing.T) {

@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 // The flow soak's worker process: the flow, served over HTTP on 127.0.0.1
@@ -132,7 +133,7 @@ type flowSoakWorker struct {
 func runFlowSoakWorker(ctx context.Context, specJSON string, stdin io.Reader, stdout, stderr io.Writer) error {
 	var spec flowSoakWorkerSpec
 	if err := json.Unmarshal([]byte(specJSON), &spec); err != nil {
-		return usageError{fmt.Errorf("%s: %w", flowSoakWorkerEnv, err)}
+		return cli.UsageError{Err: fmt.Errorf("%s: %w", flowSoakWorkerEnv, err)}
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -144,7 +145,7 @@ func runFlowSoakWorker(ctx context.Context, specJSON string, stdin io.Reader, st
 		provider: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}}
 	signal.Notify(w.cont, syscall.SIGCONT)
 	defer signal.Stop(w.cont)
-	poolCfg, err := parseConfig(spec.DatabaseURL)
+	poolCfg, err := cli.ParseConfig(spec.DatabaseURL)
 	if err != nil {
 		return err
 	}
@@ -160,7 +161,7 @@ func runFlowSoakWorker(ctx context.Context, specJSON string, stdin io.Reader, st
 		poolCfg.ConnConfig.RuntimeParams = make(map[string]string)
 	}
 	poolCfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = strconv.FormatInt(spec.Lease.Milliseconds(), 10)
-	pool, err := openPool(ctx, poolCfg, spec.MaxConns)
+	pool, err := cli.OpenPool(ctx, poolCfg, spec.MaxConns)
 	if err != nil {
 		return err
 	}
