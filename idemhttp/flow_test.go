@@ -60,7 +60,7 @@ type order struct {
 func setupFlow(t *testing.T, cfg idemhttp.Config) (context.Context, *pgxpool.Pool, string, *cardProvider, *httptest.Server) {
 	ctx, pool, tenant := setup(t)
 	p := &cardProvider{}
-	flow := idem.MustNewFlow(testdb.Name("pay"), func(s *idem.Steps, in order) (order, error) {
+	flow := idem.MustNewFlow(testdb.Name("pay"), func(ctx context.Context, s *idem.Steps, in order) (order, error) {
 		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
@@ -164,7 +164,7 @@ func TestFlowHandlerHoldsNoTransactionDuringTheCall(t *testing.T) {
 	}
 	var acquired atomic.Int32
 	acquired.Store(-1)
-	flow := idem.MustNewFlow(testdb.Name("held"), func(s *idem.Steps, _ struct{}) (int, error) {
+	flow := idem.MustNewFlow(testdb.Name("held"), func(ctx context.Context, s *idem.Steps, _ struct{}) (int, error) {
 		return idem.Call(s, "call", func(context.Context, string) (int, error) {
 			acquired.Store(pool.Stat().AcquiredConns())
 			return 1, nil
