@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -148,6 +150,33 @@ func TestFlowHandlerAnswers503WhenACallFailsAndTheRetryContinues(t *testing.T) {
 	}
 	if p.charges.Load() != 1 || p.calls.Load() != 3 || countPayments(t, pool, tenant) != 1 {
 		t.Fatalf("%d charges, %d calls, %d payments; want 1, 3, 1", p.charges.Load(), p.calls.Load(), countPayments(t, pool, tenant))
+	}
+}
+
+// TestFlowHandlerAnswersAFunctionsErrorThatWrapsASentinel503 fails the
+// call with errors that wrap idem's sentinels, as a provider's client may
+// (idemhttp.Transport's ErrInvalidKey for a request with another key): the
+// error is the flow's own, incomplete, whatever it wraps, and the client
+// is told to retry, not that its key is invalid, reused or in progress.
+// idemgrpc answers the same (TestFlowMethodAnswersEachWayAFlowFailsAsIdemhttpDoes).
+func TestFlowHandlerAnswersAFunctionsErrorThatWrapsASentinel503(t *testing.T) {
+	_, _, tenant, p, srv := setupFlow(t, idemhttp.Config{Logger: slog.New(slog.DiscardHandler)})
+	sentinels := []error{idem.ErrInvalidKey, idem.ErrFingerprintMismatch, idem.ErrInProgress, idem.ErrInputNotStorable}
+	p.fail = func(attempt int64) error {
+		if int(attempt) <= len(sentinels) {
+			return fmt.Errorf("the provider's client: %w", sentinels[attempt-1])
+		}
+		return nil
+	}
+	for _, sentinel := range sentinels {
+		failed := post(t, srv, "/payments", tenant, "k", `{"amount_cents": 2500}`)
+		if failed.status != http.StatusServiceUnavailable {
+			t.Fatalf("a call whose error wraps %v: %d %s", sentinel, failed.status, failed.body)
+		}
+		wantProblem(t, failed, 503, idemhttp.DefaultProblemTypeBase, idemhttp.ProblemOperationIncomplete)
+	}
+	if retry := post(t, srv, "/payments", tenant, "k", `{"amount_cents": 2500}`); retry.status != http.StatusCreated {
+		t.Fatalf("the retry after them: %d %s", retry.status, retry.body)
 	}
 }
 
