@@ -389,7 +389,7 @@ func citusOnceAdvance(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 func citusFlows(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	var charges sync.Map // provider key -> times charged
 	var fail atomic.Bool
-	flow := idem.MustNewFlow("citus-charge", func(s *idem.Steps, amount int64) (string, error) {
+	flow := idem.MustNewFlow("citus-charge", func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		if _, err := idem.Local(s, "record", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, 'flow', $2) RETURNING id`,
@@ -704,7 +704,7 @@ func citusReconcile(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	p = newProvider()
 	var refused atomic.Bool
 	refused.Store(true)
-	unsent := idem.MustNewFlow(testdb.Name("unsent"), func(s *idem.Steps, in chargeIn) (string, error) {
+	unsent := idem.MustNewFlow(testdb.Name("unsent"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
 		return idem.Call(s, "notify", func(ctx context.Context, key string) (string, error) {
 			if refused.Load() {
 				return "", fmt.Errorf("connection refused: %w", idem.ErrNotSent)

@@ -54,13 +54,13 @@ Do.
 
 A write that calls another system in the middle (charge the card at the
 payment provider, then record the charge) is a [Flow]: an operation,
-identified by (scope, key) like Run's, whose function takes steps. A
-local step ([Local]) is a transaction of its own whose writes commit with
-the step's result; a call ([Call]) runs with no transaction open and no
-connection held, its intent recorded before and its result after, with a
-provider key (the call function's argument, and [ProviderKeyFromContext])
-that stays the same on every attempt, for the provider's own idempotency
-mechanism. A retry, another process, or a
+identified by (scope, key) like Run's, whose function gets the run's
+context and takes steps. A local step ([Local]) is a transaction of its
+own whose writes commit with the step's result; a call ([Call]) runs with
+no transaction open and no connection held, its intent recorded before and
+its result after, with a provider key (the call function's argument, and
+[ProviderKeyFromContext]) that stays the same on every attempt, for the
+provider's own idempotency mechanism. A retry, another process, or a
 completer ([Flow.Resume]) continues the operation where it stopped:
 completed steps return their results without running again. One executor
 at a time holds a flow, under a lease it renews; one that lost the lease

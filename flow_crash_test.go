@@ -140,7 +140,7 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.F
 		}
 		opts = append(opts, idem.WithObserver(obs))
 	}
-	return idem.MustNewFlow(name, func(s *idem.Steps, in chargeIn) (chargeOut, error) {
+	return idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, in chargeIn) (chargeOut, error) {
 		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,

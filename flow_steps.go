@@ -18,13 +18,9 @@ import (
 // goroutine, and only until the function returns; a flow that takes the
 // same steps in the same order each time it runs is one that can resume.
 type Steps struct {
-	ctx context.Context
+	ctx context.Context // the run's: the flow's function gets it too
 	run *flowRun
 }
-
-// Context returns the context of the run: the caller's context of
-// [Flow.Run], or [Flow.Resume]'s.
-func (s *Steps) Context() context.Context { return s.ctx }
 
 // Scope returns the scope of the flow's operation.
 func (s *Steps) Scope() string { return s.run.k.scope }

@@ -127,7 +127,7 @@ func (p *provider) effects() (charges int, keys map[string]int) {
 // chargeFlow returns the tests' flow, named uniquely, over p; steps counts
 // the local steps that ran.
 func chargeFlow(p *provider, steps *atomic.Int64, opts ...idem.FlowOption) *idem.Flow[chargeIn, chargeOut] {
-	return idem.MustNewFlow(testdb.Name("charge"), func(s *idem.Steps, in chargeIn) (chargeOut, error) {
+	return idem.MustNewFlow(testdb.Name("charge"), func(ctx context.Context, s *idem.Steps, in chargeIn) (chargeOut, error) {
 		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			steps.Add(1)
 			var id int64

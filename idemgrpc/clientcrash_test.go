@@ -47,7 +47,7 @@ func stampingClient() []grpc.DialOption {
 // names the provider key; afterAnswer, when set, runs once the server
 // answered.
 func crashPayFlow(name string, conn *grpc.ClientConn, tenant string, afterAnswer func()) *idem.Flow[int64, int64] {
-	return idem.MustNewFlow(name, func(s *idem.Steps, amount int64) (int64, error) {
+	return idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, amount int64) (int64, error) {
 		return idem.Call(s, "pay", func(ctx context.Context, _ string) (int64, error) {
 			res, err := testpb.NewPaymentsClient(conn).Pay(metadata.AppendToOutgoingContext(ctx, tenantMetadata, tenant),
 				&testpb.PayRequest{AmountCents: amount})

@@ -41,7 +41,7 @@ func init() {
 // the key. afterAnswer, when set, runs once the provider answered.
 func chargeFlow(name, providerURL string, afterAnswer func()) *idem.Flow[int64, string] {
 	client := &http.Client{Transport: &idemhttp.Transport{UseProviderKey: true, BaseDelay: -1}}
-	return idem.MustNewFlow(name, func(s *idem.Steps, amount int64) (string, error) {
+	return idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
 			id, err := postCharge(ctx, client, providerURL, amount, nil)
 			if err == nil && afterAnswer != nil {
@@ -146,7 +146,7 @@ func TestTransportSendsTheProviderKeyUnderTheProvidersHeader(t *testing.T) {
 	p := newKeyedProvider(t, "Cko-Idempotency-Key")
 	client := &http.Client{Transport: &idemhttp.Transport{UseProviderKey: true, Header: "Cko-Idempotency-Key"}}
 	var safe *http.Request
-	flow := idem.MustNewFlow(testdb.Name("cko"), func(s *idem.Steps, amount int64) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("cko"), func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
 			id, err := postCharge(ctx, client, p.url, amount, nil)
 			if err != nil {
@@ -184,7 +184,7 @@ func TestTransportRefusesAFlowCallsRequestThatCarriesAnotherKey(t *testing.T) {
 	// The first run sets a key of its own; the next one sets the call's
 	// own, which is kept.
 	var run atomic.Int64
-	flow := idem.MustNewFlow(testdb.Name("other-key"), func(s *idem.Steps, amount int64) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("other-key"), func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		return idem.Call(s, "send", func(ctx context.Context, providerKey string) (string, error) {
 			key := "a-key-of-its-own"
 			if run.Add(1) > 1 {
@@ -218,7 +218,7 @@ func TestTransportWithoutUseProviderKeyGivesAFlowCallAKeyOfItsOwn(t *testing.T) 
 	ctx, pool, scope := setup(t)
 	p := newKeyedProvider(t, idemhttp.DefaultHeader)
 	client := &http.Client{Transport: &idemhttp.Transport{}}
-	flow := idem.MustNewFlow(testdb.Name("no-stamp"), func(s *idem.Steps, amount int64) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("no-stamp"), func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
 			return postCharge(ctx, client, p.url, amount, nil)
 		})

@@ -330,8 +330,8 @@ func isCommit(sql string) bool {
 // newFlow is the soak's flow: reserve the payment, charge it at the
 // provider with the call's provider key, record the provider's answer.
 func (w *flowSoakWorker) newFlow() *idem.Flow[flowSoakInput, flowSoakAnswer] {
-	return idem.MustNewFlow(w.spec.Flow, func(s *idem.Steps, in flowSoakInput) (flowSoakAnswer, error) {
-		fault := faultOf(s.Context())
+	return idem.MustNewFlow(w.spec.Flow, func(ctx context.Context, s *idem.Steps, in flowSoakInput) (flowSoakAnswer, error) {
+		fault := faultOf(ctx)
 		paymentID, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO idem_flowsoak_payment (scope, key, amount_cents, status)

@@ -23,7 +23,7 @@ func TestInspectFlowAndFlowEnd(t *testing.T) {
 	defer pool.Close()
 	scope := testdb.Name("flow-ops")
 	// A flow whose call failed: in progress, its lease given up.
-	flow := idem.MustNewFlow(testdb.Name("ops"), func(s *idem.Steps, _ struct{}) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("ops"), func(ctx context.Context, s *idem.Steps, _ struct{}) (string, error) {
 		return idem.Call(s, "charge", func(context.Context, string) (string, error) {
 			return "", errors.New("provider timeout")
 		})

@@ -98,7 +98,7 @@ type flowOrder struct {
 func TestFlowRetryStormThroughAConnectionCutter(t *testing.T) {
 	ctx, pool, tenant := setup(t)
 	l := &ledger{loseEvery: 5, failEvery: 7, keys: map[int64]map[string]bool{}}
-	flow := idem.MustNewFlow("pay", func(s *idem.Steps, in flowOrder) (flowOrder, error) {
+	flow := idem.MustNewFlow("pay", func(ctx context.Context, s *idem.Steps, in flowOrder) (flowOrder, error) {
 		id, err := idem.Local(s, "record", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
