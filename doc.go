@@ -96,9 +96,9 @@ stats, inspects records and flows, ends flows, and prints the schema.
 Calls and flows take options, each of which says its default, and each
 typed by where it applies, so that the compiler refuses one given where it
 would mean nothing: [WithWait], [WithRetention], [WithTxOptions],
-[WithMaxResponseSize], [WithCodec] and [WithObserver] are a [SharedOption],
-taken by both; [WithIdleTimeout] and [WithLookupFirst] an [Option], of calls
-only; [WithLease], [WithGrace], [WithProviderWindow] and [WithCallTimeout] a
+[WithIdleTimeout], [WithMaxResponseSize], [WithCodec] and [WithObserver]
+are a [SharedOption], taken by both; [WithLookupFirst] an [Option], of
+calls only; [WithLease], [WithGrace], [WithProviderWindow] and [WithCallTimeout] a
 [FlowOption], of flows only. An option made from a value that cannot work
 makes every call given it fail with [ErrInvalidOption] before anything is
 sent; [CheckOptions] and [CheckFlowOptions] check options once, when a

@@ -73,9 +73,10 @@ type Flow[In, Out any] struct {
 // are a [FlowOption]: its own ([WithLease], [WithGrace],
 // [WithProviderWindow], [WithCallTimeout]) and the [SharedOption]s, which
 // mean for a flow: [WithWait] a duplicate's wait for the executor,
-// [WithRetention] counted from the flow's completion, [WithTxOptions] the
-// local steps' transactions, [WithMaxResponseSize] and [WithCodec] the
-// stored input, step results and answer, and [WithObserver].
+// [WithRetention] counted from the flow's completion, [WithTxOptions] and
+// [WithIdleTimeout] the local steps' transactions, [WithMaxResponseSize]
+// and [WithCodec] the stored input, step results and answer, and
+// [WithObserver].
 //
 // NewFlow refuses an invalid name, a nil fn, or an option made from a
 // value that cannot work, with a [*FieldError] that says which and wraps

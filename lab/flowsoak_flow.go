@@ -151,16 +151,6 @@ func runFlowSoakWorker(ctx context.Context, specJSON string, stdin io.Reader, st
 	}
 	// The tracer dies or freezes at the record's COMMIT (killAtCommit).
 	poolCfg.ConnConfig.Tracer = flowSoakTracer{w}
-	// A worker frozen inside a local step's transaction holds its flow's
-	// row locked, and no other executor can take the flow over until the
-	// server ends that transaction: a server keeps an idle session's
-	// transaction open until its TCP keepalives give up (hours), unless
-	// idle_in_transaction_session_timeout says otherwise. The lease is the
-	// natural bound: a local step makes no pause that long.
-	if poolCfg.ConnConfig.RuntimeParams == nil {
-		poolCfg.ConnConfig.RuntimeParams = make(map[string]string)
-	}
-	poolCfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = strconv.FormatInt(spec.Lease.Milliseconds(), 10)
 	pool, err := cli.OpenPool(ctx, poolCfg, spec.MaxConns)
 	if err != nil {
 		return err
@@ -366,7 +356,13 @@ func (w *flowSoakWorker) newFlow() *idem.Flow[flowSoakInput, flowSoakAnswer] {
 		}
 		w.at(fault, killBeforeAnswer)
 		return flowSoakAnswer{PaymentID: paymentID, ChargeID: charge.ID, Status: charge.Status, Amount: in.Amount}, nil
-	}, idem.WithLease(w.spec.Lease), idem.WithWait(w.spec.Wait))
+	}, idem.WithLease(w.spec.Lease), idem.WithWait(w.spec.Wait),
+		// A worker frozen inside a local step's transaction holds its
+		// flow's row until the server ends its session, after the flow's
+		// idle timeout: a minute by default, the lease here, so that a
+		// freeze there is taken over as soon as one anywhere else. A
+		// local step makes no pause that long.
+		idem.WithIdleTimeout(w.spec.Lease))
 }
 
 // flowSoakProviderError is a call to the provider that got no answer: an
