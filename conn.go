@@ -149,3 +149,23 @@ func (r *runningKeys) leave(k keyRef) {
 		r.keys = slices.Delete(r.keys, i, i+1)
 	}
 }
+
+// citusKey is where a connection keeps whether its database has Citus, in
+// pgconn's CustomData, as its last claim's KeyLock read it (or OnceEach's
+// CitusInstalled): a statement that waits for a key's record then takes
+// its wait budget from KeyWaitBudgetCitus (see queueWaiting).
+const citusKey = "idem.citus"
+
+// citusOf reports what data says of whether the database has Citus;
+// known is false before a claim read it.
+func citusOf(data map[string]any) (citus, known bool) {
+	citus, known = data[citusKey].(bool)
+	return citus, known
+}
+
+// setCitus records in data whether the database has Citus.
+func setCitus(data map[string]any, citus bool) {
+	if data != nil {
+		data[citusKey] = citus
+	}
+}

@@ -554,6 +554,36 @@ func (q *Queries) KeyInsert(ctx context.Context, arg KeyInsertParams) error {
 	return err
 }
 
+const keyInsertCitus = `-- name: KeyInsertCitus :exec
+INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
+VALUES ($1::text, $2::text, $3::bytea, 'done',
+        $4::text::jsonb, now() + $5::interval)
+`
+
+type KeyInsertCitusParams struct {
+	Scope       string
+	Key         string
+	Fingerprint []byte
+	Response    pgtype.Text
+	Retention   pgtype.Interval
+}
+
+// KeyInsertCitus is KeyInsert for a database with Citus, sent between
+// KeyWaitBudgetCitus and KeyWaitRestoreCitus, which bound its wait: an
+// INSERT of one row of values, which Citus routes whole to the node of the
+// scope's shard. KeyInsert's CTE makes Citus plan it in three steps
+// through the coordinator (INSERT ... SELECT pulled to the coordinator).
+func (q *Queries) KeyInsertCitus(ctx context.Context, arg KeyInsertCitusParams) error {
+	_, err := q.db.Exec(ctx, keyInsertCitus,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.Response,
+		arg.Retention,
+	)
+	return err
+}
+
 const keyInspect = `-- name: KeyInspect :one
 SELECT fingerprint, state, response, created_at, expires_at,
        (expires_at <= now())::bool AS expired
@@ -607,7 +637,11 @@ SELECT CASE
        END::int AS lock,
        now()::timestamptz AS tx_start,
        current_setting('transaction_isolation') = 'read committed' AS read_committed,
-       current_setting('transaction_read_only')::bool AS read_only
+       current_setting('transaction_read_only')::bool AS read_only,
+       -- citus: the database has Citus (see CitusInstalled), where the
+       -- statements that wait for a record take their budget from
+       -- KeyWaitBudgetCitus and the record is stored by KeyInsertCitus.
+       (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL)::bool AS citus
 `
 
 type KeyLockParams struct {
@@ -622,6 +656,7 @@ type KeyLockRow struct {
 	TxStart       pgtype.Timestamptz
 	ReadCommitted bool
 	ReadOnly      bool
+	Citus         bool
 }
 
 // KeyLock takes the key's lock, a transaction-scoped advisory lock on a hash
@@ -661,6 +696,7 @@ func (q *Queries) KeyLock(ctx context.Context, arg KeyLockParams) (KeyLockRow, e
 		&i.TxStart,
 		&i.ReadCommitted,
 		&i.ReadOnly,
+		&i.Citus,
 	)
 	return i, err
 }
@@ -978,6 +1014,43 @@ func (q *Queries) KeyReplace(ctx context.Context, arg KeyReplaceParams) error {
 	return err
 }
 
+const keyReplaceCitus = `-- name: KeyReplaceCitus :exec
+INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, response, expires_at)
+VALUES ($1::text, $2::text, $3::bytea, 'done',
+        $4::text::jsonb, now() + $5::interval)
+ON CONFLICT (scope, key) DO UPDATE
+SET fingerprint = excluded.fingerprint,
+    state = excluded.state,
+    response = excluded.response,
+    created_at = excluded.created_at,
+    expires_at = excluded.expires_at
+WHERE 1 / (existing.expires_at <= excluded.created_at
+           OR existing.state = 'in_progress')::int = 1
+`
+
+type KeyReplaceCitusParams struct {
+	Scope       string
+	Key         string
+	Fingerprint []byte
+	Response    pgtype.Text
+	Retention   pgtype.Interval
+}
+
+// KeyReplaceCitus is KeyReplace for a database with Citus, routed whole
+// to one node as KeyInsertCitus is. When the record is live again, its
+// conflict's WHERE divides by zero: division_by_zero, as KeyReplace, so
+// that a COMMIT pipelined behind it keeps nothing.
+func (q *Queries) KeyReplaceCitus(ctx context.Context, arg KeyReplaceCitusParams) error {
+	_, err := q.db.Exec(ctx, keyReplaceCitus,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.Response,
+		arg.Retention,
+	)
+	return err
+}
+
 const keySizesCitus = `-- name: KeySizesCitus :one
 SELECT citus_table_size('idempotency_key'::regclass)::bigint AS table_bytes,
        (citus_total_relation_size('idempotency_key'::regclass) - citus_table_size('idempotency_key'::regclass))::bigint AS index_bytes
@@ -1060,5 +1133,57 @@ type KeyStoreResponseParams struct {
 // record), it fails with division_by_zero instead of succeeding quietly.
 func (q *Queries) KeyStoreResponse(ctx context.Context, arg KeyStoreResponseParams) error {
 	_, err := q.db.Exec(ctx, keyStoreResponse, arg.Response, arg.Scope, arg.Key)
+	return err
+}
+
+const keyWaitBudgetCitus = `-- name: KeyWaitBudgetCitus :exec
+WITH budget AS MATERIALIZED (
+    SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS saved,
+           set_config('lock_timeout', $2::text, true) AS applied
+)
+SELECT FROM budget
+WHERE NOT EXISTS (
+    SELECT FROM idempotency_key
+    WHERE scope = $1::text
+    LIMIT 0
+)
+`
+
+type KeyWaitBudgetCitusParams struct {
+	Scope       string
+	LockTimeout string
+}
+
+// KeyWaitBudgetCitus sets the wait budget, @lock_timeout, on the node
+// that holds the scope's shard, for the statement sent after it, which
+// waits there for a transaction that holds a key's record (on a Citus
+// coordinator, whose own session the set_config of KeyInsert, KeyClaimWait
+// or KeyClaimBatch does not reach: Citus runs their INSERT on that node,
+// over the connection this statement used). It keeps the node's own
+// lock_timeout in idem.saved_lock_timeout, for KeyWaitRestoreCitus, which
+// follows the waiting statement. It names the scope's rows, which it
+// never reads (LIMIT 0), so that Citus runs it on that node, as
+// KeyLockWait does. On PostgreSQL it sets the budget in the session
+// (the waiting statement then sets and restores the same value).
+func (q *Queries) KeyWaitBudgetCitus(ctx context.Context, arg KeyWaitBudgetCitusParams) error {
+	_, err := q.db.Exec(ctx, keyWaitBudgetCitus, arg.Scope, arg.LockTimeout)
+	return err
+}
+
+const keyWaitRestoreCitus = `-- name: KeyWaitRestoreCitus :exec
+SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)
+WHERE NOT EXISTS (
+    SELECT FROM idempotency_key
+    WHERE scope = $1::text
+    LIMIT 0
+)
+`
+
+// KeyWaitRestoreCitus gives the node of the scope's shard back the
+// lock_timeout that KeyWaitBudgetCitus kept, once the waiting statement is
+// done, so that the rest of the transaction's statements there run under
+// it.
+func (q *Queries) KeyWaitRestoreCitus(ctx context.Context, scope string) error {
+	_, err := q.db.Exec(ctx, keyWaitRestoreCitus, scope)
 	return err
 }

@@ -33,7 +33,7 @@ var wireSQL = [wireStatements]string{keyLock, keyGet, keyInsert, keyReplace, key
 // connection's own statement cache (pgx's) names its statements by a hash
 // of their text, so these cannot collide with them.
 var wireNames = [wireStatements]string{
-	"idem_key_lock_1", "idem_key_get_2", "idem_key_insert_2", "idem_key_replace_2", "idem_key_store_response_1",
+	"idem_key_lock_2", "idem_key_get_2", "idem_key_insert_2", "idem_key_replace_2", "idem_key_store_response_1",
 }
 
 // Formats: every argument and every result column is sent in binary, but
@@ -332,13 +332,14 @@ const (
 var errWireColumns = errors.New("dbsqlc: unexpected columns in a result")
 
 func decodeKeyLock(v [][]byte, row *KeyLockRow) error {
-	if len(v) != 4 || len(v[0]) != 4 || len(v[1]) != 8 || len(v[2]) != 1 || len(v[3]) != 1 {
+	if len(v) != 5 || len(v[0]) != 4 || len(v[1]) != 8 || len(v[2]) != 1 || len(v[3]) != 1 || len(v[4]) != 1 {
 		return errWireColumns
 	}
 	row.Lock = int32(binary.BigEndian.Uint32(v[0]))
 	row.TxStart = decodeTimestamptz(v[1])
 	row.ReadCommitted = v[2][0] != 0
 	row.ReadOnly = v[3][0] != 0
+	row.Citus = v[4][0] != 0
 	return nil
 }
 
