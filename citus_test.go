@@ -644,11 +644,12 @@ func citusWaitBudget(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 }
 
 // citusKeyLocks claims 20 keys of a scope on each worker in one
-// transaction with Once, one scope after the other: each worker holds
-// MaxKeyLocks key locks, and the rest of its keys are claimed by records
-// in progress. (The count restarts when a transaction's claims move to
-// another worker, whose part of the transaction starts anew: see
-// docs/large-deployments.md.)
+// transaction with Once, one scope after the other, and then alternating
+// between the workers' scopes: each worker holds MaxKeyLocks key locks,
+// and the rest of its keys are claimed by records in progress. The bound
+// is per node (each worker's part of the transaction counts its own), so
+// that no worker's lock table gets more than MaxKeyLocks entries from one
+// transaction, in whatever order its keys come.
 func citusKeyLocks(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool *pgxpool.Pool) {
 	prefix := testdb.Name("locks")
 	scopes := make([]string, len(c.Workers))
@@ -666,33 +667,61 @@ func citusKeyLocks(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool
 			}
 		}
 	}
-	err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
-		for _, scope := range scopes {
-			for i := range 20 {
-				if _, err := idem.Once(ctx, tx, scope, fmt.Sprint(i), func(context.Context, pgx.Tx) error { return nil }); err != nil {
-					return err
+	const perWorker = 20
+	for _, order := range []string{"ScopeByScope", "Alternating"} {
+		t.Run(order, func(t *testing.T) {
+			var claims [][2]string
+			if order == "ScopeByScope" {
+				for _, scope := range scopes {
+					for i := range perWorker {
+						claims = append(claims, [2]string{scope, fmt.Sprint(i)})
+					}
+				}
+			} else {
+				for i := range perWorker {
+					for _, scope := range scopes {
+						claims = append(claims, [2]string{scope, fmt.Sprint(i)})
+					}
 				}
 			}
-		}
-		for i := range c.Workers {
-			conn, err := pgx.Connect(ctx, c.WorkerURL(i, "idem_citus"))
+			err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+				for _, cl := range claims {
+					ran, err := idem.Once(ctx, tx, cl[0], order+"-"+cl[1], func(context.Context, pgx.Tx) error { return nil })
+					if err != nil {
+						return err
+					}
+					if !ran {
+						t.Errorf("%s/%s did not run", cl[0], cl[1])
+					}
+				}
+				for i := range c.Workers {
+					conn, err := pgx.Connect(ctx, c.WorkerURL(i, "idem_citus"))
+					if err != nil {
+						return err
+					}
+					var locks int
+					err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted`).Scan(&locks)
+					conn.Close(ctx)
+					if err != nil {
+						return err
+					}
+					if locks != idem.MaxKeyLocks {
+						t.Errorf("worker %d holds %d key locks for %d keys, want MaxKeyLocks, %d", i, locks, perWorker, idem.MaxKeyLocks)
+					}
+				}
+				return nil
+			})
 			if err != nil {
-				return err
+				t.Fatal(err)
 			}
-			var locks int
-			err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted`).Scan(&locks)
-			conn.Close(ctx)
-			if err != nil {
-				return err
+			var records int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM idempotency_key WHERE scope = ANY($1) AND key LIKE $2`, scopes, order+"-%").Scan(&records); err != nil {
+				t.Fatal(err)
 			}
-			if locks != idem.MaxKeyLocks {
-				t.Errorf("worker %d holds %d key locks, want MaxKeyLocks, %d", i, locks, idem.MaxKeyLocks)
+			if records != perWorker*len(scopes) {
+				t.Fatalf("%d records, want %d", records, perWorker*len(scopes))
 			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
+		})
 	}
 }
 

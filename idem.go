@@ -221,10 +221,11 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	held := heldLocks(data)
 	lockArg := dbsqlc.KeyLockParams{FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID}
 	var got dbsqlc.Claim
-	// A caller's transaction whose count of key locks is full claims the
-	// key by its record in progress in the claim's own round trip
-	// (KeyClaimIfFull), then reads the record again (again, foundAgain).
-	full := tx != nil && held.n >= MaxKeyLocks && held.of(tx, conn)
+	// A caller's transaction whose count of key locks is full (on Citus,
+	// one of its workers' counts) claims the key by its record in progress
+	// in the claim's own round trip (KeyClaimIfFull), where its count is
+	// full, then reads the record again (again, foundAgain).
+	full := tx != nil && len(lockArg.FullSince) > 0 && held.of(tx, conn)
 	var ifFull dbsqlc.KeyClaimIfFullRow
 	var again dbsqlc.KeyGetRow
 	var foundAgain bool

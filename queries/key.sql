@@ -10,10 +10,15 @@
 -- left alone:
 -- - the key has a live, completed record: a replay or a mismatch needs no
 --   lock, so that a redelivered batch costs no lock-table entry per key;
--- - the transaction already holds as many key locks as it may. The caller
---   counts them and sends, once its count is full, the start of the
---   transaction that took them as @full_since; now() is the start of the
---   current one, so a new transaction starts its count again. Advisory
+-- - the transaction already holds as many key locks as it may on this
+--   server. The caller counts them by the start of the transaction that
+--   took them (tx_start, now()) and sends in @full_since the starts whose
+--   counts are full; a new transaction, whose now() is none of them,
+--   starts its count again. On PostgreSQL there is one start; on Citus,
+--   where this statement runs on the worker of the scope's shard, each
+--   worker's part of the distributed transaction has a start of its own,
+--   and so a count of its own: the bound is per node, each node's lock
+--   table its own. Advisory
 --   locks live in the server's shared lock table, which every session of
 --   every database shares: a transaction that took one per key could fill
 --   it and make other sessions fail. Past the limit the claim writes its
@@ -24,7 +29,7 @@
 -- read_committed tells it which way to claim (see KeyClaim).
 SELECT CASE
            WHEN current_setting('transaction_read_only')::bool THEN 0
-           WHEN now() = @full_since::timestamptz THEN 0
+           WHEN now() = ANY(@full_since::timestamptz[]) THEN 0
            WHEN EXISTS (
                SELECT FROM idempotency_key
                WHERE scope = @scope::text
@@ -247,7 +252,7 @@ CROSS JOIN counted;
 -- KeyClaimIfFull is KeyClaimWait sent in the claim's own round trip, behind
 -- KeyLock and KeyGet, by a caller whose count of key locks is full: it
 -- writes the record in progress only when KeyLock did not try the lock for
--- that reason (now() is @full_since, as in KeyLock), the transaction is
+-- that reason (now() is in @full_since, as in KeyLock), the transaction is
 -- read-write, and no live completed record is in the way (a replay needs
 -- no claim); attempted says whether it did. Otherwise it does nothing,
 -- and the claim goes on from KeyLock's and KeyGet's answers. A key past a
@@ -258,7 +263,7 @@ CROSS JOIN counted;
 WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
            set_config('lock_timeout', @lock_timeout::text, true) AS applied
-    WHERE now() = @full_since::timestamptz
+    WHERE now() = ANY(@full_since::timestamptz[])
       AND NOT current_setting('transaction_read_only')::bool
       AND NOT EXISTS (
           SELECT FROM idempotency_key
