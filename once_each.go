@@ -125,13 +125,25 @@ func newBatch(scope string, ids []string) ([]string, error) {
 // budget set there (queueWaiting). Whether the database has Citus is what
 // the connection's last claim read; before one did, the batch asks
 // (CitusInstalled) in the same round trip, and sets the budget both ways,
-// which on PostgreSQL sets the same lock_timeout twice.
+// which on PostgreSQL sets the same lock_timeout twice (over database/sql,
+// which has no pipeline, it asks first).
 func claimBatch(ctx context.Context, tx pgx.Tx, scope string, keys []string, fp []byte, o *options) (map[string]bool, error) {
 	q := dbsqlc.New(tx)
 	started := time.Now()
 	budget := func() string { return millis(max(o.wait-time.Since(started), 0)) }
 	data := stateOf(tx, tx.Conn())
 	citus, known := citusOf(data)
+	if !known && tx.Conn() == nil {
+		// No pipeline (idemsql's database/sql): each statement is a round
+		// trip, and asking first costs one where setting the budget both
+		// ways would cost three.
+		installed, err := q.CitusInstalled(ctx)
+		if err != nil {
+			return nil, translate("idem: claim batch", err)
+		}
+		citus, known = installed, true
+		setCitus(data, citus)
+	}
 	var got []string
 	b := &pgx.Batch{}
 	if !known {
