@@ -376,7 +376,9 @@ const (
 // the same wait budget, instead of on the lock. Replays and mismatches take
 // no lock at all. So however many keys a transaction claims, and however
 // many transactions do, idem holds at most MaxKeyLocks entries per
-// connection, well under max_locks_per_transaction.
+// connection, well under max_locks_per_transaction. On Citus, where the
+// key locks are taken on the workers, a transaction holds at most
+// MaxKeyLocks on each worker (docs/large-deployments.md).
 const MaxKeyLocks = 16
 
 // claimRow claims k in tx by writing its record in progress (KeyClaimWait),
