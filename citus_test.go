@@ -146,6 +146,7 @@ func TestCitus(t *testing.T) {
 	t.Run("KeyLocksPerWorker", func(t *testing.T) { citusKeyLocks(t, ctx, c, pool) })
 	t.Run("ExpiredRecordsTakenOver", func(t *testing.T) { citusExpired(t, ctx, pool) })
 	t.Run("OnceEach", func(t *testing.T) { citusOnceEach(t, ctx, c, pool) })
+	t.Run("WaitBudgetOnTheWorker", func(t *testing.T) { citusWaitBudget(t, ctx, pool) })
 	t.Run("Flows", func(t *testing.T) { citusFlows(t, ctx, pool) })
 	t.Run("FlowsReconcile", func(t *testing.T) { citusReconcile(t, ctx, pool) })
 	t.Run("FlowCrashes", func(t *testing.T) { citusFlowCrashes(t, ctx, c, pool) })
@@ -389,7 +390,7 @@ func citusOnceAdvance(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 func citusFlows(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	var charges sync.Map // provider key -> times charged
 	var fail atomic.Bool
-	flow := idem.MustNewFlow("citus-charge", func(s *idem.Steps, amount int64) (string, error) {
+	flow := idem.MustNewFlow("citus-charge", func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		if _, err := idem.Local(s, "record", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, 'flow', $2) RETURNING id`,
@@ -496,9 +497,8 @@ func citusOnceEach(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool
 	// key lock and an uncommitted record, m-19, past MaxKeyLocks, on its
 	// record alone (KeyClaimIfFull).
 	const held = idem.MaxKeyLocks + 4
-	// The batch waits for it on the worker, as long as the holder is open:
-	// the wait budget, set in the coordinator's session, does not reach
-	// the worker (docs/large-deployments.md).
+	// The batch waits for it on the worker, under its wait budget, which
+	// is set there (citusWaitBudget has the budget run out).
 	for _, end := range []string{"commits", "rolls back"} {
 		scope := scope + " " + end
 		_, finish := holdBatch(t, ctx, pool, scope, held)
@@ -545,12 +545,111 @@ func citusOnceEach(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool
 	}
 }
 
+// citusWaitBudget has duplicates wait for keys that another transaction
+// holds by records in progress, on a worker, with a short wait budget:
+// OnceEach's batch (KeyClaimBatch), Run's record written after fn
+// (KeyInsertCitus), and a claim past MaxKeyLocks (KeyClaimIfFull). Each
+// gives up with ErrInProgress while the holder stays open, near its budget,
+// and leaves the worker's lock_timeout as it found it.
+func citusWaitBudget(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
+	scope := testdb.Name("budget")
+	// m-0 to m-15 are held on their key locks and records, m-16 to m-19,
+	// past MaxKeyLocks, on their records alone.
+	const held = idem.MaxKeyLocks + 4
+	_, finish := holdBatch(t, ctx, pool, scope, held)
+	defer finish(false)
+	const wait = 500 * time.Millisecond
+	// What a wait that does not end with the holder may take past its
+	// budget: the round trips through the coordinator, on a busy machine.
+	const slack = 10 * time.Second
+	onRecord := fmt.Sprintf("m-%d", held-1)
+	// workerLockTimeout reads lock_timeout on the worker of the scope's
+	// shard, in tx, over the connection the coordinator uses there: the
+	// statement names the scope's rows (and reads none), so Citus runs it
+	// there.
+	workerLockTimeout := func(t *testing.T, tx pgx.Tx) string {
+		var got string
+		if err := tx.QueryRow(ctx, `SELECT current_setting('lock_timeout')
+			WHERE NOT EXISTS (SELECT FROM idempotency_key WHERE scope = $1 LIMIT 0)`, scope).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	for _, c := range []struct {
+		name string
+		call func(ctx context.Context, tx pgx.Tx) error
+	}{
+		{"OnceEach", func(ctx context.Context, tx pgx.Tx) error {
+			_, err := idem.OnceEach(ctx, tx, scope, []string{"fresh-1", onRecord}, func(context.Context, pgx.Tx, int) error { return nil }, idem.WithWait(wait))
+			return err
+		}},
+		{"DoStoringOverARecord", func(ctx context.Context, tx pgx.Tx) error {
+			var calls atomic.Int64
+			_, err := idem.Do(ctx, tx, scope, onRecord, nil, pay(scope, onRecord, 1, &calls), idem.WithWait(wait))
+			return err
+		}},
+		{"OncePastMaxKeyLocks", func(ctx context.Context, tx pgx.Tx) error {
+			for i := range idem.MaxKeyLocks {
+				if _, err := idem.Once(ctx, tx, scope, fmt.Sprintf("own-%d", i), func(context.Context, pgx.Tx) error { return nil }); err != nil {
+					return err
+				}
+			}
+			_, err := idem.Once(ctx, tx, scope, onRecord, func(context.Context, pgx.Tx) error { return nil }, idem.WithWait(wait))
+			return err
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(context.WithoutCancel(ctx))
+			// The same worker's session, and what its lock_timeout is.
+			before := workerLockTimeout(t, tx)
+			// A wait that the budget does not bound ends only with the
+			// holder: the call's context ends it first.
+			callCtx, cancel := context.WithTimeout(ctx, wait+slack)
+			defer cancel()
+			started := time.Now()
+			err = c.call(callCtx, tx)
+			took := time.Since(started)
+			if !errors.Is(err, idem.ErrInProgress) {
+				t.Fatalf("a duplicate of a key held on a worker by a record in progress, WithWait(%s): %v, want ErrInProgress", wait, err)
+			}
+			if took > wait+slack {
+				t.Fatalf("the duplicate gave up after %s, past its budget of %s", took, wait)
+			}
+			t.Logf("gave up after %s (budget %s)", took, wait)
+			_ = tx.Rollback(ctx)
+
+			// A call that waits for nothing leaves the worker's
+			// lock_timeout as it was.
+			tx, err = pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(context.WithoutCancel(ctx))
+			if _, err := idem.OnceEach(ctx, tx, scope, []string{"free-" + c.name}, func(context.Context, pgx.Tx, int) error { return nil }, idem.WithWait(wait)); err != nil {
+				t.Fatal(err)
+			}
+			var calls atomic.Int64
+			if _, err := idem.Do(ctx, tx, scope, "do-"+c.name, nil, pay(scope, "do-"+c.name, 1, &calls), idem.WithWait(wait)); err != nil {
+				t.Fatal(err)
+			}
+			if after := workerLockTimeout(t, tx); after != before {
+				t.Fatalf("the worker's lock_timeout is %s after the calls, was %s", after, before)
+			}
+		})
+	}
+}
+
 // citusKeyLocks claims 20 keys of a scope on each worker in one
-// transaction with Once, one scope after the other: each worker holds
-// MaxKeyLocks key locks, and the rest of its keys are claimed by records
-// in progress. (The count restarts when a transaction's claims move to
-// another worker, whose part of the transaction starts anew: see
-// docs/large-deployments.md.)
+// transaction with Once, one scope after the other, and then alternating
+// between the workers' scopes: each worker holds MaxKeyLocks key locks,
+// and the rest of its keys are claimed by records in progress. The bound
+// is per node (each worker's part of the transaction counts its own), so
+// that no worker's lock table gets more than MaxKeyLocks entries from one
+// transaction, in whatever order its keys come.
 func citusKeyLocks(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool *pgxpool.Pool) {
 	prefix := testdb.Name("locks")
 	scopes := make([]string, len(c.Workers))
@@ -568,33 +667,61 @@ func citusKeyLocks(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool
 			}
 		}
 	}
-	err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
-		for _, scope := range scopes {
-			for i := range 20 {
-				if _, err := idem.Once(ctx, tx, scope, fmt.Sprint(i), func(context.Context, pgx.Tx) error { return nil }); err != nil {
-					return err
+	const perWorker = 20
+	for _, order := range []string{"ScopeByScope", "Alternating"} {
+		t.Run(order, func(t *testing.T) {
+			var claims [][2]string
+			if order == "ScopeByScope" {
+				for _, scope := range scopes {
+					for i := range perWorker {
+						claims = append(claims, [2]string{scope, fmt.Sprint(i)})
+					}
+				}
+			} else {
+				for i := range perWorker {
+					for _, scope := range scopes {
+						claims = append(claims, [2]string{scope, fmt.Sprint(i)})
+					}
 				}
 			}
-		}
-		for i := range c.Workers {
-			conn, err := pgx.Connect(ctx, c.WorkerURL(i, "idem_citus"))
+			err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+				for _, cl := range claims {
+					ran, err := idem.Once(ctx, tx, cl[0], order+"-"+cl[1], func(context.Context, pgx.Tx) error { return nil })
+					if err != nil {
+						return err
+					}
+					if !ran {
+						t.Errorf("%s/%s did not run", cl[0], cl[1])
+					}
+				}
+				for i := range c.Workers {
+					conn, err := pgx.Connect(ctx, c.WorkerURL(i, "idem_citus"))
+					if err != nil {
+						return err
+					}
+					var locks int
+					err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted`).Scan(&locks)
+					conn.Close(ctx)
+					if err != nil {
+						return err
+					}
+					if locks != idem.MaxKeyLocks {
+						t.Errorf("worker %d holds %d key locks for %d keys, want MaxKeyLocks, %d", i, locks, perWorker, idem.MaxKeyLocks)
+					}
+				}
+				return nil
+			})
 			if err != nil {
-				return err
+				t.Fatal(err)
 			}
-			var locks int
-			err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted`).Scan(&locks)
-			conn.Close(ctx)
-			if err != nil {
-				return err
+			var records int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM idempotency_key WHERE scope = ANY($1) AND key LIKE $2`, scopes, order+"-%").Scan(&records); err != nil {
+				t.Fatal(err)
 			}
-			if locks != idem.MaxKeyLocks {
-				t.Errorf("worker %d holds %d key locks, want MaxKeyLocks, %d", i, locks, idem.MaxKeyLocks)
+			if records != perWorker*len(scopes) {
+				t.Fatalf("%d records, want %d", records, perWorker*len(scopes))
 			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
+		})
 	}
 }
 
@@ -704,7 +831,7 @@ func citusReconcile(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	p = newProvider()
 	var refused atomic.Bool
 	refused.Store(true)
-	unsent := idem.MustNewFlow(testdb.Name("unsent"), func(s *idem.Steps, in chargeIn) (string, error) {
+	unsent := idem.MustNewFlow(testdb.Name("unsent"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
 		return idem.Call(s, "notify", func(ctx context.Context, key string) (string, error) {
 			if refused.Load() {
 				return "", fmt.Errorf("connection refused: %w", idem.ErrNotSent)
@@ -1004,15 +1131,21 @@ func BenchmarkCitusRun(b *testing.B) {
 	if _, err := plain.Exec(ctx, testdb.AppSchema); err != nil {
 		b.Fatal(err)
 	}
+	// citus-unrouted stores the record as on PostgreSQL (KeyInsert, which
+	// Citus runs in three steps through the coordinator), citus by the
+	// statements Citus routes to the scope's worker (KeyInsertCitus):
+	// before and after, on one cluster.
 	pools := []struct {
-		name string
-		pool *pgxpool.Pool
-	}{{"citus", citus}, {"postgres", plain}}
+		name   string
+		pool   *pgxpool.Pool
+		routed bool
+	}{{"citus", citus, true}, {"citus-unrouted", citus, false}, {"postgres", plain, true}}
 	const tenants = 20
 	var seq atomic.Int64
 	for round := range 2 {
 		for _, p := range pools {
 			b.Run(fmt.Sprintf("round=%d/%s/first", round, p.name), func(b *testing.B) {
+				defer idem.RouteStoreOnCitus(p.routed)()
 				b.SetParallelism(8)
 				b.RunParallel(func(pb *testing.PB) {
 					var calls atomic.Int64
@@ -1029,6 +1162,9 @@ func BenchmarkCitusRun(b *testing.B) {
 			})
 		}
 		for _, p := range pools {
+			if !p.routed {
+				continue // a replay stores nothing
+			}
 			b.Run(fmt.Sprintf("round=%d/%s/replay", round, p.name), func(b *testing.B) {
 				var calls atomic.Int64
 				const keys = 200

@@ -384,7 +384,7 @@ func TestIdleTimeoutFreesTheKeyOfAClientThatVanished(t *testing.T) {
 			if _, err := idem.Do(ctx, tx, scope, "k", fpA, pay(scope, "k", 100, &calls), opts...); err != nil {
 				t.Fatal(err)
 			}
-			f.freeze() // the client vanishes with its transaction open
+			f.Freeze() // the client vanishes with its transaction open
 
 			wait := time.Minute
 			if !bounded {

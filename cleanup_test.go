@@ -3,9 +3,6 @@ package idem_test
 import (
 	"context"
 	"errors"
-	"io"
-	"net"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -18,18 +15,9 @@ import (
 	"github.com/pgidem/idem/internal/testdb"
 )
 
-// freezer is a TCP proxy in front of the test server that can stop
-// forwarding, without closing anything: to the client, a connection whose
-// server (or network) stopped answering.
-type freezer struct {
-	proxy  *faultproxy.Proxy
-	frozen chan struct{}
-	once   sync.Once
-}
-
 // setupFrozen returns a pool whose only connection runs through a freezer,
 // and the freezer. Both are closed when the test ends.
-func setupFrozen(t *testing.T) (context.Context, *pgxpool.Pool, string, *freezer) {
+func setupFrozen(t *testing.T) (context.Context, *pgxpool.Pool, string, *faultproxy.Freezer) {
 	ctx, _, scope := setup(t)
 	cfg, err := pgxpool.ParseConfig(env.URL(t))
 	if err != nil {
@@ -41,8 +29,8 @@ func setupFrozen(t *testing.T) (context.Context, *pgxpool.Pool, string, *freezer
 		// (see docs/pgbouncer.md, "What to configure").
 		cfg = env.DirectPool(t).Config()
 	}
-	f := newFreezer(t, cfg.ConnConfig.Host, cfg.ConnConfig.Port)
-	addr := f.proxy.Addr()
+	f := testdb.StartFreezer(t, cfg.ConnConfig.Host, cfg.ConnConfig.Port)
+	addr := f.Addr()
 	cfg.ConnConfig.Host, cfg.ConnConfig.Port = addr.IP.String(), uint16(addr.Port)
 	cfg.ConnConfig.Fallbacks = nil
 	cfg.MaxConns = 1
@@ -52,54 +40,6 @@ func setupFrozen(t *testing.T) (context.Context, *pgxpool.Pool, string, *freezer
 	}
 	t.Cleanup(pool.Close)
 	return ctx, pool, scope, f
-}
-
-// newFreezer starts a freezer in front of the PostgreSQL server at host and
-// port, closed when the test ends.
-func newFreezer(t *testing.T, host string, port uint16) *freezer {
-	t.Helper()
-	f := &freezer{frozen: make(chan struct{})}
-	network, address := faultproxy.PostgresAddress(host, port)
-	var err error
-	f.proxy, err = faultproxy.Start(faultproxy.Config{
-		Network: network,
-		Address: address,
-		Pipes:   func() (faultproxy.Pipe, faultproxy.Pipe) { return f.pipe, f.pipe },
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(f.close)
-	return f
-}
-
-// pipe forwards from src to dst until frozen, then holds what it reads.
-func (f *freezer) pipe(dst, src net.Conn) {
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		select {
-		case <-f.frozen:
-			_, _ = io.Copy(io.Discard, src) // swallow, never answer
-			return
-		default:
-		}
-		if n > 0 {
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
-}
-
-func (f *freezer) freeze() { f.once.Do(func() { close(f.frozen) }) }
-
-func (f *freezer) close() {
-	f.freeze()
-	f.proxy.Close()
 }
 
 // cleanupBound is how long a call may outlive its context, as WithTx
@@ -133,7 +73,7 @@ func TestFailureOnDeadConnectionReturnsSoonAfterDeadline(t *testing.T) {
 							if _, err := pay(scope, "k", 1, &calls)(ctx, tx); err != nil {
 								return payment{}, err
 							}
-							f.freeze()
+							f.Freeze()
 							if late {
 								<-ctx.Done()
 							}

@@ -20,18 +20,41 @@ import (
 // current transaction holds, in pgconn's CustomData.
 const heldKey = "idem.held"
 
-// held counts the key locks of one transaction: the one that started at
-// since (its now()). The count only grows until the transaction ends:
-// locks that a ROLLBACK TO SAVEPOINT released are still counted, which
-// errs on the side of fewer locks.
+// held counts the key locks of one transaction, by the start of the
+// transaction that took them (KeyLock's tx_start, its now()). On
+// PostgreSQL there is one start, and another one is a new transaction,
+// which starts its count again. On a Citus coordinator, KeyLock runs on the
+// worker of the scope's shard, and each worker's part of the distributed
+// transaction has a start of its own: the transaction has a count per
+// worker, each bounding the locks in that worker's lock table (a count of
+// a transaction that ended is never matched again, and is dropped when
+// maxCounts newer ones are kept). A count only grows until its
+// transaction ends: locks that a ROLLBACK TO SAVEPOINT released are still
+// counted, which errs on the side of fewer locks.
 type held struct {
-	since time.Time
-	n     int
+	counts []lockCount
 	// tx is the transaction whose claims were counted last: until
 	// KeyLock reads the start of the next transaction on the connection,
 	// the count is the previous one's (see of).
 	tx pgx.Tx
+	// full is fullSince's answer, its slice reused from call to call.
+	full []pgtype.Timestamptz
+	// clock orders the counts by their last use, for the one to drop.
+	clock uint64
 }
+
+// lockCount is the number of key locks taken in the transaction, or the
+// worker's part of it, that started at since.
+type lockCount struct {
+	since time.Time
+	n     int
+	used  uint64
+}
+
+// maxCounts is the most counts a connection keeps: the workers one Citus
+// transaction claims keys on, beyond which the least recently used count
+// starts again.
+const maxCounts = 16
 
 // txData is a pgx.Tx with no *pgx.Conn under it (idemsql's, over
 // database/sql) that keeps, for its own transaction, what idem keeps on a
@@ -65,13 +88,16 @@ func heldLocks(data map[string]any) *held {
 	return h
 }
 
-// fullSince is KeyLock's @full_since: the start of the transaction whose
-// count is full, or a time no transaction starts at.
-func (h *held) fullSince() pgtype.Timestamptz {
-	if h.n < MaxKeyLocks {
-		return pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
+// fullSince is KeyLock's @full_since: the starts whose counts are full,
+// none (empty) when no count is. The slice is reused by the next call.
+func (h *held) fullSince() []pgtype.Timestamptz {
+	h.full = h.full[:0]
+	for _, c := range h.counts {
+		if c.n >= MaxKeyLocks {
+			h.full = append(h.full, pgtype.Timestamptz{Time: c.since, Valid: true})
+		}
 	}
-	return pgtype.Timestamptz{Time: h.since, Valid: true}
+	return h.full
 }
 
 // of reports whether the count is tx's own before KeyLock has read its
@@ -91,15 +117,32 @@ func (h *held) of(tx pgx.Tx, conn *pgx.Conn) bool {
 	return h.tx != nil && tx != nil && reflect.TypeOf(tx).Comparable() && h.tx == tx
 }
 
-// count adds what KeyLock did to the count of tx, its transaction. A lock
+// count adds what KeyLock did to the count of its start, in tx. A lock
 // that was busy is counted too: the claim waits for it, and then holds it.
 func (h *held) count(lock dbsqlc.KeyLockRow, tx pgx.Tx) {
 	h.tx = tx
-	if !lock.TxStart.Time.Equal(h.since) {
-		h.since, h.n = lock.TxStart.Time, 0
+	i := slices.IndexFunc(h.counts, func(c lockCount) bool { return c.since.Equal(lock.TxStart.Time) })
+	if i < 0 {
+		switch {
+		case !lock.Citus:
+			// One server: another start is another transaction.
+			h.counts = h.counts[:0]
+		case len(h.counts) >= maxCounts:
+			oldest := 0
+			for j, c := range h.counts {
+				if c.used < h.counts[oldest].used {
+					oldest = j
+				}
+			}
+			h.counts = slices.Delete(h.counts, oldest, oldest+1)
+		}
+		h.counts = append(h.counts, lockCount{since: lock.TxStart.Time})
+		i = len(h.counts) - 1
 	}
+	h.clock++
+	h.counts[i].used = h.clock
 	if lock.Lock != lockSkipped {
-		h.n++
+		h.counts[i].n++
 	}
 }
 
@@ -147,5 +190,25 @@ func (r *runningKeys) leave(k keyRef) {
 	}
 	if i := slices.IndexFunc(r.keys, k.same); i >= 0 {
 		r.keys = slices.Delete(r.keys, i, i+1)
+	}
+}
+
+// citusKey is where a connection keeps whether its database has Citus, in
+// pgconn's CustomData, as its last claim's KeyLock read it (or OnceEach's
+// CitusInstalled): a statement that waits for a key's record then takes
+// its wait budget from KeyWaitBudgetCitus (see queueWaiting).
+const citusKey = "idem.citus"
+
+// citusOf reports what data says of whether the database has Citus;
+// known is false before a claim read it.
+func citusOf(data map[string]any) (citus, known bool) {
+	citus, known = data[citusKey].(bool)
+	return citus, known
+}
+
+// setCitus records in data whether the database has Citus.
+func setCitus(data map[string]any, citus bool) {
+	if data != nil {
+		data[citusKey] = citus
 	}
 }

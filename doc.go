@@ -54,13 +54,13 @@ Do.
 
 A write that calls another system in the middle (charge the card at the
 payment provider, then record the charge) is a [Flow]: an operation,
-identified by (scope, key) like Run's, whose function takes steps. A
-local step ([Local]) is a transaction of its own whose writes commit with
-the step's result; a call ([Call]) runs with no transaction open and no
-connection held, its intent recorded before and its result after, with a
-provider key (the call function's argument, and [ProviderKeyFromContext])
-that stays the same on every attempt, for the provider's own idempotency
-mechanism. A retry, another process, or a
+identified by (scope, key) like Run's, whose function gets the run's
+context and takes steps. A local step ([Local]) is a transaction of its
+own whose writes commit with the step's result; a call ([Call]) runs with
+no transaction open and no connection held, its intent recorded before and
+its result after, with a provider key (the call function's argument, and
+[ProviderKeyFromContext]) that stays the same on every attempt, for the
+provider's own idempotency mechanism. A retry, another process, or a
 completer ([Flow.Resume]) continues the operation where it stopped:
 completed steps return their results without running again. One executor
 at a time holds a flow, under a lease it renews; one that lost the lease
@@ -84,20 +84,21 @@ exactly-once endpoint for the Idempotency-Key header, and its client
 Transport retries with one key; idemhttp/webhook receives signed webhooks,
 each event applied once; outbox delivers messages to systems outside the
 database, at least once, each with an idempotency key the receiver can
-deduplicate on; and idemtest gives an application's tests PostgreSQL
-databases of their own, with idem's migrations applied. The gRPC
-interceptors, idemgrpc, are a module of their own, so that no other user
-downloads gRPC. The idem command (cmd/idem) migrates, purges, inspects
-and ends flows.
+deduplicate on; idemsql gives the same calls to code on database/sql (an
+ORM such as GORM or sqlx); and idemtest gives an application's tests
+PostgreSQL databases of their own, with idem's migrations applied. The
+gRPC interceptors, idemgrpc, are a module of their own, so that no other
+user downloads gRPC. The idem command (cmd/idem) migrates, purges, shows
+stats, inspects records and flows, ends flows, and prints the schema.
 
 # Options and errors
 
 Calls and flows take options, each of which says its default, and each
 typed by where it applies, so that the compiler refuses one given where it
 would mean nothing: [WithWait], [WithRetention], [WithTxOptions],
-[WithMaxResponseSize], [WithCodec] and [WithObserver] are a [SharedOption],
-taken by both; [WithIdleTimeout] and [WithLookupFirst] an [Option], of calls
-only; [WithLease], [WithGrace], [WithProviderWindow] and [WithCallTimeout] a
+[WithIdleTimeout], [WithMaxResponseSize], [WithCodec] and [WithObserver]
+are a [SharedOption], taken by both; [WithLookupFirst] an [Option], of
+calls only; [WithLease], [WithGrace], [WithProviderWindow] and [WithCallTimeout] a
 [FlowOption], of flows only. An option made from a value that cannot work
 makes every call given it fail with [ErrInvalidOption] before anything is
 sent; [CheckOptions] and [CheckFlowOptions] check options once, when a

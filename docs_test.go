@@ -333,7 +333,7 @@ func TestDocsRunOnlyPackagesAndCommandsThatExist(t *testing.T) {
 					}
 					mains[program] = string(src)
 				}
-				if !strings.Contains(mains[program], `{"`+name+`", `) {
+				if !strings.Contains(mains[program], `{Name: "`+name+`", `) {
 					t.Errorf("%s:%d: go run ./%s %s: no such command in %s/main.go", doc, i+1, program, name, program)
 				}
 			}
@@ -363,7 +363,7 @@ func TestOperationsListsEveryCommand(t *testing.T) {
 	for _, m := range regexp.MustCompile(`(?m)^idem ([\w-]+)`).FindAllStringSubmatch(block, -1) {
 		listed[m[1]] = true
 	}
-	commands := regexp.MustCompile(`\{"([\w-]+)", "`).FindAllStringSubmatch(string(main), -1)
+	commands := regexp.MustCompile(`\{Name: "([\w-]+)", `).FindAllStringSubmatch(string(main), -1)
 	if len(commands) < 5 {
 		t.Fatalf("found %d commands in cmd/idem/main.go", len(commands))
 	}

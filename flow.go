@@ -53,11 +53,15 @@ import (
 // and what exactly it guarantees.
 type Flow[In, Out any] struct {
 	name string
-	fn   func(s *Steps, in In) (Out, error)
+	fn   func(ctx context.Context, s *Steps, in In) (Out, error)
 	opts []FlowOption
 }
 
-// NewFlow returns the flow named name, whose function is fn. The name
+// NewFlow returns the flow named name, whose function is fn. fn gets ctx,
+// the run's context (the one given to [Flow.Run], or to [Flow.Resume]),
+// the run's [Steps], and the input. The steps run under ctx itself, not
+// under a context fn derives from it: the functions of [Local] and [Call]
+// get contexts of their own, derived from ctx. The name
 // identifies the flow's operations in idem's tables: [Flow.Resume] resumes
 // the operations of its own flow only, and a key whose operation another
 // flow recorded gives [ErrFingerprintMismatch]. It follows the rules of
@@ -70,15 +74,16 @@ type Flow[In, Out any] struct {
 // are a [FlowOption]: its own ([WithLease], [WithGrace],
 // [WithProviderWindow], [WithCallTimeout]) and the [SharedOption]s, which
 // mean for a flow: [WithWait] a duplicate's wait for the executor,
-// [WithRetention] counted from the flow's completion, [WithTxOptions] the
-// local steps' transactions, [WithMaxResponseSize] and [WithCodec] the
-// stored input, step results and answer, and [WithObserver].
+// [WithRetention] counted from the flow's completion, [WithTxOptions] and
+// [WithIdleTimeout] the local steps' transactions, [WithMaxResponseSize]
+// and [WithCodec] the stored input, step results and answer, and
+// [WithObserver].
 //
 // NewFlow refuses an invalid name, a nil fn, or an option made from a
 // value that cannot work, with a [*FieldError] that says which and wraps
 // [ErrInvalidOption]. Flows are made at start-up, from values written in
 // the code: [MustNewFlow] is NewFlow for a package-level variable.
-func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...FlowOption) (*Flow[In, Out], error) {
+func NewFlow[In, Out any](name string, fn func(ctx context.Context, s *Steps, in In) (Out, error), opts ...FlowOption) (*Flow[In, Out], error) {
 	if err := ident.Check(name); err != nil {
 		return nil, &FieldError{Package: "idem", Field: "NewFlow", Problem: fmt.Sprintf("name %q: %s", name, err)}
 	}
@@ -95,7 +100,7 @@ func NewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), op
 // returning it, as regexp.MustCompile does: a flow made at start-up from
 // values written in the code that cannot work is a bug, which stops the
 // program before it serves anything.
-func MustNewFlow[In, Out any](name string, fn func(s *Steps, in In) (Out, error), opts ...FlowOption) *Flow[In, Out] {
+func MustNewFlow[In, Out any](name string, fn func(ctx context.Context, s *Steps, in In) (Out, error), opts ...FlowOption) *Flow[In, Out] {
 	f, err := NewFlow(name, fn, opts...)
 	if err != nil {
 		panic(err)
@@ -358,7 +363,7 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 			panic(p)
 		}
 	}()
-	out, err := f.fn(&Steps{ctx: ctx, run: r}, in)
+	out, err := f.fn(ctx, &Steps{ctx: ctx, run: r}, in)
 	r.returned.Store(true)
 	if taken := r.takenError(); taken != nil {
 		// Another executor was starting the flow: this run committed

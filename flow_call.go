@@ -57,7 +57,7 @@ import (
 // result.
 //
 // fn is called only while the executor's lease surely holds, and its
-// context ends when ctx does, when [WithCallTimeout] has passed, or when
+// context ends when the run's does, when [WithCallTimeout] has passed, or when
 // the lease may have run out: it is renewed every third of [WithLease]
 // while fn runs (not when the flow runs on a single connection, which the
 // call must not hold: its lease then covers one call). fn must stop acting

@@ -89,7 +89,7 @@ func ExampleCall_compensation() {
 		ChargeID string `json:"charge_id,omitempty"`
 		Declined bool   `json:"declined,omitempty"`
 	}
-	checkout := idem.MustNewFlow("checkout-with-stock", func(s *idem.Steps, in Cart) (Outcome, error) {
+	checkout := idem.MustNewFlow("checkout-with-stock", func(ctx context.Context, s *idem.Steps, in Cart) (Outcome, error) {
 		orderID, err := idem.Local(s, "order", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO held_order (tenant, sku, state) VALUES ($1, $2, 'holding') RETURNING id`,

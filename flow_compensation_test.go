@@ -93,7 +93,7 @@ func compensationFlow(name, base, at string) *idem.Flow[Order, Receipt] {
 		var out string
 		return out, json.NewDecoder(resp.Body).Decode(&out)
 	}
-	return idem.MustNewFlow(name, func(s *idem.Steps, in Order) (Receipt, error) {
+	return idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, in Order) (Receipt, error) {
 		orderID, err := idem.Local(s, "order", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,

@@ -60,7 +60,23 @@ const (
 	// freezeInCall: the provider applied the call and answered; the
 	// answer is not yet back from the call's function.
 	freezeInCall = "freeze-in-call"
+	// freezeInStep: inside the local step's function, its INSERT made,
+	// its transaction open.
+	freezeInStep = "freeze-in-step"
+	// freezeBeforeCommit: where crashBeforeCommit dies: the local step
+	// returned, its transaction left open for the flow's next statement.
+	freezeBeforeCommit = "freeze-before-commit"
 )
+
+// freezes reports whether at is a point where the child freezes, rather
+// than dies: a frozen child, once woken, writes what its run returned.
+func freezes(at string) bool {
+	switch at {
+	case freezeAfterIntent, freezeInCall, freezeInStep, freezeBeforeCommit:
+		return true
+	}
+	return false
+}
 
 // crashJob is what the child runs, passed as JSON in crashEnv.
 type crashJob struct {
@@ -73,6 +89,11 @@ type crashJob struct {
 	// Compensate runs compensationFlow instead of crashFlow (see
 	// flow_compensation_test.go).
 	Compensate bool
+	// IdleTimeout is the flow's idle timeout, when not the default.
+	IdleTimeout *time.Duration
+	// App is the application_name of the child's sessions, so that the
+	// test can find them in pg_stat_activity.
+	App string
 }
 
 // childResult is what a frozen child's run returned once woken, written as
@@ -125,7 +146,7 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.F
 	kill := func(point string) {
 		switch {
 		case at != point:
-		case point == freezeInCall:
+		case freezes(point):
 			freezeSelf()
 		default:
 			self, _ := os.FindProcess(os.Getpid())
@@ -140,17 +161,21 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.F
 		}
 		opts = append(opts, idem.WithObserver(obs))
 	}
-	return idem.MustNewFlow(name, func(s *idem.Steps, in chargeIn) (chargeOut, error) {
+	return idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, in chargeIn) (chargeOut, error) {
 		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
 				s.Scope(), s.Key(), in.Amount).Scan(&id)
+			if err == nil {
+				kill(freezeInStep)
+			}
 			return id, err
 		})
 		if err != nil {
 			return chargeOut{}, err
 		}
 		kill(crashBeforeCommit)
+		kill(freezeBeforeCommit)
 		ref := s.Scope() + "/" + s.Key()
 		var callOpts []idem.CallOption
 		if reconcile != nil && *reconcile {
@@ -261,6 +286,9 @@ func crashChild() int {
 	if job.At == crashInCommit {
 		cfg.ConnConfig.Tracer = crashingTracer{}
 	}
+	if job.App != "" {
+		cfg.ConnConfig.RuntimeParams["application_name"] = job.App
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -276,8 +304,11 @@ func crashChild() int {
 	if job.Window != nil {
 		opts = append(opts, idem.WithProviderWindow(*job.Window))
 	}
+	if job.IdleTimeout != nil {
+		opts = append(opts, idem.WithIdleTimeout(*job.IdleTimeout))
+	}
 	res, err := crashFlowWith(job.Flow, job.Provider, job.At, &job.Reconcile, opts...).Run(ctx, pool, job.Scope, job.Key, fpCharge, chargeIn{Amount: 2500})
-	if job.At == freezeAfterIntent || job.At == freezeInCall {
+	if freezes(job.At) {
 		out := childResult{Value: res.Value, Replayed: res.Replayed, Stopped: errors.Is(err, idem.ErrFlowStopped)}
 		if err != nil {
 			out.Err = err.Error()

@@ -29,12 +29,12 @@ func TestFlowAfterAnAsynchronousFailoverCallsTheProviderWithTheSameKey(t *testin
 	pair := testdb.StartPair(t, ctx)
 
 	// The standby streams through a freezer.
-	f := newFreezer(t, "127.0.0.1", uint16(pair.Primary.Port))
+	f := testdb.StartFreezer(t, "127.0.0.1", uint16(pair.Primary.Port))
 	var conninfo string
 	if err := pair.StandbyPool.QueryRow(ctx, `SHOW primary_conninfo`).Scan(&conninfo); err != nil {
 		t.Fatal(err)
 	}
-	proxyPort := f.proxy.Addr().Port
+	proxyPort := f.Addr().Port
 	conninfo = regexp.MustCompile(`port=\d+`).ReplaceAllString(conninfo, "port="+strconv.Itoa(proxyPort))
 	for _, stmt := range []string{fmt.Sprintf(`ALTER SYSTEM SET primary_conninfo = '%s'`, conninfo), `SELECT pg_reload_conf()`} {
 		if _, err := pair.StandbyPool.Exec(ctx, stmt); err != nil {
@@ -63,7 +63,7 @@ func TestFlowAfterAnAsynchronousFailoverCallsTheProviderWithTheSameKey(t *testin
 		t.Fatal(err)
 	}
 	pair.WaitForReplay(t, ctx)
-	f.freeze()
+	f.Freeze()
 
 	// The flow completes on the primary, and its answer is lost.
 	first, err := flow.Run(ctx, pair.PrimaryPool, scope, "k", fpCharge, chargeIn{Amount: 2500})

@@ -21,7 +21,7 @@ import (
 // and it goes on when resume is closed.
 func stallingFlow(p *provider, stalled, resume chan struct{}, opts ...idem.FlowOption) *idem.Flow[chargeIn, string] {
 	var stalls atomic.Int64
-	return idem.MustNewFlow(testdb.Name("stall"), func(s *idem.Steps, in chargeIn) (string, error) {
+	return idem.MustNewFlow(testdb.Name("stall"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
 		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
 			_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`, s.Scope(), s.Key(), in.Amount)
 			return 1, err
@@ -141,14 +141,14 @@ func TestFlowRefusesARetentionShorterThanItsProviderWindow(t *testing.T) {
 			chargeFlow(p, &steps, opts...)
 		}()
 		// NewFlow, MustNewFlow's twin, returns what MustNewFlow panics with.
-		if f, err := idem.NewFlow("charge", func(*idem.Steps, chargeIn) (chargeOut, error) { return chargeOut{}, nil }, opts...); f != nil || !errors.Is(err, idem.ErrInvalidOption) {
+		if f, err := idem.NewFlow("charge", func(context.Context, *idem.Steps, chargeIn) (chargeOut, error) { return chargeOut{}, nil }, opts...); f != nil || !errors.Is(err, idem.ErrInvalidOption) {
 			t.Errorf("NewFlow with %d options: %v, %v; want no flow and ErrInvalidOption", len(opts), f, err)
 		}
 	}
 	if _, err := idem.NewFlow[chargeIn, chargeOut]("charge", nil); !errors.Is(err, idem.ErrInvalidOption) {
 		t.Errorf("NewFlow with a nil function: %v, want ErrInvalidOption", err)
 	}
-	if _, err := idem.NewFlow("", func(*idem.Steps, chargeIn) (chargeOut, error) { return chargeOut{}, nil }); !errors.Is(err, idem.ErrInvalidOption) {
+	if _, err := idem.NewFlow("", func(context.Context, *idem.Steps, chargeIn) (chargeOut, error) { return chargeOut{}, nil }); !errors.Is(err, idem.ErrInvalidOption) {
 		t.Errorf("NewFlow with an empty name: %v, want ErrInvalidOption", err)
 	}
 	flow := chargeFlow(p, &steps)
@@ -192,7 +192,7 @@ func TestFlowDuplicatesAndResumeDoNotWaitOnALocalStepsLock(t *testing.T) {
 		key := fmt.Sprintf("taken-over-%t", takenOver)
 		var runs atomic.Int64
 		inStep, release := make(chan struct{}), make(chan struct{})
-		flow := idem.MustNewFlow(testdb.Name("slow-step"), func(s *idem.Steps, in chargeIn) (int, error) {
+		flow := idem.MustNewFlow(testdb.Name("slow-step"), func(ctx context.Context, s *idem.Steps, in chargeIn) (int, error) {
 			return idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
 				if runs.Add(1) == 1 && takenOver {
 					return 0, errors.New("out of stock") // gives the lease up
@@ -233,7 +233,7 @@ func TestFlowDuplicatesAndResumeDoNotWaitOnALocalStepsLock(t *testing.T) {
 func TestFlowStepWhoseErrorTheFunctionHandledLeavesTheFlowResumable(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	var reserveRuns atomic.Int64
-	flow := idem.MustNewFlow(testdb.Name("handled"), func(s *idem.Steps, in chargeIn) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("handled"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
 		_, reserveErr := idem.Local(s, "reserve", func(context.Context, pgx.Tx) (int, error) {
 			if reserveRuns.Add(1) == 1 {
 				return 0, errors.New("out of stock")
@@ -331,7 +331,7 @@ func TestFlowLocalStepsAtEveryIsolationLevelAndOnOneConnection(t *testing.T) {
 
 func TestFlowLocalStepLongerThanItsLeaseDoesNotFenceTheNextStep(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
-	flow := idem.MustNewFlow(testdb.Name("long-step"), func(s *idem.Steps, in chargeIn) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("long-step"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
 		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
 			// The step outlasts the lease (which, the flow's first, wrote
 			// the flow's row: only its own transaction sees it).

@@ -1,6 +1,7 @@
 package idem_test
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"sync/atomic"
@@ -27,7 +28,7 @@ func (sealFails) Open(string, []byte) ([]byte, error) {
 func TestFlowInputThatCannotBeStoredIsErrInputNotStorable(t *testing.T) {
 	ctx, pool, scope, _ := setupFlow(t)
 	var runs atomic.Int64
-	fn := func(s *idem.Steps, in string) (string, error) { runs.Add(1); return in, nil }
+	fn := func(ctx context.Context, s *idem.Steps, in string) (string, error) { runs.Add(1); return in, nil }
 	flow := idem.MustNewFlow(testdb.Name("input"), fn, idem.WithMaxResponseSize(64))
 	for name, c := range map[string]struct {
 		in  string

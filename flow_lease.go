@@ -227,8 +227,8 @@ func (r *flowRun) release(ctx context.Context, why string) (held bool) {
 		dbsqlc.QueueFlowRelease(b, dbsqlc.FlowReleaseParams{LastError: sealText(why, r.k.scope, r.o),
 			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 	})
-	if errors.Is(err, ErrLeaseLost) {
-		return false
+	if errors.Is(err, ErrLeaseLost) || errors.Is(err, errTaken) {
+		return false // another executor's flow (errTaken: one that started it meanwhile)
 	}
 	return err != nil || n == 1
 }

@@ -128,9 +128,11 @@ type openStep struct {
 
 // maxOpenStep bounds how long a local step's transaction stays open after
 // its function returned, waiting for the flow's next step: past a third of
-// the lease, or this, it commits alone (commitIdle), so that Go code that
-// runs long between steps, or an executor stalled there, holds no lock for
-// longer, and an executor stalled past its lease can be taken over.
+// the lease, a third of the idle timeout (WithIdleTimeout, after which the
+// server would end the session), or this, it commits alone (commitIdle),
+// so that Go code that runs long between steps, or an executor stalled
+// there, holds no lock for longer, and an executor stalled past its lease
+// can be taken over.
 const maxOpenStep = 100 * time.Millisecond
 
 // keepOpen leaves open, a local step's transaction, open (see openStep),
@@ -139,7 +141,17 @@ func (r *flowRun) keepOpen(open *openStep) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.open = open
-	open.timer = time.AfterFunc(min(r.o.lease/3, maxOpenStep), func() { r.commitIdle(open) })
+	open.timer = time.AfterFunc(openStepWait(r.o), func() { r.commitIdle(open) })
+}
+
+// openStepWait is how long a local step's transaction stays open, at
+// most, waiting for the flow's next step (see maxOpenStep).
+func openStepWait(o *options) time.Duration {
+	wait := min(o.lease/3, maxOpenStep)
+	if o.idleTimeout > 0 {
+		wait = min(wait, o.idleTimeout/3)
+	}
+	return wait
 }
 
 // commitIdle commits open alone, if it is still open: the flow's next step

@@ -21,7 +21,7 @@ import (
 // the operation's scope and key as the charge's reference, and answers the
 // charge's id; its call has opts.
 func keylessFlow(p *provider, opts []idem.CallOption, flowOpts ...idem.FlowOption) *idem.Flow[chargeIn, string] {
-	return idem.MustNewFlow(testdb.Name("keyless"), func(s *idem.Steps, in chargeIn) (string, error) {
+	return idem.MustNewFlow(testdb.Name("keyless"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
 		ref := s.Scope() + "/" + s.Key()
 		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {
 			id, _, err := p.chargeRef(ctx, key, ref, in.Amount)
@@ -192,7 +192,7 @@ func TestFlowCallThatWasNotSentIsMadeAgainEvenAtMostOnce(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	var refused atomic.Bool
 	refused.Store(true)
-	flow := idem.MustNewFlow(testdb.Name("unsent"), func(s *idem.Steps, in chargeIn) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("unsent"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
 		return idem.Call(s, "notify", func(ctx context.Context, key string) (string, error) {
 			if refused.Load() {
 				return "", fmt.Errorf("dial tcp 127.0.0.1:1: connect: connection refused: %w", idem.ErrNotSent)
@@ -219,7 +219,7 @@ func TestFlowCallThatWasNotSentIsMadeAgainEvenAtMostOnce(t *testing.T) {
 func TestFlowNotSentDoesNotUndoAnEarlierAttemptThatMayHaveBeenApplied(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	var attempt atomic.Int64
-	flow := idem.MustNewFlow(testdb.Name("unsent"), func(s *idem.Steps, in chargeIn) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("unsent"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
 		return idem.Call(s, "notify", func(ctx context.Context, key string) (string, error) {
 			if attempt.Add(1) == 2 {
 				return "", fmt.Errorf("connection refused: %w", idem.ErrNotSent)
@@ -245,8 +245,8 @@ func TestFlowNotSentDoesNotUndoAnEarlierAttemptThatMayHaveBeenApplied(t *testing
 func TestProviderKeyFromContextIsTheCallsKey(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	var seen, inLookup string
-	flow := idem.MustNewFlow(testdb.Name("ctxkey"), func(s *idem.Steps, in chargeIn) (string, error) {
-		if _, ok := idem.ProviderKeyFromContext(s.Context()); ok {
+	flow := idem.MustNewFlow(testdb.Name("ctxkey"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		if _, ok := idem.ProviderKeyFromContext(ctx); ok {
 			return "", errors.New("the flow's own context has a provider key")
 		}
 		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {

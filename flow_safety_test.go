@@ -67,7 +67,7 @@ func migratedDatabase(t *testing.T, ctx context.Context) *pgxpool.Pool {
 
 func TestFlowCallResultThatCannotBeStoredStopsTheFlow(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
-	flow := idem.MustNewFlow(testdb.Name("nan"), func(s *idem.Steps, in chargeIn) (float64, error) {
+	flow := idem.MustNewFlow(testdb.Name("nan"), func(ctx context.Context, s *idem.Steps, in chargeIn) (float64, error) {
 		return idem.Call(s, "charge", func(ctx context.Context, key string) (float64, error) {
 			_, _, err := p.charge(ctx, key, in.Amount)
 			return math.NaN(), err // applied, and answered with what JSON cannot hold
@@ -271,7 +271,7 @@ func TestFlowSlowExecutorWhoseLeaseRanOutFinishesWhenNobodyTookItOver(t *testing
 	ctx, pool, scope, p := setupFlow(t)
 	var steps atomic.Int64
 	lease := 50 * time.Millisecond
-	flow := idem.MustNewFlow(testdb.Name("slow"), func(s *idem.Steps, in chargeIn) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("slow"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
 		c, err := idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {
 			id, _, err := p.charge(ctx, key, in.Amount)
 			return id, err

@@ -19,13 +19,9 @@ import (
 // goroutine, and only until the function returns; a flow that takes the
 // same steps in the same order each time it runs is one that can resume.
 type Steps struct {
-	ctx context.Context
+	ctx context.Context // the run's: the flow's function gets it too
 	run *flowRun
 }
-
-// Context returns the context of the run: the caller's context of
-// [Flow.Run], or [Flow.Resume]'s.
-func (s *Steps) Context() context.Context { return s.ctx }
 
 // Scope returns the scope of the flow's operation.
 func (s *Steps) Scope() string { return s.run.k.scope }
@@ -47,14 +43,18 @@ const (
 // Local returns the recorded result (decoded from JSON) without calling fn.
 // On a pgx pool or connection, below SERIALIZABLE, the transaction commits
 // with the flow's next statement (the next call's intent, the answer), not
-// when Local returns, and at most a third of the lease (100ms at most)
-// later: see docs/flows.md. A process that dies before then runs the step
-// again.
+// when Local returns, and at most a third of the lease, or of the idle
+// timeout, later (100ms at most): see docs/flows.md. A process that dies
+// before then runs the step again.
 //
 // The transaction also holds the flow's lease: it is renewed as the step
-// begins, and no one can take the flow over until the transaction ends. A
-// step whose executor lost the lease runs nothing and returns
-// [ErrLeaseLost]. Serialization failures and deadlocks are retried as
+// begins, and no one can take the flow over until the transaction ends,
+// however long fn runs. So that an executor frozen in the step (a stopped
+// process, a paused VM) does not hold the flow for ever, the server ends
+// the transaction once it has sat idle, waiting for the executor, for the
+// flow's [WithIdleTimeout] (1m by default): fn's statements are not
+// limited, only the gaps between them. A step whose executor lost the
+// lease runs nothing and returns [ErrLeaseLost]. Serialization failures and deadlocks are retried as
 // [WithTx] retries them; fn's other errors are returned, wrapped, and
 // nothing of the step is committed.
 //
@@ -134,6 +134,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	case pipelined:
 		b := &pgx.Batch{}
 		b.BeginTx(opts)
+		queueIdleTimeout(b, r.o)
 		// The lease first: it holds the flow's row, so that the call's
 		// result, recorded after it, need not write that row again. A
 		// flow not started yet is started here instead, leased.
@@ -153,19 +154,13 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		if conn != nil {
 			beginner = conn
 		}
-		if tx, err = beginner.BeginTx(ctx, opts); err == nil && r.start != nil {
-			st = &starting{}
-			params := *r.start
-			params.Step = pgtype.Text{String: name, Valid: true}
-			st.row, err = dbsqlc.New(tx).FlowStart(ctx, params)
-			st.written = err == nil
-			if errors.Is(err, pgx.ErrNoRows) {
-				err = nil
+		if tx, err = beginner.BeginTx(ctx, opts); err == nil {
+			b := &pgx.Batch{}
+			queueIdleTimeout(b, r.o)
+			if st = r.queueStart(b, name); st == nil {
+				dbsqlc.QueueFlowLease(b, lease, &leased)
 			}
-		} else if err == nil {
-			var n int64
-			n, err = dbsqlc.New(tx).FlowLease(ctx, lease)
-			leased = n == 1
+			err = tx.SendBatch(ctx, b).Close()
 		}
 	}
 	if err = r.started(st, err); st != nil {
@@ -256,6 +251,16 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}
 	r.lease.renewed(sent)
 	return decodedResult[T](r, encoded)
+}
+
+// queueIdleTimeout queues, at the start of a local step's transaction,
+// the bound of how long it may sit idle (WithIdleTimeout), if any: an
+// executor frozen in the step, or before its next statement commits it,
+// holds the flow's row until the server ends its session.
+func queueIdleTimeout(b *pgx.Batch, o *options) {
+	if o.idleTimeout > 0 {
+		_ = dbsqlc.Queue(b).TxIdleTimeout(context.Background(), millis(o.idleTimeout))
+	}
 }
 
 // decodedResult is a step's value as its record holds it: decoded from the

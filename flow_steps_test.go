@@ -56,7 +56,7 @@ func TestFlowResumedWithOtherStepsIsRefusedBeforeAnyCall(t *testing.T) {
 		})
 	}
 	p.before = func(string, int) error { return failing }
-	v1 := idem.MustNewFlow(name, func(s *idem.Steps, _ struct{}) (string, error) {
+	v1 := idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, _ struct{}) (string, error) {
 		if _, err := reserve(s); err != nil {
 			return "", err
 		}
@@ -70,16 +70,16 @@ func TestFlowResumedWithOtherStepsIsRefusedBeforeAnyCall(t *testing.T) {
 
 	for _, c := range []struct {
 		name string
-		fn   func(s *idem.Steps, _ struct{}) (string, error)
+		fn   func(ctx context.Context, s *idem.Steps, _ struct{}) (string, error)
 	}{
-		{"the call first", func(s *idem.Steps, _ struct{}) (string, error) { return charge(s) }},
-		{"a local step where the call was", func(s *idem.Steps, _ struct{}) (string, error) {
+		{"the call first", func(ctx context.Context, s *idem.Steps, _ struct{}) (string, error) { return charge(s) }},
+		{"a local step where the call was", func(ctx context.Context, s *idem.Steps, _ struct{}) (string, error) {
 			if _, err := reserve(s); err != nil {
 				return "", err
 			}
 			return idem.Local(s, "charge", func(context.Context, pgx.Tx) (string, error) { return "local", nil })
 		}},
-		{"a renamed first step", func(s *idem.Steps, _ struct{}) (string, error) {
+		{"a renamed first step", func(ctx context.Context, s *idem.Steps, _ struct{}) (string, error) {
 			if _, err := idem.Local(s, "reserve-v2", func(context.Context, pgx.Tx) (int, error) { return 1, nil }); err != nil {
 				return "", err
 			}
@@ -95,7 +95,7 @@ func TestFlowResumedWithOtherStepsIsRefusedBeforeAnyCall(t *testing.T) {
 		t.Fatalf("the provider was called %d times after the change, want 0", p.calls.Load()-calls)
 	}
 	// The flow waits, unchanged, for the version that took its steps.
-	v1again := idem.MustNewFlow(name, func(s *idem.Steps, _ struct{}) (string, error) {
+	v1again := idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, _ struct{}) (string, error) {
 		if _, err := reserve(s); err != nil {
 			return "", err
 		}
@@ -112,7 +112,7 @@ func TestFlowStepsNeedNamesOfTheirOwn(t *testing.T) {
 		_, err := idem.Local(s, name, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
 		return err
 	}
-	twice := idem.MustNewFlow(testdb.Name("twice"), func(s *idem.Steps, _ struct{}) (int, error) {
+	twice := idem.MustNewFlow(testdb.Name("twice"), func(ctx context.Context, s *idem.Steps, _ struct{}) (int, error) {
 		if err := step(s, "a"); err != nil {
 			return 0, err
 		}
@@ -121,12 +121,12 @@ func TestFlowStepsNeedNamesOfTheirOwn(t *testing.T) {
 	if _, err := twice.Run(ctx, pool, scope, "twice", nil, struct{}{}); err == nil || !regexp.MustCompile(`name of its own`).MatchString(err.Error()) {
 		t.Fatalf("a step name taken twice: %v", err)
 	}
-	invalid := idem.MustNewFlow(testdb.Name("invalid"), func(s *idem.Steps, _ struct{}) (int, error) { return 0, step(s, "") })
+	invalid := idem.MustNewFlow(testdb.Name("invalid"), func(ctx context.Context, s *idem.Steps, _ struct{}) (int, error) { return 0, step(s, "") })
 	if _, err := invalid.Run(ctx, pool, scope, "invalid", nil, struct{}{}); !errors.Is(err, idem.ErrInvalidOption) {
 		t.Fatalf("an empty step name: %v, want ErrInvalidOption", err)
 	}
 	var kept *idem.Steps
-	late := idem.MustNewFlow(testdb.Name("late"), func(s *idem.Steps, _ struct{}) (int, error) { kept = s; return 1, nil })
+	late := idem.MustNewFlow(testdb.Name("late"), func(ctx context.Context, s *idem.Steps, _ struct{}) (int, error) { kept = s; return 1, nil })
 	if _, err := late.Run(ctx, pool, scope, "late", nil, struct{}{}); err != nil {
 		t.Fatal(err)
 	}
@@ -193,7 +193,7 @@ func TestFlowStalledExecutorIsFencedAtItsNextStep(t *testing.T) {
 	var steps atomic.Int64
 	stalled, resume := make(chan struct{}), make(chan struct{})
 	var stalls atomic.Int64
-	flow := idem.MustNewFlow(name, func(s *idem.Steps, in chargeIn) (string, error) {
+	flow := idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
 		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
 			steps.Add(1)
 			_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`, s.Scope(), s.Key(), in.Amount)
@@ -258,7 +258,7 @@ func TestFlowStalledCallIsFencedAndRecordsNothing(t *testing.T) {
 		first <- err
 	}()
 	<-calling
-	f.freeze() // and its host is cut off: its lease cannot be renewed
+	f.Freeze() // and its host is cut off: its lease cannot be renewed
 	leaseRanOut(t, ctx, pool, scope, "k")
 	second, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
 	if err != nil || second.Value.ChargeID != "ch_1" {

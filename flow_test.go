@@ -127,7 +127,7 @@ func (p *provider) effects() (charges int, keys map[string]int) {
 // chargeFlow returns the tests' flow, named uniquely, over p; steps counts
 // the local steps that ran.
 func chargeFlow(p *provider, steps *atomic.Int64, opts ...idem.FlowOption) *idem.Flow[chargeIn, chargeOut] {
-	return idem.MustNewFlow(testdb.Name("charge"), func(s *idem.Steps, in chargeIn) (chargeOut, error) {
+	return idem.MustNewFlow(testdb.Name("charge"), func(ctx context.Context, s *idem.Steps, in chargeIn) (chargeOut, error) {
 		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			steps.Add(1)
 			var id int64
@@ -174,17 +174,11 @@ type ran[T any] struct {
 // operation (scope, key), as InspectFlow reads it.
 func providerKeyOf(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key, step string) string {
 	t.Helper()
-	info, err := idem.InspectFlow(ctx, pool, scope, key)
-	if err != nil || !info.Found {
-		t.Fatalf("no flow for %s: %v", key, err)
+	call := testdb.FlowStep(t, ctx, pool, scope, key, step)
+	if call.ProviderKey == "" {
+		t.Fatalf("the step %s of the flow for %s is no call: %+v", step, key, call)
 	}
-	for _, s := range info.Steps {
-		if s.Name == step && s.ProviderKey != "" {
-			return s.ProviderKey
-		}
-	}
-	t.Fatalf("the flow for %s has no call named %s: %+v", key, step, info.Steps)
-	return ""
+	return call.ProviderKey
 }
 
 // setupFlow is setup for the flow tests: the context, the pool, a scope of

@@ -192,6 +192,10 @@ type claimed struct {
 	// a call that stores none (Once past MaxKeyLocks, KeyClaimIfFull):
 	// nothing is stored after fn.
 	complete bool
+	// citus: the database has Citus (KeyLock), where the record is stored
+	// by a statement Citus routes to one node, under a budget set there
+	// (see store.routed).
+	citus bool
 }
 
 // claim takes the key's lock (KeyLock) and reads its record (KeyGet), two
@@ -213,13 +217,15 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		}
 		conn = tx.Conn()
 	}
-	held := heldLocks(stateOf(tx, conn))
+	data := stateOf(tx, conn)
+	held := heldLocks(data)
 	lockArg := dbsqlc.KeyLockParams{FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID}
 	var got dbsqlc.Claim
-	// A caller's transaction whose count of key locks is full claims the
-	// key by its record in progress in the claim's own round trip
-	// (KeyClaimIfFull), then reads the record again (again, foundAgain).
-	full := tx != nil && held.n >= MaxKeyLocks && held.of(tx, conn)
+	// A caller's transaction whose count of key locks is full (on Citus,
+	// one of its workers' counts) claims the key by its record in progress
+	// in the claim's own round trip (KeyClaimIfFull), where its count is
+	// full, then reads the record again (again, foundAgain).
+	full := tx != nil && len(lockArg.FullSince) > 0 && held.of(tx, conn)
 	var ifFull dbsqlc.KeyClaimIfFullRow
 	var again dbsqlc.KeyGetRow
 	var foundAgain bool
@@ -260,10 +266,15 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 			if o.noResponse {
 				state = stateDone
 			}
-			dbsqlc.QueueKeyClaimIfFull(b, dbsqlc.KeyClaimIfFullParams{
-				LockTimeout: millis(o.wait), FullSince: lockArg.FullSince,
-				Scope: k.scope, Key: k.key, Fingerprint: k.fp, State: state, Retention: o.retentionInterval(),
-			}, &ifFull)
+			// The transaction's earlier claims read whether the
+			// database has Citus.
+			citus, _ := citusOf(data)
+			queueWaiting(ctx, b, citus, k.scope, millis(o.wait), func() {
+				dbsqlc.QueueKeyClaimIfFull(b, dbsqlc.KeyClaimIfFullParams{
+					LockTimeout: millis(o.wait), FullSince: lockArg.FullSince,
+					Scope: k.scope, Key: k.key, Fingerprint: k.fp, State: state, Retention: o.retentionInterval(),
+				}, &ifFull)
+			})
 			dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &again, &foundAgain)
 		}
 		if tx == nil {
@@ -281,6 +292,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	var waited time.Duration
 	get := dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}
 	held.count(lock, tx)
+	setCitus(data, lock.Citus)
 	if lock.ReadOnly {
 		return claimed{outcome: outcomeInvalid}, tx, errReadOnly
 	}
@@ -307,7 +319,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	}
 	switch lock.Lock {
 	case lockSkipped:
-		c, err := claimRow(ctx, tx, k, o, *found)
+		c, err := claimRow(ctx, tx, k, o, *found, lock.Citus)
 		return c, tx, err
 	case lockBusy:
 		started := time.Now()
@@ -325,7 +337,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		}
 	}
 
-	c := claimed{outcome: outcomeClaimed, expired: *found, waited: waited}
+	c := claimed{outcome: outcomeClaimed, expired: *found, waited: waited, citus: lock.Citus}
 	if *found {
 		c.outcome = outcomeReclaimed
 	}
@@ -364,7 +376,9 @@ const (
 // the same wait budget, instead of on the lock. Replays and mismatches take
 // no lock at all. So however many keys a transaction claims, and however
 // many transactions do, idem holds at most MaxKeyLocks entries per
-// connection, well under max_locks_per_transaction.
+// connection, well under max_locks_per_transaction. On Citus, where the
+// key locks are taken on the workers, a transaction holds at most
+// MaxKeyLocks on each worker (docs/large-deployments.md).
 const MaxKeyLocks = 16
 
 // claimRow claims k in tx by writing its record in progress (KeyClaimWait),
@@ -372,20 +386,41 @@ const MaxKeyLocks = 16
 // then reading it again (KeyGet), in one round trip. When the holder
 // committed, its record is replayed; when it rolled back, the claim goes
 // ahead. expired says whether the claim's first read found a record that
-// is no longer live.
-func claimRow(ctx context.Context, tx pgx.Tx, k keyRef, o *options, expired bool) (claimed, error) {
+// is no longer live; citus whether the database has Citus.
+func claimRow(ctx context.Context, tx pgx.Tx, k keyRef, o *options, expired, citus bool) (claimed, error) {
 	var row dbsqlc.KeyClaimWaitRow
 	var rec dbsqlc.KeyGetRow
 	var found bool
 	b := &pgx.Batch{}
-	dbsqlc.QueueKeyClaimWait(b, dbsqlc.KeyClaimWaitParams{
-		LockTimeout: millis(o.wait), Scope: k.scope, Key: k.key, Fingerprint: k.fp, Retention: o.retentionInterval(),
-	}, &row)
+	queueWaiting(ctx, b, citus, k.scope, millis(o.wait), func() {
+		dbsqlc.QueueKeyClaimWait(b, dbsqlc.KeyClaimWaitParams{
+			LockTimeout: millis(o.wait), Scope: k.scope, Key: k.key, Fingerprint: k.fp, Retention: o.retentionInterval(),
+		}, &row)
+	})
 	dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return claimed{outcome: outcomeFailed}, translate("idem: claim key", err)
 	}
 	return claimedRow(row.Claimed, expired, &rec, found, k)
+}
+
+// queueWaiting queues on b, by calling queue, a statement that may wait
+// for a transaction that holds a record of scope, under the wait budget
+// lockTimeout, which the statement sets with set_config in its own
+// session. On a Citus coordinator (citus) that session is not where the
+// statement waits: Citus runs its INSERT on the node of the scope's shard,
+// over a connection of its own. There it is sent between
+// KeyWaitBudgetCitus and KeyWaitRestoreCitus, which set the budget on that
+// node's connection and restore its lock_timeout, in the same round trip.
+func queueWaiting(ctx context.Context, b *pgx.Batch, citus bool, scope, lockTimeout string, queue func()) {
+	if !citus {
+		queue()
+		return
+	}
+	q := dbsqlc.Queue(b)
+	_ = q.KeyWaitBudgetCitus(ctx, dbsqlc.KeyWaitBudgetCitusParams{LockTimeout: lockTimeout, Scope: scope})
+	queue()
+	_ = q.KeyWaitRestoreCitus(ctx, scope)
 }
 
 // claimedRow decides what a claim by the key's record in progress got:
@@ -475,9 +510,13 @@ type store struct {
 // queue runs, or with a queue as q's DBTX queues, the statement that records
 // the operation: the record written once, complete (KeyInsert, or
 // KeyReplace over an expired record), or the early claim completed
-// (KeyStoreResponse).
+// (KeyStoreResponse). On Citus (routed), it queues the statements of
+// queueRouted instead; q must then queue.
 func (s store) queue(ctx context.Context, q *dbsqlc.Queries) error {
 	switch {
+	case s.routed():
+		s.queueRouted(ctx, q)
+		return nil
 	case s.c.early:
 		return q.KeyStoreResponse(ctx, dbsqlc.KeyStoreResponseParams{Scope: s.k.scope, Key: s.k.key, Response: s.response})
 	case s.c.expired:
@@ -490,14 +529,52 @@ func (s store) queue(ctx context.Context, q *dbsqlc.Queries) error {
 	})
 }
 
+// routed reports whether the record is stored in the statements that
+// Citus routes whole to the node of the scope's shard (queueRouted): on a
+// Citus coordinator, for a record written once (the early claim's UPDATE
+// waits for no one).
+func (s store) routed() bool { return s.c.citus && !s.c.early && storeRoutedOnCitus }
+
+// storeRoutedOnCitus is false only in BenchmarkCitusRun's comparison with
+// the statements of PostgreSQL (export_test.go).
+var storeRoutedOnCitus = true
+
+// queueRouted queues the statements that store the record on Citus:
+// KeyInsertCitus, or KeyReplaceCitus over an expired record, which Citus
+// routes whole to the node of the scope's shard (KeyInsert's CTE it runs
+// in three steps through the coordinator), between the statements that
+// set the wait budget there and restore that node's lock_timeout
+// (queueWaiting): three statements, in the round trip of KeyInsert's one.
+func (s store) queueRouted(ctx context.Context, q *dbsqlc.Queries) {
+	_ = q.KeyWaitBudgetCitus(ctx, dbsqlc.KeyWaitBudgetCitusParams{LockTimeout: s.lockTimeout, Scope: s.k.scope})
+	arg := dbsqlc.KeyInsertCitusParams{Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention}
+	if s.c.expired {
+		_ = q.KeyReplaceCitus(ctx, dbsqlc.KeyReplaceCitusParams(arg))
+	} else {
+		_ = q.KeyInsertCitus(ctx, arg)
+	}
+	_ = q.KeyWaitRestoreCitus(ctx, s.k.scope)
+}
+
+// run runs the statement that records the operation in tx, through pgx:
+// on Citus, the statements of queueRouted in one round trip.
+func (s store) run(ctx context.Context, tx pgx.Tx) error {
+	if !s.routed() {
+		return s.queue(ctx, dbsqlc.New(tx))
+	}
+	b := &pgx.Batch{}
+	s.queueRouted(ctx, dbsqlc.Queue(b))
+	return tx.SendBatch(ctx, b).Close()
+}
+
 // send runs the statement that records the operation in tx.
 func (s store) send(ctx context.Context, tx pgx.Tx) error {
 	w, wired, err := wireFor(ctx, tx)
 	if err != nil {
 		return err
 	}
-	if !wired {
-		return s.queue(ctx, dbsqlc.New(tx))
+	if !wired || s.routed() {
+		return s.run(ctx, tx)
 	}
 	_, storeErr, _ := w.Store(ctx, s.kind(), s.params(), "")
 	return storeErr

@@ -120,15 +120,45 @@ func newBatch(scope string, ids []string) ([]string, error) {
 // mismatch; an expired record, one committed in progress, or one removed
 // since, is taken over (KeyReclaimBatch). On a mismatch, the records this
 // batch wrote are removed before the error is returned.
+//
+// On Citus the claims wait on the node of the scope's shard, under a
+// budget set there (queueWaiting). Whether the database has Citus is what
+// the connection's last claim read; before one did, the batch asks
+// (CitusInstalled) in the same round trip, and sets the budget both ways,
+// which on PostgreSQL sets the same lock_timeout twice (over database/sql,
+// which has no pipeline, it asks first).
 func claimBatch(ctx context.Context, tx pgx.Tx, scope string, keys []string, fp []byte, o *options) (map[string]bool, error) {
 	q := dbsqlc.New(tx)
 	started := time.Now()
 	budget := func() string { return millis(max(o.wait-time.Since(started), 0)) }
-	got, err := q.KeyClaimBatch(ctx, dbsqlc.KeyClaimBatchParams{
-		LockTimeout: budget(), Scope: scope, Fingerprint: fp, Retention: o.retentionInterval(), Keys: keys,
+	data := stateOf(tx, tx.Conn())
+	citus, known := citusOf(data)
+	if !known && tx.Conn() == nil {
+		// No pipeline (idemsql's database/sql): each statement is a round
+		// trip, and asking first costs one where setting the budget both
+		// ways would cost three.
+		installed, err := q.CitusInstalled(ctx)
+		if err != nil {
+			return nil, translate("idem: claim batch", err)
+		}
+		citus, known = installed, true
+		setCitus(data, citus)
+	}
+	var got []string
+	b := &pgx.Batch{}
+	if !known {
+		dbsqlc.QueueCitusInstalled(b, &citus)
+	}
+	queueWaiting(ctx, b, citus || !known, scope, budget(), func() {
+		dbsqlc.QueueKeyClaimBatch(b, dbsqlc.KeyClaimBatchParams{
+			LockTimeout: budget(), Scope: scope, Fingerprint: fp, Retention: o.retentionInterval(), Keys: keys,
+		}, &got)
 	})
-	if err != nil {
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, translate("idem: claim batch", err)
+	}
+	if !known {
+		setCitus(data, citus)
 	}
 	claimed := make(map[string]bool, len(got))
 	for _, k := range got {
@@ -166,10 +196,14 @@ func claimBatch(ctx context.Context, tx pgx.Tx, scope string, keys []string, fp 
 	if len(stale) == 0 {
 		return claimed, nil
 	}
-	again, err := q.KeyReclaimBatch(ctx, dbsqlc.KeyReclaimBatchParams{
-		LockTimeout: budget(), Scope: scope, Fingerprint: fp, Retention: o.retentionInterval(), Keys: stale,
+	var again []string
+	b = &pgx.Batch{}
+	queueWaiting(ctx, b, citus, scope, budget(), func() {
+		dbsqlc.QueueKeyReclaimBatch(b, dbsqlc.KeyReclaimBatchParams{
+			LockTimeout: budget(), Scope: scope, Fingerprint: fp, Retention: o.retentionInterval(), Keys: stale,
+		}, &again)
 	})
-	if err != nil {
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, translate("idem: reclaim batch", err)
 	}
 	for _, k := range again {

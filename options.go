@@ -55,8 +55,8 @@ type FlowOption interface {
 
 // SharedOption is an option that calls and flows both take: an [Option]
 // and a [FlowOption]. [WithWait], [WithRetention], [WithTxOptions],
-// [WithMaxResponseSize], [WithCodec] and [WithObserver] are; [WithLookupFirst]
-// and [WithIdleTimeout] are Options only, since a flow has no use for them.
+// [WithIdleTimeout], [WithMaxResponseSize], [WithCodec] and [WithObserver]
+// are; [WithLookupFirst] is an Option only, since a flow has no use for it.
 type SharedOption interface {
 	Option
 	FlowOption
@@ -118,7 +118,8 @@ type options struct {
 	callTimeout time.Duration
 }
 
-// newOptions applies opts over the defaults.
+// newOptions applies opts over the defaults: a flow's, when opts are
+// FlowOptions, which differ from a call's in one, the idle timeout.
 func newOptions[O interface{ apply(*options) error }](opts []O) (options, error) {
 	o := options{
 		retention:       DefaultRetention,
@@ -128,6 +129,9 @@ func newOptions[O interface{ apply(*options) error }](opts []O) (options, error)
 		lease:           DefaultLease,
 		providerWindow:  DefaultProviderWindow,
 		callTimeout:     DefaultCallTimeout,
+	}
+	if _, flow := any(opts).([]FlowOption); flow {
+		o.idleTimeout = DefaultFlowIdleTimeout
 	}
 	for _, opt := range opts {
 		if err := opt.apply(&o); err != nil {
@@ -210,25 +214,30 @@ func millis(d time.Duration) string {
 	return strconv.FormatInt(max(ms, 1), 10)
 }
 
-// WithIdleTimeout bounds how long the call's transaction may sit idle,
-// waiting for its client, from the claim until the transaction ends: the
-// claim sets PostgreSQL's idle_in_transaction_session_timeout for that
-// transaction only (SET LOCAL), in its own round trip. A client that
-// vanishes without closing its connection (a frozen host, a network
-// partition) otherwise keeps the key locked until the server's TCP
-// keepalives give up on it, about 2h11m with Linux's defaults; with this
-// option the server ends the session, and with it the transaction and the
-// key's lock, after d of silence. The function's own statements are not
-// limited, only the gaps between them: choose d longer than the longest
-// pause the function makes between two statements. Zero or a negative
-// value means no bound of idem's (the server's or role's own setting
-// applies); values beyond the setting's range (about 24 days) are
-// rejected. Defaults to none.
-func WithIdleTimeout(d time.Duration) Option {
+// WithIdleTimeout bounds how long a transaction of idem's may sit idle,
+// waiting for its client: a call's ([Do], [Run]), from the claim until it
+// ends, and each local step's of a flow ([Local]), from its BEGIN until it
+// commits, the wait for the flow's next statement included. It sets
+// PostgreSQL's idle_in_transaction_session_timeout for that transaction
+// only (SET LOCAL), queued with the claim or the step's BEGIN: no round
+// trip more on pgx (database/sql, which has no pipeline, sends it alone).
+// A client that stops without closing its connection (a frozen process or
+// host, a network partition) otherwise holds the key's lock, or the flow's
+// row, which no other executor can then take over, until the server's TCP
+// keepalives give up on it: about 2h11m with Linux's defaults, and never
+// for a frozen process, whose kernel answers them. With this bound the
+// server ends the session, and with it the transaction and its locks,
+// after d of silence. The function's own statements are not limited, only
+// the gaps between them: choose d longer than the longest pause the
+// function makes between two statements. Zero or a negative value means no
+// bound of idem's (the server's or role's own setting applies); values
+// beyond the setting's range (about 24 days) are rejected. Defaults to
+// none for a call, and to 1m for a flow ([DefaultFlowIdleTimeout]).
+func WithIdleTimeout(d time.Duration) SharedOption {
 	if d > maxWait {
-		return callOnlyOption{refused("WithIdleTimeout", "must not exceed %s, got %s", maxWait, d)}
+		return sharedOption{refused("WithIdleTimeout", "must not exceed %s, got %s", maxWait, d)}
 	}
-	return callOnly(func(o *options) { o.idleTimeout = max(d, 0) })
+	return shared(func(o *options) { o.idleTimeout = max(d, 0) })
 }
 
 // WithLookupFirst makes [Run] read the key before it begins a transaction.
@@ -359,6 +368,13 @@ const (
 	// DefaultCallTimeout is how long a flow's call may run, unless
 	// [WithCallTimeout] says otherwise.
 	DefaultCallTimeout = time.Minute
+
+	// DefaultFlowIdleTimeout is how long a flow's local step's transaction
+	// may sit idle, waiting for its executor, before the server ends it,
+	// unless [WithIdleTimeout] says otherwise: an executor frozen in a
+	// local step holds its flow no longer. It is not tied to the lease,
+	// which a local step may outlast (its transaction holds the flow).
+	DefaultFlowIdleTimeout = time.Minute
 )
 
 // minLease is the shortest lease: the lease is renewed every third of it,

@@ -42,6 +42,13 @@ func TestInvalidOptionsAreRejected(t *testing.T) {
 	if err := idem.CheckOptions(); err != nil {
 		t.Errorf("CheckOptions of none: %v", err)
 	}
+	// A flow takes the idle timeout too, and refuses it as a call does.
+	if err := idem.CheckFlowOptions(idem.WithIdleTimeout(25 * 24 * time.Hour)); !errors.Is(err, idem.ErrInvalidOption) {
+		t.Errorf("CheckFlowOptions of an idle timeout of 25 days: %v, want ErrInvalidOption", err)
+	}
+	if err := idem.CheckFlowOptions(idem.WithIdleTimeout(-time.Second), idem.WithIdleTimeout(0)); err != nil {
+		t.Errorf("CheckFlowOptions of a negative and a zero idle timeout: %v", err)
+	}
 }
 
 // Where an option applies is its type: an option that means nothing to a
@@ -52,7 +59,6 @@ func TestInvalidOptionsAreRejected(t *testing.T) {
 func TestOptionsAreTypedByWhereTheyApply(t *testing.T) {
 	callOnly := map[string]any{
 		"WithLookupFirst": idem.WithLookupFirst(),
-		"WithIdleTimeout": idem.WithIdleTimeout(time.Second),
 	}
 	flowOnly := map[string]any{
 		"WithLease":          idem.WithLease(time.Second),
@@ -66,6 +72,8 @@ func TestOptionsAreTypedByWhereTheyApply(t *testing.T) {
 		"WithWait(invalid)":    idem.WithWait(time.Duration(math.MaxInt64)),
 		"WithRetention":        idem.WithRetention(time.Hour),
 		"WithTxOptions":        idem.WithTxOptions(pgx.TxOptions{}),
+		"WithIdleTimeout":      idem.WithIdleTimeout(time.Second),
+		"WithIdleTimeout(big)": idem.WithIdleTimeout(25 * 24 * time.Hour),
 		"WithMaxResponseSize":  idem.WithMaxResponseSize(1),
 		"WithCodec":            idem.WithCodec(nil),
 		"WithObserver":         idem.WithObserver(nil),

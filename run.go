@@ -146,7 +146,7 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 // the connection may already serve someone else.
 func commitWith(ctx context.Context, tx pgx.Tx, pipelined bool, s store) error {
 	if !pipelined {
-		if err := s.queue(ctx, dbsqlc.New(tx)); err != nil {
+		if err := s.run(ctx, tx); err != nil {
 			rollback(ctx, tx)
 			return translateStore(s.c, err)
 		}
@@ -158,12 +158,13 @@ func commitWith(ctx context.Context, tx pgx.Tx, pipelined bool, s store) error {
 
 	var storeErr, commitErr, closeErr error
 	var tag pgconn.CommandTag
-	if rt, ok := tx.(*runTx); ok {
-		if rt.closed {
-			// fn ended the transaction: what it wrote is gone or committed
-			// without its record, and nothing may be recorded now.
-			return fmt.Errorf("idem: store response: %w (fn ended Run's transaction)", pgx.ErrTxClosed)
-		}
+	rt, isRunTx := tx.(*runTx)
+	if isRunTx && rt.closed {
+		// fn ended the transaction: what it wrote is gone or committed
+		// without its record, and nothing may be recorded now.
+		return fmt.Errorf("idem: store response: %w (fn ended Run's transaction)", pgx.ErrTxClosed)
+	}
+	if isRunTx && !s.routed() {
 		w, _, err := dbsqlc.WireFor(ctx, rt.conn)
 		if err != nil {
 			rollback(ctx, tx)
@@ -175,15 +176,23 @@ func commitWith(ctx context.Context, tx pgx.Tx, pipelined bool, s store) error {
 		batch := &pgx.Batch{}
 		q := dbsqlc.Queue(batch)
 		_ = s.queue(ctx, q) // queuing cannot fail
+		stored := batch.Len()
 		_ = q.TxCommit(ctx)
 		results := tx.SendBatch(ctx, batch)
-		// Each statement's error is its own: the record's goes to
-		// translateStore, COMMIT's (a deferred constraint, a
-		// serialization failure) to translate, as a COMMIT outside the
-		// pipeline would.
-		_, storeErr = results.Exec()
+		// Each statement's error is its own: the record's (the first of
+		// its statements' on Citus) goes to translateStore, COMMIT's (a
+		// deferred constraint, a serialization failure) to translate, as
+		// a COMMIT outside the pipeline would.
+		for range stored {
+			if _, err := results.Exec(); storeErr == nil {
+				storeErr = err
+			}
+		}
 		tag, commitErr = results.Exec()
 		closeErr = results.Close()
+		if isRunTx {
+			rt.closed = rt.conn.PgConn().TxStatus() == 'I'
+		}
 	}
 	var err error
 	switch {

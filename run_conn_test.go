@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 // Run and WithTx begin a transaction of their own. On a connection that is
@@ -199,28 +200,9 @@ func refusesBusyConn(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scop
 		for _, state := range []string{"open", "failed"} {
 			t.Run(kind+"/"+state, func(t *testing.T) {
 				scope := scope + "/" + kind + "/" + state
-				conn := acquire(t, ctx, pool)
-				var db idem.TxBeginner = conn
-				if kind == "pgx.Conn" {
-					db = conn.Conn()
-				}
-				tx, err := conn.Begin(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer tx.Rollback(ctx)
-				if _, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, 'caller', 1)`, scope); err != nil {
-					t.Fatal(err)
-				}
-				want := byte('T')
-				if state == "failed" {
-					want = 'E'
-					if _, err := tx.Exec(ctx, `SELECT 1/0`); err == nil {
-						t.Fatal("SELECT 1/0 did not fail")
-					}
-				}
+				conn, db, tx, want := testdb.CallersTx(t, ctx, pool, kind, state, scope)
 
-				err = call(db, scope)
+				err := call(db, scope)
 				if !errors.Is(err, idem.ErrConnInTransaction) {
 					t.Errorf("%v, want ErrConnInTransaction", err)
 				} else if !strings.Contains(err.Error(), "pass the pool") {

@@ -277,7 +277,7 @@ func TestStatementsPreparedByAnEarlierAttemptAreReplaced(t *testing.T) {
 	}
 	defer conn.Close(context.Background())
 	if conn.Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
-		if _, err := conn.PgConn().Prepare(ctx, "idem_key_lock_1", "SELECT 1", nil); err != nil {
+		if _, err := conn.PgConn().Prepare(ctx, "idem_key_lock_3", "SELECT 1", nil); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -46,7 +46,7 @@ func TestAReplayWaitsForTheSynchronousStandby(t *testing.T) {
 			return idem.Run(ctx, pool, scope, key, fpA, pay(scope, key, 100, &calls), opts...)
 		}
 	}
-	flow := idem.MustNewFlow(testdb.Name("double"), func(_ *idem.Steps, in int64) (int64, error) {
+	flow := idem.MustNewFlow(testdb.Name("double"), func(_ context.Context, _ *idem.Steps, in int64) (int64, error) {
 		s.freeze(t) // between the flow's start and its answer
 		return 2 * in, nil
 	})
@@ -232,7 +232,7 @@ func TestAReplayWritesAMarkerOnlyForASynchronousStandby(t *testing.T) {
 
 	scope := testdb.Name("cost")
 	var calls atomic.Int64
-	flow := idem.MustNewFlow(testdb.Name("double"), func(_ *idem.Steps, in int64) (int64, error) { return 2 * in, nil })
+	flow := idem.MustNewFlow(testdb.Name("double"), func(_ context.Context, _ *idem.Steps, in int64) (int64, error) { return 2 * in, nil })
 	replays := []struct {
 		name string
 		call func(ctx context.Context) (replayed bool, err error)

@@ -2,12 +2,7 @@ package idemgrpc_test
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
-	"fmt"
 	"net"
-	"os"
-	"os/exec"
 	"testing"
 	"time"
 
@@ -19,52 +14,26 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgrpc"
 	"github.com/pgidem/idem/idemgrpc/internal/testpb"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
-// The crash test runs a flow in a child process, this test binary run
-// again with clientCrashEnv set, which kills itself (SIGKILL) once the
-// server answered its call and before the answer is recorded. The server
-// is the parent's, so that what it got outlives the child.
+// The crash test runs a flow in a crash child (testdb.CrashChild), which
+// kills itself once the server answered its call and before the answer is
+// recorded. The server is the parent's.
 const clientCrashEnv = "IDEMGRPC_CLIENT_CRASH"
 
+// clientCrashJob is what the child runs.
+type clientCrashJob struct{ Addr, Flow, Tenant, Key string }
+
 func init() {
-	// Before TestMain, which would start a database of its own.
-	if job := os.Getenv(clientCrashEnv); job != "" {
-		os.Exit(clientCrashChild(job))
-	}
-}
-
-// clientCrashJob is what the child runs, passed as JSON in clientCrashEnv.
-type clientCrashJob struct{ URL, Addr, Flow, Tenant, Key string }
-
-// clientCrashChild runs the job and returns an exit code; it returns only
-// when the flow ended without reaching its crash point.
-func clientCrashChild(job string) int {
-	var j clientCrashJob
-	if err := json.Unmarshal([]byte(job), &j); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, j.URL)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	defer pool.Close()
-	conn, err := grpc.NewClient(j.Addr, append(stampingClient(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	kill := func() {
-		self, _ := os.FindProcess(os.Getpid())
-		_ = self.Kill()
-		select {} // the signal is on its way
-	}
-	_, err = crashPayFlow(j.Flow, conn, j.Tenant, kill).Run(ctx, pool, j.Tenant, j.Key, nil, 2500)
-	fmt.Fprintf(os.Stderr, "the flow ended without a crash: %v\n", err)
-	return 3
+	testdb.CrashChild(clientCrashEnv, func(ctx context.Context, pool *pgxpool.Pool, j clientCrashJob) error {
+		conn, err := grpc.NewClient(j.Addr, append(stampingClient(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+		if err != nil {
+			return err
+		}
+		_, err = crashPayFlow(j.Flow, conn, j.Tenant, testdb.KillSelf).Run(ctx, pool, j.Tenant, j.Key, nil, 2500)
+		return err
+	})
 }
 
 // stampingClient is the dial options of a client that sends a flow
@@ -78,7 +47,7 @@ func stampingClient() []grpc.DialOption {
 // names the provider key; afterAnswer, when set, runs once the server
 // answered.
 func crashPayFlow(name string, conn *grpc.ClientConn, tenant string, afterAnswer func()) *idem.Flow[int64, int64] {
-	return idem.MustNewFlow(name, func(s *idem.Steps, amount int64) (int64, error) {
+	return idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, amount int64) (int64, error) {
 		return idem.Call(s, "pay", func(ctx context.Context, _ string) (int64, error) {
 			res, err := testpb.NewPaymentsClient(conn).Pay(metadata.AppendToOutgoingContext(ctx, tenantMetadata, tenant),
 				&testpb.PayRequest{AmountCents: amount})
@@ -101,14 +70,7 @@ func TestClientSendsAFlowCallsProviderKeyAgainAfterACrash(t *testing.T) {
 	startServer(t, pool, idemgrpc.Config{Required: true}, k.server(), lis, attempts.intercept)
 	name := "crash-" + tenant
 
-	job, _ := json.Marshal(clientCrashJob{URL: pool.Config().ConnString(), Addr: lis.Addr().String(), Flow: name, Tenant: tenant, Key: "k"})
-	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), clientCrashEnv+"="+string(job))
-	out, err := cmd.CombinedOutput()
-	var exit *exec.ExitError
-	if !errors.As(err, &exit) || exit.ExitCode() != -1 {
-		t.Fatalf("the child was not killed: %v\n%s", err, out)
-	}
+	testdb.RunCrashChild(t, ctx, clientCrashEnv, pool.Config().ConnString(), clientCrashJob{Addr: lis.Addr().String(), Flow: name, Tenant: tenant, Key: "k"})
 	if keys := attempts.seen(); len(keys) != 1 || countPayments(t, pool, tenant) != 1 {
 		t.Fatalf("before the retry the server got the keys %q, %d payments; want one call", keys, countPayments(t, pool, tenant))
 	}

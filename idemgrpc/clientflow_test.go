@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -52,7 +51,7 @@ func (a *attemptKeys) seen() []string {
 // payFlow is a flow of one call, Pay over conn, whose function never
 // names the provider key; fields, when set, adds metadata to the call.
 func payFlow(name string, conn *grpc.ClientConn, tenant string, fields func() []string, opts ...idem.CallOption) *idem.Flow[int64, int64] {
-	return idem.MustNewFlow(name, func(s *idem.Steps, amount int64) (int64, error) {
+	return idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, amount int64) (int64, error) {
 		return idem.Call(s, "pay", func(ctx context.Context, _ string) (int64, error) {
 			ctx = metadata.AppendToOutgoingContext(ctx, tenantMetadata, tenant)
 			if fields != nil {
@@ -62,22 +61,6 @@ func payFlow(name string, conn *grpc.ClientConn, tenant string, fields func() []
 			return res.GetId(), err
 		}, opts...)
 	})
-}
-
-// flowCall returns the step of the flow (scope, key) named step.
-func flowCall(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key, step string) idem.FlowStep {
-	t.Helper()
-	info, err := idem.InspectFlow(ctx, pool, scope, key)
-	if err != nil || !info.Found {
-		t.Fatalf("no flow for %s: %v", key, err)
-	}
-	for _, s := range info.Steps {
-		if s.Name == step {
-			return s
-		}
-	}
-	t.Fatalf("the flow for %s has no step named %s: %+v", key, step, info.Steps)
-	return idem.FlowStep{}
 }
 
 func TestClientSendsAFlowCallsProviderKeyOnEveryAttempt(t *testing.T) {
@@ -155,7 +138,7 @@ func TestClientPutsTheProviderKeyInTheKeyField(t *testing.T) {
 	conn := serveClient(t, pool, idemgrpc.Config{Required: true, KeyField: "request_id"}, k.server(), nil,
 		grpc.WithUnaryInterceptor(idemgrpc.MustNewClientInterceptor(idemgrpc.WithProviderKey(), idemgrpc.WithKeyField("request_id"))))
 	var sent *testpb.PayRequest
-	flow := idem.MustNewFlow("field-"+tenant, func(s *idem.Steps, amount int64) (int64, error) {
+	flow := idem.MustNewFlow("field-"+tenant, func(ctx context.Context, s *idem.Steps, amount int64) (int64, error) {
 		return idem.Call(s, "pay", func(ctx context.Context, _ string) (int64, error) {
 			sent = &testpb.PayRequest{AmountCents: amount}
 			res, err := testpb.NewPaymentsClient(conn).Pay(metadata.AppendToOutgoingContext(ctx, tenantMetadata, tenant), sent)

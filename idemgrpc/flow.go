@@ -15,6 +15,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 )
 
 // Reasons of the errors that [RunFlow] answers for a flow, beside
@@ -89,7 +90,8 @@ const incompleteRetryDelay = time.Second
 // handler to return as it is (the table in docs/grpc.md lists them):
 //
 //   - the flow did not complete ([idem.ErrFlowIncomplete]: a call failed
-//     or its outcome is unknown): UNAVAILABLE, reason
+//     or its outcome is unknown, whatever sentinel of idem's the
+//     function's error wraps, as over idemhttp): UNAVAILABLE, reason
 //     [ReasonOperationIncomplete], with a RetryInfo of one second and the
 //     trailer grpc-retry-pushback-ms; the client's retry with the same key
 //     continues the flow where it stopped. The flow's own error is logged,
@@ -181,17 +183,18 @@ func notAFlowMethod(ctx context.Context, v callValues) error {
 }
 
 // flowError answers a call whose flow gave no answer, and logs what the
-// client cannot be told.
+// client cannot be told. The failure is classified as idemhttp classifies
+// it (adapter.ClassifyFlowError): a flow gets the same answer over both.
 func (i *interceptor) flowError(ctx context.Context, v callValues, err error) error {
-	switch {
-	case errors.Is(err, idem.ErrFingerprintMismatch):
+	switch failure := adapter.ClassifyFlowError(err); {
+	case failure == adapter.FlowKeyReused:
 		return newStatus(codes.FailedPrecondition, ReasonKeyReused,
 			"idemgrpc: this idempotency key was already used for a different request; use a new key for a new request", nil)
-	case errors.Is(err, idem.ErrInProgress), errors.Is(err, idem.ErrLeaseLost):
+	case failure == adapter.FlowInProgress:
 		return i.inProgress(v.stream)
-	case errors.Is(err, idem.ErrInvalidKey):
+	case failure == adapter.FlowKeyInvalid:
 		return newStatus(codes.InvalidArgument, ReasonKeyInvalid, "idemgrpc: the idempotency key is not valid", nil)
-	case errors.Is(err, idem.ErrInputNotStorable):
+	case failure == adapter.FlowInputNotStorable:
 		// Before ErrResponseTooLarge, which failed would take for the
 		// server's: the input comes from the request.
 		why := "it holds what the database cannot store (a NUL character, a lone UTF-16 surrogate or a number out of range)"
@@ -201,7 +204,7 @@ func (i *interceptor) flowError(ctx context.Context, v callValues, err error) er
 		return newStatus(codes.InvalidArgument, ReasonInputNotStorable,
 			"idemgrpc: the operation's input, read from this request, cannot be stored: "+why+
 				"; nothing ran and nothing was recorded, and the same request would get this answer again", nil)
-	case errors.Is(err, idem.ErrFlowStopped):
+	case failure == adapter.FlowStopped:
 		i.logger.LogAttrs(ctx, slog.LevelWarn, "idemgrpc: operation stopped; it needs a person's decision",
 			slog.String("method", v.method), slog.Any("error", err))
 		return newStatus(codes.FailedPrecondition, ReasonOperationStopped,
@@ -209,7 +212,7 @@ func (i *interceptor) flowError(ctx context.Context, v callValues, err error) er
 				"the service's operators are to decide what became of it; do not retry it", nil)
 	case ctx.Err() != nil:
 		return status.FromContextError(ctx.Err()).Err()
-	case errors.Is(err, idem.ErrFlowChanged):
+	case failure == adapter.FlowChanged:
 		// A deployment changed the flow's steps under operations in
 		// progress: no retry gets further until the code or an operator
 		// does something.
@@ -217,7 +220,7 @@ func (i *interceptor) flowError(ctx context.Context, v callValues, err error) er
 			slog.String("method", v.method), slog.Any("error", err))
 		return newStatus(codes.Internal, ReasonRequestFailed,
 			"idemgrpc: the call could not be completed because of an error of the server's, which retrying would meet again until the service is fixed", nil)
-	case errors.Is(err, idem.ErrFlowIncomplete):
+	case failure == adapter.FlowIncomplete:
 		// The flow's own error: a call failed, or its outcome is unknown,
 		// whatever the error it returned says (a provider's connection
 		// refused is no database outage). It stays resumable, and nothing

@@ -74,7 +74,7 @@ func ExampleRunFlow() {
 	}
 	defer pool.Close()
 
-	checkout := idem.MustNewFlow("checkout", func(s *idem.Steps, in Checkout) (Receipt, error) {
+	checkout := idem.MustNewFlow("checkout", func(ctx context.Context, s *idem.Steps, in Checkout) (Receipt, error) {
 		orderID, err := idem.Local(s, "order", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO shop_order (tenant, amount_cents) VALUES ($1, $2) RETURNING id`,

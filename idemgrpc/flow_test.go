@@ -83,7 +83,7 @@ type order struct {
 // newPayFlow returns the flow that serves Pay: record the payment, charge
 // the card at p; a decline is part of its answer.
 func newPayFlow(p *cardProvider) *idem.Flow[order, order] {
-	return idem.MustNewFlow("pay", func(s *idem.Steps, in order) (order, error) {
+	return idem.MustNewFlow("pay", func(ctx context.Context, s *idem.Steps, in order) (order, error) {
 		id, err := idem.Local(s, "record", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
@@ -489,7 +489,7 @@ func TestFlowMethodWhoseStepsChangedIsInternalAndDoesNotInviteARetry(t *testing.
 	// A deployment renames the flow's first step while the flow is in
 	// progress.
 	var ran atomic.Bool
-	changed := idem.MustNewFlow("pay", func(s *idem.Steps, in order) (order, error) {
+	changed := idem.MustNewFlow("pay", func(ctx context.Context, s *idem.Steps, in order) (order, error) {
 		return idem.Local(s, "reserve", func(context.Context, pgx.Tx) (order, error) {
 			ran.Store(true)
 			return in, nil

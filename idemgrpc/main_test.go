@@ -2,7 +2,6 @@ package idemgrpc_test
 
 import (
 	"context"
-	"crypto/rand"
 	"log/slog"
 	"net"
 	"os"
@@ -37,6 +36,9 @@ var (
 	loseFirst      = grpctest.LoseFirst
 	count          = testdb.Count
 	waitForBlocked = testdb.WaitForBlocked
+	flowCall       = testdb.FlowStep
+	countPayments  = testdb.CountPayments
+	countRecords   = testdb.CountRecords
 )
 
 // paymentTable is the table the tests' handlers write to.
@@ -51,14 +53,7 @@ const paymentTable = `CREATE TABLE payment (
 // database of the test's own with the payment table, and a tenant.
 func setup(t *testing.T) (context.Context, *pgxpool.Pool, string) {
 	t.Helper()
-	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	t.Cleanup(cancel)
-	pool := idemtest.Pool(t)
-	if _, err := pool.Exec(ctx, paymentTable); err != nil {
-		t.Fatal(err)
-	}
-	return ctx, pool, "tenant-" + rand.Text()[:8]
+	return grpctest.Setup(t, 2*time.Minute, paymentTable)
 }
 
 // payments is the Payments service of the tests. Pay records a payment on
@@ -193,12 +188,4 @@ func wantReason(t *testing.T, err error, code codes.Code, reason string) *status
 	}
 	t.Fatalf("%v carries no ErrorInfo", err)
 	return nil
-}
-
-func countPayments(t *testing.T, pool *pgxpool.Pool, scope string) int {
-	return count(t, pool, `SELECT count(*) FROM payment WHERE scope = $1`, scope)
-}
-
-func countRecords(t *testing.T, pool *pgxpool.Pool, scope string) int {
-	return count(t, pool, `SELECT count(*) FROM idempotency_key WHERE scope = $1`, scope)
 }

@@ -7,6 +7,7 @@ import (
 	"runtime/debug"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/adapter"
 )
 
 // FlowHandler returns a handler that serves each request it is given with a
@@ -96,23 +97,25 @@ func runFlow[In, Out any](m *Middleware, r *http.Request, flow *idem.Flow[In, Ou
 	return flow.Run(r.Context(), m.db, scope, key, fp, in, m.flowOptions...)
 }
 
-// writeFlowError answers a request whose flow did not give an answer.
+// writeFlowError answers a request whose flow did not give an answer. The
+// failure is classified as idemgrpc classifies it
+// (adapter.ClassifyFlowError): a flow gets the same answer over both.
 func (m *Middleware) writeFlowError(w http.ResponseWriter, r *http.Request, err error) {
 	var panicked *handlerPanic
-	switch {
+	switch failure := adapter.ClassifyFlowError(err); {
 	case errors.As(err, &panicked):
 		m.logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: flow panicked; it gave its lease up",
 			slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()),
 			slog.Any("panic", panicked.value), slog.String("stack", string(panicked.stack)))
 		m.writeProblem(w, http.StatusInternalServerError, ProblemRequestFailed, m.failedDetail("The request could not be completed.", true))
-	case errors.Is(err, idem.ErrFlowChanged):
+	case failure == adapter.FlowChanged:
 		// A deployment changed the flow's steps under operations in
 		// progress: no retry gets further until the code or an operator
 		// does something.
 		m.logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: flow's steps differ from those its operation recorded",
 			slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()), slog.Any("error", err))
 		m.writeProblem(w, http.StatusInternalServerError, ProblemRequestFailed, serverFaultDetail)
-	case !errors.Is(err, idem.ErrFlowIncomplete):
+	case failure != adapter.FlowIncomplete:
 		m.WriteError(w, r, err)
 	default:
 		// The flow's own error (idem.ErrFlowIncomplete): a call failed, or

@@ -67,7 +67,7 @@ func ExampleFlowHandler() {
 	type receipt struct {
 		ChargeID string `json:"charge_id"`
 	}
-	checkout := idem.MustNewFlow("http-checkout", func(s *idem.Steps, in order) (receipt, error) {
+	checkout := idem.MustNewFlow("http-checkout", func(ctx context.Context, s *idem.Steps, in order) (receipt, error) {
 		id, err := idem.Call(s, "charge", func(ctx context.Context, providerKey string) (string, error) {
 			return charge(ctx, providerKey, in.AmountCents)
 		})

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -60,7 +62,7 @@ type order struct {
 func setupFlow(t *testing.T, cfg idemhttp.Config) (context.Context, *pgxpool.Pool, string, *cardProvider, *httptest.Server) {
 	ctx, pool, tenant := setup(t)
 	p := &cardProvider{}
-	flow := idem.MustNewFlow(testdb.Name("pay"), func(s *idem.Steps, in order) (order, error) {
+	flow := idem.MustNewFlow(testdb.Name("pay"), func(ctx context.Context, s *idem.Steps, in order) (order, error) {
 		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
@@ -151,6 +153,33 @@ func TestFlowHandlerAnswers503WhenACallFailsAndTheRetryContinues(t *testing.T) {
 	}
 }
 
+// TestFlowHandlerAnswersAFunctionsErrorThatWrapsASentinel503 fails the
+// call with errors that wrap idem's sentinels, as a provider's client may
+// (idemhttp.Transport's ErrInvalidKey for a request with another key): the
+// error is the flow's own, incomplete, whatever it wraps, and the client
+// is told to retry, not that its key is invalid, reused or in progress.
+// idemgrpc answers the same (TestFlowMethodAnswersEachWayAFlowFailsAsIdemhttpDoes).
+func TestFlowHandlerAnswersAFunctionsErrorThatWrapsASentinel503(t *testing.T) {
+	_, _, tenant, p, srv := setupFlow(t, idemhttp.Config{Logger: slog.New(slog.DiscardHandler)})
+	sentinels := []error{idem.ErrInvalidKey, idem.ErrFingerprintMismatch, idem.ErrInProgress, idem.ErrInputNotStorable}
+	p.fail = func(attempt int64) error {
+		if int(attempt) <= len(sentinels) {
+			return fmt.Errorf("the provider's client: %w", sentinels[attempt-1])
+		}
+		return nil
+	}
+	for _, sentinel := range sentinels {
+		failed := post(t, srv, "/payments", tenant, "k", `{"amount_cents": 2500}`)
+		if failed.status != http.StatusServiceUnavailable {
+			t.Fatalf("a call whose error wraps %v: %d %s", sentinel, failed.status, failed.body)
+		}
+		wantProblem(t, failed, 503, idemhttp.DefaultProblemTypeBase, idemhttp.ProblemOperationIncomplete)
+	}
+	if retry := post(t, srv, "/payments", tenant, "k", `{"amount_cents": 2500}`); retry.status != http.StatusCreated {
+		t.Fatalf("the retry after them: %d %s", retry.status, retry.body)
+	}
+}
+
 func TestFlowHandlerHoldsNoTransactionDuringTheCall(t *testing.T) {
 	ctx, _, tenant := setup(t)
 	pool, err := pgxpool.New(ctx, env.URL(t)) // a pool of the test's own, to count its connections
@@ -164,7 +193,7 @@ func TestFlowHandlerHoldsNoTransactionDuringTheCall(t *testing.T) {
 	}
 	var acquired atomic.Int32
 	acquired.Store(-1)
-	flow := idem.MustNewFlow(testdb.Name("held"), func(s *idem.Steps, _ struct{}) (int, error) {
+	flow := idem.MustNewFlow(testdb.Name("held"), func(ctx context.Context, s *idem.Steps, _ struct{}) (int, error) {
 		return idem.Call(s, "call", func(context.Context, string) (int, error) {
 			acquired.Store(pool.Stat().AcquiredConns())
 			return 1, nil

@@ -1,6 +1,7 @@
 package idemhttp_test
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"log/slog"
@@ -29,7 +30,7 @@ type note struct {
 func TestFlowInputThatCannotBeStoredIs422AndNotRetried(t *testing.T) {
 	ctx, pool, tenant := setup(t)
 	var runs atomic.Int64
-	flow := idem.MustNewFlow(testdb.Name("note"), func(s *idem.Steps, in note) (note, error) {
+	flow := idem.MustNewFlow(testdb.Name("note"), func(ctx context.Context, s *idem.Steps, in note) (note, error) {
 		runs.Add(1)
 		return in, nil
 	}, idem.WithMaxResponseSize(256))
@@ -89,7 +90,7 @@ func TestAnswerThatCannotBeStoredIs500WithoutInvitingARetry(t *testing.T) {
 		w.Header().Set("Location", "/payments/"+strings.Repeat("1", 1<<20))
 		w.WriteHeader(http.StatusCreated)
 	}))
-	flow := idem.MustNewFlow(testdb.Name("note"), func(s *idem.Steps, in note) (note, error) {
+	flow := idem.MustNewFlow(testdb.Name("note"), func(ctx context.Context, s *idem.Steps, in note) (note, error) {
 		return note{Text: in.Text + "\x00"}, nil
 	})
 	m, err := idemhttp.NewMiddleware(pool, idemhttp.Config{Scope: tenantScope, Logger: slog.New(slog.DiscardHandler)})
@@ -129,7 +130,7 @@ func (failingCodec) Open(string, []byte) ([]byte, error) {
 // not the request's 422.
 func TestFlowCodecThatCannotSealTheInputIsTheServersFailure(t *testing.T) {
 	_, pool, tenant := setup(t)
-	flow := idem.MustNewFlow(testdb.Name("note"), func(s *idem.Steps, in note) (note, error) { return in, nil },
+	flow := idem.MustNewFlow(testdb.Name("note"), func(ctx context.Context, s *idem.Steps, in note) (note, error) { return in, nil },
 		idem.WithCodec(failingCodec{}))
 	m, err := idemhttp.NewMiddleware(pool, idemhttp.Config{Scope: tenantScope, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {

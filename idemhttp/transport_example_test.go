@@ -117,7 +117,7 @@ func ExampleTransport_providerKey() {
 	defer provider.Close()
 
 	client := &http.Client{Transport: &idemhttp.Transport{UseProviderKey: true, Header: "Cko-Idempotency-Key"}}
-	checkout := idem.MustNewFlow("example-checkout", func(s *idem.Steps, amount int64) (string, error) {
+	checkout := idem.MustNewFlow("example-checkout", func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
 			req, err := http.NewRequestWithContext(ctx, http.MethodPost, provider.URL+"/payments", strings.NewReader(fmt.Sprint(amount)))
 			if err != nil {

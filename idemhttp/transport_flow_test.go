@@ -2,14 +2,11 @@ package idemhttp_test
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
@@ -24,47 +21,19 @@ import (
 	"github.com/pgidem/idem/internal/testdb"
 )
 
-// The crash test runs a flow in a child process, this test binary run
-// again with transportCrashEnv set, which kills itself (SIGKILL) once the
-// provider answered its call and before the answer is recorded: nothing
-// of it gets to clean up. The provider is an HTTP server of the parent's,
-// so that what it saw outlives the child.
+// The crash test runs a flow in a crash child (testdb.CrashChild), which
+// kills itself once the provider answered its call and before the answer
+// is recorded. The provider is an HTTP server of the parent's.
 const transportCrashEnv = "IDEMHTTP_TRANSPORT_CRASH"
 
+// transportCrashJob is what the child runs.
+type transportCrashJob struct{ Provider, Flow, Scope, Key string }
+
 func init() {
-	// Before TestMain, which would start a database of its own.
-	if job := os.Getenv(transportCrashEnv); job != "" {
-		os.Exit(transportCrashChild(job))
-	}
-}
-
-// transportCrashJob is what the child runs, passed as JSON in
-// transportCrashEnv.
-type transportCrashJob struct{ URL, Provider, Flow, Scope, Key string }
-
-// transportCrashChild runs the job and returns an exit code; it returns
-// only when the flow ended without reaching its crash point.
-func transportCrashChild(job string) int {
-	var j transportCrashJob
-	if err := json.Unmarshal([]byte(job), &j); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, j.URL)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	defer pool.Close()
-	kill := func() {
-		self, _ := os.FindProcess(os.Getpid())
-		_ = self.Kill()
-		select {} // the signal is on its way
-	}
-	_, err = chargeFlow(j.Flow, j.Provider, kill).Run(ctx, pool, j.Scope, j.Key, nil, 2500)
-	fmt.Fprintf(os.Stderr, "the flow ended without a crash: %v\n", err)
-	return 3
+	testdb.CrashChild(transportCrashEnv, func(ctx context.Context, pool *pgxpool.Pool, j transportCrashJob) error {
+		_, err := chargeFlow(j.Flow, j.Provider, testdb.KillSelf).Run(ctx, pool, j.Scope, j.Key, nil, 2500)
+		return err
+	})
 }
 
 // chargeFlow is a flow of one call, a charge at the provider over a
@@ -72,7 +41,7 @@ func transportCrashChild(job string) int {
 // the key. afterAnswer, when set, runs once the provider answered.
 func chargeFlow(name, providerURL string, afterAnswer func()) *idem.Flow[int64, string] {
 	client := &http.Client{Transport: &idemhttp.Transport{UseProviderKey: true, BaseDelay: -1}}
-	return idem.MustNewFlow(name, func(s *idem.Steps, amount int64) (string, error) {
+	return idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
 			id, err := postCharge(ctx, client, providerURL, amount, nil)
 			if err == nil && afterAnswer != nil {
@@ -149,35 +118,12 @@ func (p *keyedProvider) seen() ([]string, int) {
 	return append([]string(nil), p.keys...), len(p.charges)
 }
 
-// callOf returns the step of the flow (scope, key) named step.
-func callOf(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key, step string) idem.FlowStep {
-	t.Helper()
-	info, err := idem.InspectFlow(ctx, pool, scope, key)
-	if err != nil || !info.Found {
-		t.Fatalf("no flow for %s: %v", key, err)
-	}
-	for _, s := range info.Steps {
-		if s.Name == step {
-			return s
-		}
-	}
-	t.Fatalf("the flow for %s has no step named %s: %+v", key, step, info.Steps)
-	return idem.FlowStep{}
-}
-
 func TestTransportSendsAFlowCallsProviderKeyAgainAfterACrash(t *testing.T) {
 	ctx, pool, scope := setup(t)
 	p := newKeyedProvider(t, idemhttp.DefaultHeader)
 	name := testdb.Name("charge")
 
-	job, _ := json.Marshal(transportCrashJob{URL: env.URL(t), Provider: p.url, Flow: name, Scope: scope, Key: "k"})
-	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), transportCrashEnv+"="+string(job))
-	out, err := cmd.CombinedOutput()
-	var exit *exec.ExitError
-	if !errors.As(err, &exit) || exit.ExitCode() != -1 {
-		t.Fatalf("the child was not killed: %v\n%s", err, out)
-	}
+	testdb.RunCrashChild(t, ctx, transportCrashEnv, env.URL(t), transportCrashJob{Provider: p.url, Flow: name, Scope: scope, Key: "k"})
 	if keys, charges := p.seen(); len(keys) != 1 || charges != 1 {
 		t.Fatalf("before the retry the provider saw the keys %q, made %d charges; want one request", keys, charges)
 	}
@@ -188,7 +134,7 @@ func TestTransportSendsAFlowCallsProviderKeyAgainAfterACrash(t *testing.T) {
 	if err != nil || res.Replayed || res.Value != "ch_1" {
 		t.Fatalf("the retry: %+v, %v; want the flow completed now with the charge the provider made before the crash", res, err)
 	}
-	want := callOf(t, ctx, pool, scope, "k", "charge").ProviderKey
+	want := testdb.FlowStep(t, ctx, pool, scope, "k", "charge").ProviderKey
 	keys, charges := p.seen()
 	if len(keys) != 2 || keys[0] != want || keys[1] != want || charges != 1 {
 		t.Fatalf("the provider saw the keys %q and made %d charges; want the call's provider key %q twice, one charge", keys, charges, want)
@@ -200,7 +146,7 @@ func TestTransportSendsTheProviderKeyUnderTheProvidersHeader(t *testing.T) {
 	p := newKeyedProvider(t, "Cko-Idempotency-Key")
 	client := &http.Client{Transport: &idemhttp.Transport{UseProviderKey: true, Header: "Cko-Idempotency-Key"}}
 	var safe *http.Request
-	flow := idem.MustNewFlow(testdb.Name("cko"), func(s *idem.Steps, amount int64) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("cko"), func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
 			id, err := postCharge(ctx, client, p.url, amount, nil)
 			if err != nil {
@@ -222,7 +168,7 @@ func TestTransportSendsTheProviderKeyUnderTheProvidersHeader(t *testing.T) {
 	if _, err := flow.Run(ctx, pool, scope, "k", nil, 100); err != nil {
 		t.Fatal(err)
 	}
-	want := callOf(t, ctx, pool, scope, "k", "charge").ProviderKey
+	want := testdb.FlowStep(t, ctx, pool, scope, "k", "charge").ProviderKey
 	if keys, _ := p.seen(); len(keys) != 2 || keys[0] != want || keys[1] != "" {
 		t.Fatalf("the provider saw Cko-Idempotency-Key %q; want the call's provider key %q, as it is, then none on the GET", keys, want)
 	}
@@ -238,7 +184,7 @@ func TestTransportRefusesAFlowCallsRequestThatCarriesAnotherKey(t *testing.T) {
 	// The first run sets a key of its own; the next one sets the call's
 	// own, which is kept.
 	var run atomic.Int64
-	flow := idem.MustNewFlow(testdb.Name("other-key"), func(s *idem.Steps, amount int64) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("other-key"), func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		return idem.Call(s, "send", func(ctx context.Context, providerKey string) (string, error) {
 			key := "a-key-of-its-own"
 			if run.Add(1) > 1 {
@@ -258,11 +204,11 @@ func TestTransportRefusesAFlowCallsRequestThatCarriesAnotherKey(t *testing.T) {
 	}
 	// Refused before it was sent, the at-most-once call is not one that
 	// may have been applied: the next run makes it, rather than stop.
-	if step := callOf(t, ctx, pool, scope, "k", "send"); step.State != "unsent" {
+	if step := testdb.FlowStep(t, ctx, pool, scope, "k", "send"); step.State != "unsent" {
 		t.Fatalf("the call's state is %q after its request was refused; want unsent", step.State)
 	}
 	res, err := flow.Run(ctx, pool, scope, "k", nil, 100)
-	want := callOf(t, ctx, pool, scope, "k", "send").ProviderKey
+	want := testdb.FlowStep(t, ctx, pool, scope, "k", "send").ProviderKey
 	if keys, _ := p.seen(); err != nil || res.Value != "ch_1" || len(keys) != 1 || keys[0] != want {
 		t.Fatalf("the next run: %+v, %v, keys %q; want the call made once, with its key %q", res, err, keys, want)
 	}
@@ -272,7 +218,7 @@ func TestTransportWithoutUseProviderKeyGivesAFlowCallAKeyOfItsOwn(t *testing.T) 
 	ctx, pool, scope := setup(t)
 	p := newKeyedProvider(t, idemhttp.DefaultHeader)
 	client := &http.Client{Transport: &idemhttp.Transport{}}
-	flow := idem.MustNewFlow(testdb.Name("no-stamp"), func(s *idem.Steps, amount int64) (string, error) {
+	flow := idem.MustNewFlow(testdb.Name("no-stamp"), func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
 			return postCharge(ctx, client, p.url, amount, nil)
 		})
@@ -280,7 +226,7 @@ func TestTransportWithoutUseProviderKeyGivesAFlowCallAKeyOfItsOwn(t *testing.T) 
 	if _, err := flow.Run(ctx, pool, scope, "k", nil, 100); err != nil {
 		t.Fatal(err)
 	}
-	want := callOf(t, ctx, pool, scope, "k", "charge").ProviderKey
+	want := testdb.FlowStep(t, ctx, pool, scope, "k", "charge").ProviderKey
 	if keys, _ := p.seen(); len(keys) != 1 || !uuidV4.MatchString(strings.Trim(keys[0], `"`)) || strings.Contains(keys[0], want) {
 		t.Fatalf("the provider saw %q; want a fresh key of the Transport's, not the provider key %q", keys, want)
 	}

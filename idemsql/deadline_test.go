@@ -4,11 +4,8 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"io"
-	"net"
 	"net/url"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -17,7 +14,6 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
-	"github.com/pgidem/idem/internal/faultproxy"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
@@ -49,8 +45,8 @@ func TestACallOnAFrozenConnectionReturnsSoonAfterItsDeadline(t *testing.T) {
 					t.Fatal(err)
 				}
 				port, _ := strconv.Atoi(u.Port())
-				f := newFreezer(t, u.Hostname(), uint16(port))
-				u.Host = f.proxy.Addr().String()
+				f := testdb.StartFreezer(t, u.Hostname(), uint16(port))
+				u.Host = f.Addr().String()
 				db := d.open(t, u.String(), nil)
 				db.SetMaxOpenConns(1)
 				t.Cleanup(func() { go db.Close() }) // a frozen connection may never close
@@ -70,7 +66,7 @@ func TestACallOnAFrozenConnectionReturnsSoonAfterItsDeadline(t *testing.T) {
 						if _, err := pay(scope, "k", 1, &calls)(ctx, tx); err != nil {
 							return payment{}, err
 						}
-						f.freeze()
+						f.Freeze()
 						if late {
 							<-ctx.Done()
 						}
@@ -92,56 +88,3 @@ func TestACallOnAFrozenConnectionReturnsSoonAfterItsDeadline(t *testing.T) {
 		}
 	}
 }
-
-// freezer is a TCP proxy in front of the test server that can stop
-// forwarding, without closing anything: to the client, a connection whose
-// server stopped answering.
-type freezer struct {
-	proxy  *faultproxy.Proxy
-	frozen chan struct{}
-	once   sync.Once
-}
-
-func newFreezer(t *testing.T, host string, port uint16) *freezer {
-	t.Helper()
-	f := &freezer{frozen: make(chan struct{})}
-	network, address := faultproxy.PostgresAddress(host, port)
-	var err error
-	f.proxy, err = faultproxy.Start(faultproxy.Config{
-		Network: network,
-		Address: address,
-		Pipes:   func() (faultproxy.Pipe, faultproxy.Pipe) { return f.pipe, f.pipe },
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		f.freeze()
-		f.proxy.Close()
-	})
-	return f
-}
-
-// pipe forwards from src to dst until frozen, then holds what it reads.
-func (f *freezer) pipe(dst, src net.Conn) {
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		select {
-		case <-f.frozen:
-			_, _ = io.Copy(io.Discard, src) // swallow, never answer
-			return
-		default:
-		}
-		if n > 0 {
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
-}
-
-func (f *freezer) freeze() { f.once.Do(func() { close(f.frozen) }) }

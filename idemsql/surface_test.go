@@ -28,7 +28,7 @@ func TestAFlowsLocalStepsOnDatabaseSQL(t *testing.T) {
 	forEachDriver(t, func(t *testing.T, ctx context.Context, db *sql.DB, pool *pgxpool.Pool, scope string) {
 		var payCalls, shipCalls atomic.Int64
 		failShip := true
-		flow := idem.MustNewFlow(testdb.Name("order"), func(s *idem.Steps, amount int64) (string, error) {
+		flow := idem.MustNewFlow(testdb.Name("order"), func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 			p, err := idemsql.Local(s, "pay", pay(scope, "order-1", amount, &payCalls))
 			if err != nil {
 				return "", err

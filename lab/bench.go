@@ -14,11 +14,12 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 	"github.com/pgidem/idem/lab/bench"
 )
 
 func runBench(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet(stdout, "bench", `bench [flags]
+	fs := program.NewFlagSet(stdout, "bench", `bench [flags]
 
 Measures idem.Run and idem.Do against a bare transaction, the key-row-only
 floor and other designs, side by side and interleaved, with each phase's
@@ -36,19 +37,19 @@ a 1 ms round trip, in one line:
 	ops := fs.Int("ops", 300, "operations per phase per round")
 	stormKeys := fs.Int("storm-keys", 50, "keys each sent by 4 clients at once, to count what each design lets through")
 	delay := fs.Duration("delay", 0, "round trip to add between the pool and the server (a proxy on 127.0.0.1 holds what the server sends this long), e.g. 1ms")
-	if err := parseFlags(fs, args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	var clients []int
 	for _, f := range strings.Split(*clientList, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(f))
 		if err != nil || n < 1 {
-			return usageError{fmt.Errorf("-clients: %q is not a positive number", f)}
+			return cli.UsageError{Err: fmt.Errorf("-clients: %q is not a positive number", f)}
 		}
 		clients = append(clients, n)
 	}
 	if *rounds < 1 || *ops < 1 || *stormKeys < 0 || *delay < 0 {
-		return usageError{errors.New("-rounds and -ops must be at least 1, -storm-keys and -delay at least 0")}
+		return cli.UsageError{Err: errors.New("-rounds and -ops must be at least 1, -storm-keys and -delay at least 0")}
 	}
 	maxClients := 0
 	for _, c := range clients {
@@ -65,32 +66,32 @@ a 1 ms round trip, in one line:
 	}
 	defer pool.Close()
 	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
-		return databaseError{err}
+		return cli.DatabaseError{Err: err}
 	}
 	if err := bench.CreateSchema(ctx, pool); err != nil {
-		return databaseError{err}
+		return cli.DatabaseError{Err: err}
 	}
 	var version string
 	if err := pool.QueryRow(ctx, `SELECT version()`).Scan(&version); err != nil {
-		return databaseError{err}
+		return cli.DatabaseError{Err: err}
 	}
 	fmt.Fprintf(stdout, "idem bench: %d rounds x %d ops per phase, interleaved; %d CPUs; %s\n",
 		*rounds, *ops, runtime.NumCPU(), version)
 	var meter bench.Meter
 	direct, err := bench.PingTime(ctx, pool, 50)
 	if err != nil {
-		return databaseError{err}
+		return cli.DatabaseError{Err: err}
 	}
 	if *delay > 0 {
 		delayed, proxy, err := bench.DelayedPool(ctx, pool.Config(), *delay, int32(maxClients+4))
 		if err != nil {
-			return databaseError{err}
+			return cli.DatabaseError{Err: err}
 		}
 		defer proxy.Close()
 		defer delayed.Close()
 		through, err := bench.PingTime(ctx, delayed, 50)
 		if err != nil {
-			return databaseError{err}
+			return cli.DatabaseError{Err: err}
 		}
 		fmt.Fprintf(stdout, "round trip: %v added by a proxy on %s; median ping %v direct, %v through it\n",
 			*delay, proxy.Addr(), direct.Round(time.Microsecond), through.Round(time.Microsecond))

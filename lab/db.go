@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	neturl "net/url"
 	"os"
 	"strings"
@@ -17,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgidem/idem/cmd/idem/cli"
 	"github.com/pgidem/idem/internal/pgtemp"
 )
 
@@ -36,59 +36,13 @@ func configured() bool {
 	return false
 }
 
-// where describes a connection's target: database, host and user.
-func where(cc *pgx.ConnConfig) string {
-	host := cc.Host
-	if strings.HasPrefix(host, "/") {
-		host = fmt.Sprintf("socket %s/.s.PGSQL.%d", host, cc.Port)
-	} else {
-		host = net.JoinHostPort(host, fmt.Sprint(cc.Port))
-	}
-	return fmt.Sprintf("database %q on %s as %q", cc.Database, host, cc.User)
-}
-
-// parseConfig parses a connection string, which may be empty: the PG*
-// variables fill in what it does not say.
-func parseConfig(connString string) (*pgxpool.Config, error) {
-	cfg, err := pgxpool.ParseConfig(connString)
-	if err != nil {
-		if connString == os.Getenv("DATABASE_URL") && connString != "" {
-			return nil, usageError{fmt.Errorf("parse DATABASE_URL: %w", err)}
-		}
-		return nil, usageError{fmt.Errorf("parse the connection settings: %w", err)}
-	}
-	return cfg, nil
-}
-
 // connectTo opens a pool on connString and checks that the server answers.
 func connectTo(ctx context.Context, connString string, maxConns int32) (*pgxpool.Pool, error) {
-	cfg, err := parseConfig(connString)
+	cfg, err := cli.ParseConfig(connString)
 	if err != nil {
 		return nil, err
 	}
-	return openPool(ctx, cfg, maxConns)
-}
-
-func openPool(ctx context.Context, cfg *pgxpool.Config, maxConns int32) (*pgxpool.Pool, error) {
-	if maxConns > 0 {
-		cfg.MaxConns = maxConns
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, databaseError{err}
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
-		return nil, databaseError{connectError(cfg.ConnConfig, err)}
-	}
-	return pool, nil
-}
-
-// connectError says which server a connection failed to reach; the
-// operator's command (cmd/idem) explains the server's answers, and the lab,
-// run by developers, passes the driver's on as it is.
-func connectError(cc *pgx.ConnConfig, err error) error {
-	return fmt.Errorf("cannot connect to %s (DATABASE_URL or PG* variables): %w", where(cc), err)
+	return cli.OpenPool(ctx, cfg, maxConns)
 }
 
 // scratch is a database that demo, bench or soak made for itself and
@@ -141,7 +95,7 @@ func openScratch(ctx context.Context, stdout io.Writer, command string) (*scratc
 	if embeddedErr == nil {
 		return s, nil
 	}
-	return nil, databaseError{fmt.Errorf(`no database to run on. Tried, in order:
+	return nil, cli.DatabaseError{Err: fmt.Errorf(`no database to run on. Tried, in order:
   1. DATABASE_URL and the PG* variables: not set
   2. a throwaway server from a local installation: %v
   3. a server downloaded by embedded-postgres: %v
@@ -150,13 +104,13 @@ Set DATABASE_URL (the command creates a database of its own there and drops it a
 }
 
 func scratchOnServer(ctx context.Context, stdout io.Writer, command, base, name string) (*scratch, error) {
-	cfg, err := parseConfig(base)
+	cfg, err := cli.ParseConfig(base)
 	if err != nil {
 		return nil, err
 	}
 	admin, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
 	if err != nil {
-		return nil, databaseError{connectError(cfg.ConnConfig, err)}
+		return nil, cli.DatabaseError{Err: cli.ConnectError(cfg.ConnConfig, err)}
 	}
 	defer admin.Close(context.Background())
 	ident := pgx.Identifier{name}.Sanitize()
@@ -169,19 +123,19 @@ func scratchOnServer(ctx context.Context, stdout io.Writer, command, base, name 
 		target.Database = name
 		s := &scratch{URL: withDatabase(base, name), stdout: stdout, what: fmt.Sprintf("database %q", name)}
 		s.cleanup = func() error { return dropScratch(cfg, "DROP DATABASE IF EXISTS "+ident+" WITH (FORCE)") }
-		fmt.Fprintf(stdout, "idem %s: created %s for this run; it is dropped at the end\n", command, where(target))
+		fmt.Fprintf(stdout, "idem %s: created %s for this run; it is dropped at the end\n", command, cli.Where(target))
 		return s, nil
 	case errors.As(err, &pgErr) && pgErr.Code == "42501": // insufficient_privilege
 		if _, err := admin.Exec(ctx, "CREATE SCHEMA "+ident); err != nil {
-			return nil, databaseError{fmt.Errorf("may create neither a database nor a schema of its own on %s: %w", where(cfg.ConnConfig), err)}
+			return nil, cli.DatabaseError{Err: fmt.Errorf("may create neither a database nor a schema of its own on %s: %w", cli.Where(cfg.ConnConfig), err)}
 		}
 		s := &scratch{URL: withSearchPath(base, name), stdout: stdout, what: fmt.Sprintf("schema %q in database %q", name, cfg.ConnConfig.Database)}
 		s.cleanup = func() error { return dropScratch(cfg, "DROP SCHEMA IF EXISTS "+ident+" CASCADE") }
 		fmt.Fprintf(stdout, "idem %s: may not create a database on %s, so created schema %q there for this run; it is dropped at the end\n",
-			command, where(cfg.ConnConfig), name)
+			command, cli.Where(cfg.ConnConfig), name)
 		return s, nil
 	default:
-		return nil, databaseError{fmt.Errorf("create database %s on %s: %w", name, where(cfg.ConnConfig), err)}
+		return nil, cli.DatabaseError{Err: fmt.Errorf("create database %s on %s: %w", name, cli.Where(cfg.ConnConfig), err)}
 	}
 }
 

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 // demoSchema is the demo's business table, as an application would have.
@@ -39,7 +40,7 @@ type demoStats struct {
 }
 
 func runDemo(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet(stdout, "demo", `demo [flags]
+	fs := program.NewFlagSet(stdout, "demo", `demo [flags]
 
 Fires a retry storm of payments through idem.Run and checks that none is
 lost or doubled. It writes only where it made room for itself: with
@@ -53,11 +54,11 @@ one fetched by embedded-postgres.`)
 	abandon := fs.Float64("abandon", 0.1, "chance that a client times out while the server is still working, and retries")
 	twin := fs.Float64("twin", 0.2, "chance that a payment is sent by two clients at once")
 	reuse := fs.Float64("reuse", 0.02, "chance that a buggy client reuses a key for another amount")
-	if err := parseFlags(fs, args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if *payments < 1 || *clients < 1 {
-		return usageError{errors.New("-payments and -clients must be at least 1")}
+		return cli.UsageError{Err: errors.New("-payments and -clients must be at least 1")}
 	}
 
 	sc, err := openScratch(ctx, stdout, "demo")
@@ -71,10 +72,10 @@ one fetched by embedded-postgres.`)
 	}
 	defer pool.Close()
 	if err := idem.Migrate(ctx, stdlib.OpenDBFromPool(pool)); err != nil {
-		return databaseError{err}
+		return cli.DatabaseError{Err: err}
 	}
 	if _, err := pool.Exec(ctx, demoSchema); err != nil {
-		return databaseError{fmt.Errorf("create demo table: %w", err)}
+		return cli.DatabaseError{Err: fmt.Errorf("create demo table: %w", err)}
 	}
 
 	scope := fmt.Sprintf("demo-%d", time.Now().UnixNano())
@@ -200,7 +201,7 @@ one fetched by embedded-postgres.`)
 
 	var effects int64
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_demo_payment WHERE scope = $1`, scope).Scan(&effects); err != nil {
-		return databaseError{err}
+		return cli.DatabaseError{Err: err}
 	}
 	// Every answer a client accepted must be the payment the table holds.
 	var mismatchedAnswers int

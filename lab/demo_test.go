@@ -13,6 +13,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 // userTables lists the tables outside PostgreSQL's own schemas.
@@ -67,7 +69,7 @@ func TestDemoBenchSoakWriteOnlyToADatabaseOfTheirOwn(t *testing.T) {
 		{"soak", "-payments", "30", "-clients", "2", "-cut-every", "0", "-terminate-every", "0", "-cut-every-writes", "3", "-terminate-every-writes", "4"},
 	} {
 		code, out := runCommand(t, url, args...)
-		if code != exitOK {
+		if code != cli.ExitOK {
 			t.Fatalf("idem %s: exit %d\n%s", strings.Join(args, " "), code, out)
 		}
 		m := createdDatabase.FindStringSubmatch(out)
@@ -122,7 +124,7 @@ func TestDemoKeepsToASchemaOfItsOwnWhereItMayNotCreateDatabases(t *testing.T) {
 	asRole := u.String()
 
 	code, out := runCommand(t, asRole, "demo", "-payments", "30", "-clients", "4")
-	if code != exitOK {
+	if code != cli.ExitOK {
 		t.Fatalf("demo as a role without CREATEDB: exit %d\n%s", code, out)
 	}
 	m := regexp.MustCompile(`created schema "(idem_demo_\w+)"`).FindStringSubmatch(out)
@@ -155,7 +157,7 @@ func TestDemoWithNothingConfiguredStartsAThrowawayServer(t *testing.T) {
 	unsetConnectionVars(t)
 	var out strings.Builder
 	code := run(context.Background(), []string{"demo", "-payments", "30", "-clients", "4"}, &out, &out)
-	if code != exitOK {
+	if code != cli.ExitOK {
 		t.Fatalf("exit %d\n%s", code, out.String())
 	}
 	m := regexp.MustCompile(`removed the throwaway server and its directory (\S+)`).FindStringSubmatch(out.String())

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 // go run ./lab flowsoak: flows (a local reserve, a call to a payment provider, a
@@ -176,7 +177,7 @@ func runFlowSoak(ctx context.Context, args []string, stdout io.Writer) error {
 		return runFlowSoakWorker(ctx, spec, os.Stdin, os.Stdout, os.Stderr)
 	}
 	cfg := defaultFlowSoakConfig()
-	fs := newFlagSet(stdout, "flowsoak", `flowsoak [flags]
+	fs := program.NewFlagSet(stdout, "flowsoak", `flowsoak [flags]
 
 Runs many payments as flows (reserve locally, charge at a payment provider,
 record locally) in worker processes that it kills with SIGKILL, and freezes
@@ -213,14 +214,14 @@ meets the same faults, only later.`)
 	fs.DurationVar(&cfg.ProviderTimeout, "provider-timeout", cfg.ProviderTimeout, "how long a worker waits for the provider's answer")
 	fs.DurationVar(&cfg.OpTimeout, "op-timeout", cfg.OpTimeout, "longest an operation may take, retries included, and the longest wait for the resumers at the end")
 	fs.BoolVar(&cfg.Verbose, "v", cfg.Verbose, "print the workers' logs and an example error of every kind of failed attempt")
-	if err := parseFlags(fs, args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
-		return usageError{fmt.Errorf("unexpected arguments: %s", strings.Join(fs.Args(), " "))}
+		return cli.UsageError{Err: fmt.Errorf("unexpected arguments: %s", strings.Join(fs.Args(), " "))}
 	}
 	if err := cfg.validate(); err != nil {
-		return usageError{err}
+		return cli.UsageError{Err: err}
 	}
 	sc, err := openScratch(ctx, stdout, "flowsoak")
 	if err != nil {
@@ -237,7 +238,7 @@ meets the same faults, only later.`)
 // every answer was the one stored.
 func flowSoak(ctx context.Context, cfg flowSoakConfig, stdout io.Writer) (*flowSoakReport, error) {
 	if err := cfg.validate(); err != nil {
-		return nil, usageError{err}
+		return nil, cli.UsageError{Err: err}
 	}
 	stdout = &lockedWriter{w: stdout}
 	admin, err := connectTo(ctx, cfg.DatabaseURL, 4)
@@ -248,11 +249,11 @@ func flowSoak(ctx context.Context, cfg flowSoakConfig, stdout io.Writer) (*flowS
 	sqlDB := stdlib.OpenDBFromPool(admin)
 	defer sqlDB.Close()
 	if err := idem.Migrate(ctx, sqlDB); err != nil {
-		return nil, databaseError{err}
+		return nil, cli.DatabaseError{Err: err}
 	}
 	for _, ddl := range flowSoakSchema {
 		if _, err := admin.Exec(ctx, ddl); err != nil {
-			return nil, databaseError{fmt.Errorf("create the flow soak's tables: %w", err)}
+			return nil, cli.DatabaseError{Err: fmt.Errorf("create the flow soak's tables: %w", err)}
 		}
 	}
 
@@ -313,7 +314,7 @@ func flowSoak(ctx context.Context, cfg flowSoakConfig, stdout io.Writer) (*flowS
 	rep := load.report(ops, provider, workers)
 	rep.AnsweredIn, rep.SettledIn, rep.Elapsed = answered, settled, elapsed
 	if err := checkFlowSoak(ctx, admin, run, ops, provider, rep); err != nil {
-		return rep, databaseError{err}
+		return rep, cli.DatabaseError{Err: err}
 	}
 	load.print(stdout, rep)
 

@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 // The flow soak's worker process: the flow, served over HTTP on 127.0.0.1
@@ -58,7 +59,7 @@ type flowSoakWorkerSpec struct {
 // itself there, or, for the two points in the call, the provider kills or
 // freezes it.
 const (
-	killAfterReserve   = "after-reserve"       // the reserve committed, the call's intent not recorded
+	killAfterReserve   = "after-reserve"       // the reserve's fn returned, its transaction open (it commits with the call's intent)
 	killBeforeSend     = "call-before-send"    // the call's intent recorded, the request not sent
 	killBeforeApply    = "call-before-apply"   // the call sent, not applied
 	killAfterApply     = "call-after-apply"    // the call applied, its answer not received
@@ -132,7 +133,7 @@ type flowSoakWorker struct {
 func runFlowSoakWorker(ctx context.Context, specJSON string, stdin io.Reader, stdout, stderr io.Writer) error {
 	var spec flowSoakWorkerSpec
 	if err := json.Unmarshal([]byte(specJSON), &spec); err != nil {
-		return usageError{fmt.Errorf("%s: %w", flowSoakWorkerEnv, err)}
+		return cli.UsageError{Err: fmt.Errorf("%s: %w", flowSoakWorkerEnv, err)}
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -144,23 +145,13 @@ func runFlowSoakWorker(ctx context.Context, specJSON string, stdin io.Reader, st
 		provider: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}}
 	signal.Notify(w.cont, syscall.SIGCONT)
 	defer signal.Stop(w.cont)
-	poolCfg, err := parseConfig(spec.DatabaseURL)
+	poolCfg, err := cli.ParseConfig(spec.DatabaseURL)
 	if err != nil {
 		return err
 	}
 	// The tracer dies or freezes at the record's COMMIT (killAtCommit).
 	poolCfg.ConnConfig.Tracer = flowSoakTracer{w}
-	// A worker frozen inside a local step's transaction holds its flow's
-	// row locked, and no other executor can take the flow over until the
-	// server ends that transaction: a server keeps an idle session's
-	// transaction open until its TCP keepalives give up (hours), unless
-	// idle_in_transaction_session_timeout says otherwise. The lease is the
-	// natural bound: a local step makes no pause that long.
-	if poolCfg.ConnConfig.RuntimeParams == nil {
-		poolCfg.ConnConfig.RuntimeParams = make(map[string]string)
-	}
-	poolCfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = strconv.FormatInt(spec.Lease.Milliseconds(), 10)
-	pool, err := openPool(ctx, poolCfg, spec.MaxConns)
+	pool, err := cli.OpenPool(ctx, poolCfg, spec.MaxConns)
 	if err != nil {
 		return err
 	}
@@ -329,8 +320,8 @@ func isCommit(sql string) bool {
 // newFlow is the soak's flow: reserve the payment, charge it at the
 // provider with the call's provider key, record the provider's answer.
 func (w *flowSoakWorker) newFlow() *idem.Flow[flowSoakInput, flowSoakAnswer] {
-	return idem.MustNewFlow(w.spec.Flow, func(s *idem.Steps, in flowSoakInput) (flowSoakAnswer, error) {
-		fault := faultOf(s.Context())
+	return idem.MustNewFlow(w.spec.Flow, func(ctx context.Context, s *idem.Steps, in flowSoakInput) (flowSoakAnswer, error) {
+		fault := faultOf(ctx)
 		paymentID, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO idem_flowsoak_payment (scope, key, amount_cents, status)
@@ -365,7 +356,13 @@ func (w *flowSoakWorker) newFlow() *idem.Flow[flowSoakInput, flowSoakAnswer] {
 		}
 		w.at(fault, killBeforeAnswer)
 		return flowSoakAnswer{PaymentID: paymentID, ChargeID: charge.ID, Status: charge.Status, Amount: in.Amount}, nil
-	}, idem.WithLease(w.spec.Lease), idem.WithWait(w.spec.Wait))
+	}, idem.WithLease(w.spec.Lease), idem.WithWait(w.spec.Wait),
+		// A worker frozen inside a local step's transaction holds its
+		// flow's row until the server ends its session, after the flow's
+		// idle timeout: a minute by default, the lease here, so that a
+		// freeze there is taken over as soon as one anywhere else. A
+		// local step makes no pause that long.
+		idem.WithIdleTimeout(w.spec.Lease))
 }
 
 // flowSoakProviderError is a call to the provider that got no answer: an

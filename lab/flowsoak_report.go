@@ -453,7 +453,7 @@ func (l *flowSoakLoad) print(w io.Writer, rep *flowSoakReport) {
 	fmt.Fprintf(w, "workers killed (SIGKILL) / frozen (SIGSTOP, woken by SIGCONT once their flows were taken over): %d / %d; %d restarted\n",
 		killed, sum(rep.Freezes), rep.Restarts)
 	for _, k := range []struct{ point, what string }{
-		{killAfterReserve, "after the reserve, before the call's intent"},
+		{killAfterReserve, "after the reserve, its commit deferred to the call's intent"},
 		{killBeforeSend, "after the call's intent, before it was sent"},
 		{killBeforeApply, "in the call, before the provider applied it"},
 		{killAfterApply, "after the provider applied it, result not recorded"},

@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 // The flow soak runs its workers as this program run again, with
@@ -25,9 +27,9 @@ func init() {
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
-		os.Exit(exitFailure)
+		os.Exit(cli.ExitFailure)
 	}
-	os.Exit(exitOK)
+	os.Exit(cli.ExitOK)
 }
 
 // TestFlowSoakEffectsEqualOperationsWhileWorkersAreKilledAndFrozen runs a
@@ -179,7 +181,7 @@ func runFlowSoakTest(t *testing.T, ctx context.Context, cfg flowSoakConfig) *flo
 func TestFlowSoakWritesOnlyToADatabaseOfItsOwn(t *testing.T) {
 	url := env.EmptyDatabase(t)
 	code, out := runCommand(t, url, "flowsoak", "-ops", "40", "-clients", "4", "-workers", "1", "-kill-every", "10", "-freeze-every", "0")
-	if code != exitOK {
+	if code != cli.ExitOK {
 		t.Fatalf("idem flowsoak: exit %d\n%s", code, out)
 	}
 	m := createdDatabase.FindStringSubmatch(out)

@@ -7,6 +7,7 @@ require (
 	github.com/hashicorp/go-retryablehttp v0.7.8
 	github.com/jackc/pgx/v5 v5.13.0
 	github.com/pgidem/idem v0.0.0-00010101000000-000000000000
+	github.com/pgidem/idem/cmd/idem v0.0.0-00010101000000-000000000000
 	go.opentelemetry.io/otel/metric v1.47.0
 	go.opentelemetry.io/otel/trace v1.47.0
 )
@@ -76,5 +77,10 @@ require (
 )
 
 // The lab moves in lockstep with the library, whose internal packages it
-// uses: it always builds against the library in the same checkout.
-replace github.com/pgidem/idem => ../
+// uses, and with the operator's command, whose command-line skeleton
+// (cmd/idem/cli) it shares: it always builds against both in the same
+// checkout.
+replace (
+	github.com/pgidem/idem => ../
+	github.com/pgidem/idem/cmd/idem => ../cmd/idem
+)

@@ -3,8 +3,11 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"strings"
 	"testing"
+
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 // runCommand runs the command line args against databaseURL and returns
@@ -23,19 +26,19 @@ func runCommand(t *testing.T, databaseURL string, args ...string) (int, string) 
 // command line, and that each command's -h says what it does.
 func TestLabCommandLine(t *testing.T) {
 	code, out := runCommand(t, "")
-	if code != exitUsage || !strings.Contains(out, "Usage: go run ./lab <command>") {
-		t.Errorf("no command: exit %d, want %d and the usage\n%s", code, exitUsage, out)
+	if code != cli.ExitUsage || !strings.Contains(out, "Usage: go run ./lab <command>") {
+		t.Errorf("no command: exit %d, want %d and the usage\n%s", code, cli.ExitUsage, out)
 	}
 	for _, c := range commands() {
-		if !strings.Contains(out, "\n  "+c.name+" ") {
-			t.Errorf("the usage does not list %s:\n%s", c.name, out)
+		if !strings.Contains(out, "\n  "+c.Name+" ") {
+			t.Errorf("the usage does not list %s:\n%s", c.Name, out)
 		}
 	}
-	if code, out := runCommand(t, "", "migrate"); code != exitUsage || !strings.Contains(out, `unknown command "migrate"`) {
-		t.Errorf("the operator's command: exit %d, want %d\n%s", code, exitUsage, out)
+	if code, out := runCommand(t, "", "migrate"); code != cli.ExitUsage || !strings.Contains(out, `unknown command "migrate"`) {
+		t.Errorf("the operator's command: exit %d, want %d\n%s", code, cli.ExitUsage, out)
 	}
-	if code, out := runCommand(t, "", "demo", "-payments", "0"); code != exitUsage {
-		t.Errorf("demo -payments 0: exit %d, want %d\n%s", code, exitUsage, out)
+	if code, out := runCommand(t, "", "demo", "-payments", "0"); code != cli.ExitUsage {
+		t.Errorf("demo -payments 0: exit %d, want %d\n%s", code, cli.ExitUsage, out)
 	}
 	for args, want := range map[string][]string{
 		"demo -h":     {"Usage: go run ./lab demo", "database of its own", "dropped at the end"},
@@ -44,7 +47,7 @@ func TestLabCommandLine(t *testing.T) {
 		"bench -h":    {"Usage: go run ./lab bench", "-delay"},
 	} {
 		code, out := runCommand(t, "", strings.Fields(args)...)
-		if code != exitOK {
+		if code != cli.ExitOK {
 			t.Errorf("%s: exit %d", args, code)
 		}
 		for _, w := range want {
@@ -53,4 +56,9 @@ func TestLabCommandLine(t *testing.T) {
 			}
 		}
 	}
+}
+
+// run runs the command line args as main does, with the given output.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return program.Run(ctx, commands(), args, stdout, stderr)
 }

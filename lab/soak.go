@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 // soakSchema is the soak's business table, apart from the demo's and the
@@ -194,7 +195,7 @@ func (c soakConfig) validate() error {
 
 func runSoak(ctx context.Context, args []string, stdout io.Writer) error {
 	cfg := defaultSoakConfig()
-	fs := newFlagSet(stdout, "soak", `soak [flags]
+	fs := program.NewFlagSet(stdout, "soak", `soak [flags]
 
 Makes many payments while injecting faults, then checks that none was lost
 or doubled. Like demo, it runs in a database (or schema, or server) of its
@@ -238,7 +239,7 @@ and flows that a failover lost. Its only other fault is
 	fs.StringVar(&cfg.Failover, "failover", cfg.Failover, "run the failover soak, with `sync` or async replication, on servers of its own")
 	fs.IntVar(&cfg.Failovers, "failovers", defaultFailovers, fmt.Sprintf("failovers the failover soak makes (at most %d)", maxFailovers))
 	fs.IntVar(&cfg.Flows, "flows", cfg.Flows, fmt.Sprintf("with -failover: the least number of flows (reserve, a call to a provider that honours keys, record) run beside the payments (%d by default)", defaultFailoverFlows))
-	if err := parseFlags(fs, args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if cfg.Failover != "" {
@@ -248,7 +249,7 @@ and flows that a failover lost. Its only other fault is
 		failoverDefaults(&cfg, set)
 	}
 	if err := cfg.validate(); err != nil {
-		return usageError{err}
+		return cli.UsageError{Err: err}
 	}
 	if cfg.Failover != "" {
 		_, err := failoverSoak(ctx, cfg, stdout)
@@ -317,7 +318,7 @@ type soakRun struct {
 // was stored.
 func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, error) {
 	if err := cfg.validate(); err != nil {
-		return nil, usageError{err}
+		return nil, cli.UsageError{Err: err}
 	}
 	// Progress and restarts are reported while the clients run.
 	stdout = &lockedWriter{w: stdout}
@@ -329,11 +330,11 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 	sqlDB := stdlib.OpenDBFromPool(admin)
 	defer sqlDB.Close()
 	if err := idem.Migrate(ctx, sqlDB); err != nil {
-		return nil, databaseError{err}
+		return nil, cli.DatabaseError{Err: err}
 	}
 	for _, ddl := range []string{soakSchema, soakIndex} {
 		if _, err := admin.Exec(ctx, ddl); err != nil {
-			return nil, databaseError{fmt.Errorf("create soak table: %w", err)}
+			return nil, cli.DatabaseError{Err: fmt.Errorf("create soak table: %w", err)}
 		}
 	}
 
@@ -423,10 +424,10 @@ func soak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*soakReport, e
 		LongestLate: time.Duration(run.longestLate.Load()),
 	}
 	if err := waitForServer(ctx, admin); err != nil {
-		return rep, databaseError{fmt.Errorf("the server did not come back for the final check: %w", err)}
+		return rep, cli.DatabaseError{Err: fmt.Errorf("the server did not come back for the final check: %w", err)}
 	}
 	if err := run.check(ctx, admin, answers, errs, rep); err != nil {
-		return rep, databaseError{err}
+		return rep, cli.DatabaseError{Err: err}
 	}
 	run.print(stdout, rep)
 
@@ -483,11 +484,11 @@ func proxiedPool(ctx context.Context, admin *pgxpool.Pool, port int, appName str
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, databaseError{fmt.Errorf("open pool through the proxy: %w", err)}
+		return nil, cli.DatabaseError{Err: fmt.Errorf("open pool through the proxy: %w", err)}
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, databaseError{fmt.Errorf("connect through the proxy (the soak needs a server that accepts connections without TLS): %w", err)}
+		return nil, cli.DatabaseError{Err: fmt.Errorf("connect through the proxy (the soak needs a server that accepts connections without TLS): %w", err)}
 	}
 	return pool, nil
 }

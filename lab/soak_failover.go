@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 	"github.com/pgidem/idem/outbox"
 )
 
@@ -83,13 +84,13 @@ type failoverRun struct {
 // mode's guarantees held (see failoverReport.violations).
 func failoverSoak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*failoverReport, error) {
 	if err := cfg.validate(); err != nil {
-		return nil, usageError{err}
+		return nil, cli.UsageError{Err: err}
 	}
 	stdout = &lockedWriter{w: stdout}
 	fmt.Fprintf(stdout, "idem soak -failover %s: starting a primary and a standby of their own (DATABASE_URL and PG* are not used)\n", cfg.Failover)
 	cl, err := startCluster(ctx, cfg.Failover, cfg.noFsync)
 	if err != nil {
-		return nil, databaseError{fmt.Errorf("start a primary and a standby from a local PostgreSQL installation: %w", err)}
+		return nil, cli.DatabaseError{Err: fmt.Errorf("start a primary and a standby from a local PostgreSQL installation: %w", err)}
 	}
 	defer func() {
 		if err := cl.close(); err != nil {
@@ -177,21 +178,21 @@ func failoverSoak(ctx context.Context, cfg soakConfig, stdout io.Writer) (*failo
 	// What the failovers lost, before any retry after them could run a
 	// lost payment again.
 	if err := f.checkLost(ctx, answers, errs, rep); err != nil {
-		return rep, databaseError{err}
+		return rep, cli.DatabaseError{Err: err}
 	}
 	verified, verifyErrs := f.retryAll(ctx, answers, errs)
 	if cfg.Flows > 0 {
 		if rep.Flows, err = flows.check(ctx, admin); err != nil {
-			return rep, databaseError{err}
+			return rep, cli.DatabaseError{Err: err}
 		}
 	}
 	if err := f.waitDelivered(ctx, rep); err != nil {
-		return rep, databaseError{err}
+		return rep, cli.DatabaseError{Err: err}
 	}
 	stopRelay()
 	<-relayDone
 	if err := f.check(ctx, answers, errs, verified, verifyErrs, rep); err != nil {
-		return rep, databaseError{err}
+		return rep, cli.DatabaseError{Err: err}
 	}
 	rep.print(stdout, cfg.Verbose, f.samples)
 	if v := rep.violations(); v != nil {
@@ -207,11 +208,11 @@ func createFailoverTables(ctx context.Context, admin *pgxpool.Pool) error {
 	sqlDB := stdlib.OpenDBFromPool(admin)
 	defer sqlDB.Close()
 	if err := idem.Migrate(ctx, sqlDB); err != nil {
-		return databaseError{err}
+		return cli.DatabaseError{Err: err}
 	}
 	for _, ddl := range append([]string{soakSchema, soakIndex, soakReceiptSchema}, flowSoakSchema...) {
 		if _, err := admin.Exec(ctx, ddl); err != nil {
-			return databaseError{fmt.Errorf("create the soak's tables: %w", err)}
+			return cli.DatabaseError{Err: fmt.Errorf("create the soak's tables: %w", err)}
 		}
 	}
 	return nil

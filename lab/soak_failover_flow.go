@@ -93,7 +93,7 @@ func failoverFlowAmount(i int) int64 { return int64(100 + i) }
 
 func newFailoverFlows(f *failoverRun, pool *pgxpool.Pool) *failoverFlows {
 	ff := &failoverFlows{f: f, pool: pool, provider: newFailoverProvider()}
-	ff.flow = idem.MustNewFlow("soak-flow", func(s *idem.Steps, in flowSoakInput) (flowSoakAnswer, error) {
+	ff.flow = idem.MustNewFlow("soak-flow", func(ctx context.Context, s *idem.Steps, in flowSoakInput) (flowSoakAnswer, error) {
 		paymentID, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO idem_flowsoak_payment (scope, key, amount_cents, status)

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 	"github.com/pgidem/idem/outbox"
 )
 
@@ -221,30 +222,7 @@ func TestRelayRefusesAConnectionInATransaction(t *testing.T) {
 			t.Run(kind+"/"+state, func(t *testing.T) {
 				ctx, pool, scope, dest := setup(t)
 				enqueue(t, ctx, pool, entries(scope, dest, 1)...)
-				conn, err := pool.Acquire(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(conn.Release)
-				var db idem.TxBeginner = conn
-				if kind == "pgx.Conn" {
-					db = conn.Conn()
-				}
-				tx, err := conn.Begin(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer tx.Rollback(ctx)
-				if _, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, 'caller', 1)`, scope); err != nil {
-					t.Fatal(err)
-				}
-				want := byte('T')
-				if state == "failed" {
-					want = 'E'
-					if _, err := tx.Exec(ctx, `SELECT 1/0`); err == nil {
-						t.Fatal("SELECT 1/0 did not fail")
-					}
-				}
+				conn, db, tx, want := testdb.CallersTx(t, ctx, pool, kind, state, scope)
 
 				var handled atomic.Int64
 				relay, err := outbox.NewRelay(db, func(context.Context, outbox.Message) error {

@@ -10,7 +10,6 @@ import (
 	"context"
 	"os"
 	"regexp"
-	"strings"
 	"testing"
 	"time"
 
@@ -38,14 +37,7 @@ func TestCitusCommand(t *testing.T) {
 		t.Fatal(err)
 	}
 	url := c.URL(db)
-	mustRun := func(want string, args ...string) string {
-		t.Helper()
-		code, out := runCommand(t, url, args...)
-		if code != exitOK || !strings.Contains(out, want) {
-			t.Fatalf("idem %s: exit %d, want 0 and %q in:\n%s", strings.Join(args, " "), code, want, out)
-		}
-		return out
-	}
+	mustRun := mustRunner(t, url)
 	mustRun("applied", "migrate", "up")
 	script, err := os.ReadFile("../../docs/citus.sql")
 	if err != nil {
@@ -80,33 +72,7 @@ func TestCitusCommand(t *testing.T) {
 
 	// An operation running now holds its key's lock on a worker: stats
 	// and inspect count it there, and the duplicate waiting for it.
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	if _, err := idem.Do(ctx, tx, "tenant", "running", nil, fn); err != nil {
-		t.Fatal(err)
-	}
-	waiter := make(chan error, 1)
-	go func() {
-		_, err := idem.Run(ctx, pool, "tenant", "running", nil, fn, idem.WithWait(time.Minute))
-		waiter <- err
-	}()
-	waitFor(t, func() bool {
-		_, out := runCommand(t, url, "stats")
-		return regexp.MustCompile(`duplicates waiting \(advisory lock waits with idem's tag\) +1\n`).MatchString(out)
-	})
-	if out := mustRun("operations running now", "stats"); !regexp.MustCompile(`operations running now \(advisory locks with idem's tag\) +1 \(oldest began`).MatchString(out) {
-		t.Errorf("stats while one operation runs:\n%s", out)
-	}
-	mustRun("no record yet; running now (advisory lock with its id): yes", "inspect", "tenant", "running")
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-waiter; err != nil {
-		t.Fatalf("the waiting duplicate: %v", err)
-	}
+	checkRunning(t, ctx, pool, url, fn, "no record yet; running now (advisory lock with its id): yes")
 
 	mustRun("purged 1 expired records", "purge", "-batch", "10")
 	mustRun("purged 0 expired records", "purge")

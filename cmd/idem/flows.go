@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 // inspectFlow prints the flow of (scope, key): its state, step, runs and
@@ -18,7 +19,7 @@ import (
 func inspectFlow(ctx context.Context, stdout io.Writer, db idem.TxBeginner, scope, key string, show bool) error {
 	f, err := idem.InspectFlow(ctx, db, scope, key)
 	if errors.Is(err, idem.ErrInvalidScope) || errors.Is(err, idem.ErrInvalidKey) {
-		return usageError{err}
+		return cli.UsageError{Err: err}
 	}
 	if err != nil {
 		return fmt.Errorf("inspect: %w", err)
@@ -79,7 +80,7 @@ func orDash(s string) string {
 }
 
 func runFlowEnd(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet(stdout, "flow-end", `flow-end SCOPE KEY REASON
+	fs := program.NewFlagSet(stdout, "flow-end", `flow-end SCOPE KEY REASON
 
 Ends the flow of SCOPE and KEY, running or stopped for attention, once you
 have settled it by hand (with the provider: refunded, or confirmed, the
@@ -88,12 +89,12 @@ still running it commits nothing more; until its retention has passed,
 every retry of the key is answered that the operation was stopped
 (ErrFlowStopped, HTTP 409 operation-stopped) with REASON. "idem inspect
 -flow SCOPE KEY" shows a flow first.`)
-	operands, err := parseInterspersed(fs, args)
+	operands, err := cli.ParseInterspersed(fs, args)
 	if err != nil {
 		return err
 	}
 	if len(operands) != 3 {
-		return usageError{errors.New("want SCOPE, KEY and REASON")}
+		return cli.UsageError{Err: errors.New("want SCOPE, KEY and REASON")}
 	}
 	pool, err := connectMigrated(ctx, stdout, "flow-end")
 	if err != nil {
@@ -102,7 +103,7 @@ every retry of the key is answered that the operation was stopped
 	defer pool.Close()
 	ended, err := idem.EndFlow(ctx, pool, operands[0], operands[1], operands[2])
 	if errors.Is(err, idem.ErrInvalidScope) || errors.Is(err, idem.ErrInvalidKey) {
-		return usageError{err}
+		return cli.UsageError{Err: err}
 	}
 	if err != nil {
 		return fmt.Errorf("flow-end: %w", err)

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"context"
+	"io"
 	"os"
 	"testing"
 
@@ -10,3 +12,8 @@ import (
 var env *testdb.Env
 
 func TestMain(m *testing.M) { os.Exit(testdb.Main(m, &env)) }
+
+// run runs the command line args as main does, with the given output.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return program.Run(ctx, commands(), args, stdout, stderr)
+}

@@ -19,6 +19,7 @@ import (
 	"github.com/pressly/goose/v3/lock"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 // migrations returns goose over idem's embedded migrations, set up as
@@ -37,7 +38,7 @@ func migrations(db *sql.DB) (*goose.Provider, error) {
 }
 
 func runMigrate(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet(stdout, "migrate", `migrate up|down|status
+	fs := program.NewFlagSet(stdout, "migrate", `migrate up|down|status
 
 Applies or rolls back idem's embedded migrations, recorded in the table
 `+idem.MigrationTable+` (never the application's goose table):
@@ -48,11 +49,11 @@ Applies or rolls back idem's embedded migrations, recorded in the table
 
 The database comes from DATABASE_URL, or else the PG* variables; the
 command prints it before acting.`)
-	if err := parseFlags(fs, args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() != 1 {
-		return usageError{errors.New("want one of up, down, status")}
+		return cli.UsageError{Err: errors.New("want one of up, down, status")}
 	}
 	pool, err := connect(ctx, stdout, "migrate", 2)
 	if err != nil {
@@ -88,7 +89,7 @@ command prints it before acting.`)
 	case "status":
 		statuses, err := provider.Status(ctx)
 		if err != nil {
-			return databaseError{fmt.Errorf("migrate status: %w", err)}
+			return cli.DatabaseError{Err: fmt.Errorf("migrate status: %w", err)}
 		}
 		w := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(w, "VERSION\tSTATE\tAPPLIED AT\tFILE")
@@ -101,7 +102,7 @@ command prints it before acting.`)
 		}
 		return w.Flush()
 	default:
-		return usageError{fmt.Errorf("unknown migrate action %q: want up, down or status", fs.Arg(0))}
+		return cli.UsageError{Err: fmt.Errorf("unknown migrate action %q: want up, down or status", fs.Arg(0))}
 	}
 	return nil
 }
@@ -135,10 +136,10 @@ func checkMigrated(ctx context.Context, db *sql.DB) error {
 	}
 	exists, err := extended.TableExists(ctx, db)
 	if err != nil {
-		return databaseError{fmt.Errorf("look for %s: %w", idem.MigrationTable, err)}
+		return cli.DatabaseError{Err: fmt.Errorf("look for %s: %w", idem.MigrationTable, err)}
 	}
 	if !exists {
-		return databaseError{errors.New("idem's migrations are not applied: run 'idem migrate up'")}
+		return cli.DatabaseError{Err: errors.New("idem's migrations are not applied: run 'idem migrate up'")}
 	}
 	provider, err := migrations(db)
 	if err != nil {
@@ -146,28 +147,28 @@ func checkMigrated(ctx context.Context, db *sql.DB) error {
 	}
 	current, target, err := provider.GetVersions(ctx)
 	if err != nil {
-		return databaseError{fmt.Errorf("read migration version: %w", err)}
+		return cli.DatabaseError{Err: fmt.Errorf("read migration version: %w", err)}
 	}
 	if current < target {
-		return databaseError{fmt.Errorf("idem's migrations are not applied (version %d of %d): run 'idem migrate up'", current, target)}
+		return cli.DatabaseError{Err: fmt.Errorf("idem's migrations are not applied (version %d of %d): run 'idem migrate up'", current, target)}
 	}
 	return nil
 }
 
 func runPurge(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet(stdout, "purge", `purge [-batch N]
+	fs := program.NewFlagSet(stdout, "purge", `purge [-batch N]
 
 Deletes the records past their expiry, N per transaction, until none is
 left, and prints how many. Expired records already count as absent:
 purging only keeps the table and its indexes small. Rows that a live claim
 holds are skipped, not waited for.`)
 	batch := fs.Int("batch", idem.DefaultPurgeBatch, fmt.Sprintf("records deleted per transaction, 1 to %d", math.MaxInt32))
-	if err := parseFlags(fs, args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	// Checked as idem.Purge checks it, before connecting.
 	if *batch < 1 || *batch > math.MaxInt32 {
-		return usageError{fmt.Errorf("-batch must be between 1 and %d, got %d", math.MaxInt32, *batch)}
+		return cli.UsageError{Err: fmt.Errorf("-batch must be between 1 and %d, got %d", math.MaxInt32, *batch)}
 	}
 	pool, err := connectMigrated(ctx, stdout, "purge")
 	if err != nil {
@@ -178,7 +179,7 @@ holds are skipped, not waited for.`)
 	started := time.Now()
 	total, err := idem.Purge(ctx, pool, *batch)
 	if errors.Is(err, idem.ErrInvalidOption) {
-		return usageError{err}
+		return cli.UsageError{Err: err}
 	}
 	if err != nil {
 		return fmt.Errorf("purge after %d records: %w", total, err)
@@ -190,7 +191,7 @@ holds are skipped, not waited for.`)
 }
 
 func runStats(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet(stdout, "stats", `stats
+	fs := program.NewFlagSet(stdout, "stats", `stats
 
 Prints the operations running now and the duplicates waiting for them; for
 idem's tables: the records done, in progress (committed in progress, which
@@ -212,7 +213,7 @@ database, as pg_locks shows them: 0x1de0 in the id's top 16 bits
 an application's own advisory lock whose bigint id falls in that range
 counts as an operation too, and 1 in 65,536 of ids spread over all bigints,
 as hashtextextended's are, does. Locks taken with two int keys never count.`)
-	if err := parseFlags(fs, args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	pool, err := connectMigrated(ctx, stdout, "stats")
@@ -277,7 +278,7 @@ func bytesize(n int64) string {
 }
 
 func runInspect(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet(stdout, "inspect", `inspect [-flow] [-show-response] SCOPE KEY
+	fs := program.NewFlagSet(stdout, "inspect", `inspect [-flow] [-show-response] SCOPE KEY
 
 Prints one key: whether an operation is running on it now, and its record:
 state, fingerprint, creation and expiry, and the size of its stored
@@ -294,12 +295,12 @@ id, and so would an application's own lock of that very id: either shows as
 running too.`)
 	show := fs.Bool("show-response", false, "print the stored response, which may hold personal data (redacted by default)")
 	flow := fs.Bool("flow", false, "show the key's flow rather than its record")
-	operands, err := parseInterspersed(fs, args)
+	operands, err := cli.ParseInterspersed(fs, args)
 	if err != nil {
 		return err
 	}
 	if len(operands) != 2 {
-		return usageError{errors.New("want SCOPE and KEY")}
+		return cli.UsageError{Err: errors.New("want SCOPE and KEY")}
 	}
 	pool, err := connectMigrated(ctx, stdout, "inspect")
 	if err != nil {
@@ -312,7 +313,7 @@ running too.`)
 	}
 	r, err := idem.Inspect(ctx, pool, scope, key)
 	if errors.Is(err, idem.ErrInvalidScope) || errors.Is(err, idem.ErrInvalidKey) {
-		return usageError{err}
+		return cli.UsageError{Err: err}
 	}
 	if err != nil {
 		return fmt.Errorf("inspect: %w", err)

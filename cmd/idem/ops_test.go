@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 	"github.com/pgidem/idem/internal/keylock"
 )
 
@@ -35,27 +36,27 @@ func TestCommandLineExitCodes(t *testing.T) {
 		args []string
 		want int
 	}{
-		{nil, exitUsage},
-		{[]string{"no-such-command"}, exitUsage},
-		{[]string{"help"}, exitOK},
-		{[]string{"stats", "-h"}, exitOK},
-		{[]string{"migrate"}, exitUsage},
-		{[]string{"migrate", "sideways"}, exitUsage},
-		{[]string{"inspect", "only-a-scope"}, exitUsage},
-		{[]string{"purge", "-batch", "0"}, exitUsage},
+		{nil, cli.ExitUsage},
+		{[]string{"no-such-command"}, cli.ExitUsage},
+		{[]string{"help"}, cli.ExitOK},
+		{[]string{"stats", "-h"}, cli.ExitOK},
+		{[]string{"migrate"}, cli.ExitUsage},
+		{[]string{"migrate", "sideways"}, cli.ExitUsage},
+		{[]string{"inspect", "only-a-scope"}, cli.ExitUsage},
+		{[]string{"purge", "-batch", "0"}, cli.ExitUsage},
 		// Above int32: once truncated to LIMIT 0 (nothing purged, exit 0)
 		// or to a negative LIMIT.
-		{[]string{"purge", "-batch", "4294967296"}, exitUsage},
-		{[]string{"purge", "-batch", "3000000000"}, exitUsage},
-		{[]string{"stats", "-no-such-flag"}, exitUsage},
+		{[]string{"purge", "-batch", "4294967296"}, cli.ExitUsage},
+		{[]string{"purge", "-batch", "3000000000"}, cli.ExitUsage},
+		{[]string{"stats", "-no-such-flag"}, cli.ExitUsage},
 	}
 	for _, c := range cases {
 		if code, out := runCommand(t, url, c.args...); code != c.want {
 			t.Errorf("idem %s: exit %d, want %d\n%s", strings.Join(c.args, " "), code, c.want, out)
 		}
 	}
-	if code, out := runCommand(t, "postgres://postgres@127.0.0.1:1/none?sslmode=disable", "stats"); code != exitDatabase {
-		t.Errorf("unreachable database: exit %d, want %d\n%s", code, exitDatabase, out)
+	if code, out := runCommand(t, "postgres://postgres@127.0.0.1:1/none?sslmode=disable", "stats"); code != cli.ExitDatabase {
+		t.Errorf("unreachable database: exit %d, want %d\n%s", code, cli.ExitDatabase, out)
 	}
 }
 
@@ -63,8 +64,8 @@ func TestCommandsOnAnUnmigratedDatabase(t *testing.T) {
 	url := env.EmptyDatabase(t)
 	for _, args := range [][]string{{"stats"}, {"purge"}, {"inspect", "s", "k"}} {
 		code, out := runCommand(t, url, args...)
-		if code != exitDatabase || !strings.Contains(out, "migrate up") {
-			t.Errorf("idem %s on an unmigrated database: exit %d, want %d and a hint\n%s", args[0], code, exitDatabase, out)
+		if code != cli.ExitDatabase || !strings.Contains(out, "migrate up") {
+			t.Errorf("idem %s on an unmigrated database: exit %d, want %d and a hint\n%s", args[0], code, cli.ExitDatabase, out)
 		}
 	}
 	pool, err := pgxpool.New(context.Background(), url)
@@ -84,14 +85,7 @@ func TestCommandsOnAnUnmigratedDatabase(t *testing.T) {
 func TestMigrateStatsInspectPurge(t *testing.T) {
 	url := env.EmptyDatabase(t)
 	ctx := context.Background()
-	mustRun := func(want string, args ...string) string {
-		t.Helper()
-		code, out := runCommand(t, url, args...)
-		if code != exitOK || !strings.Contains(out, want) {
-			t.Fatalf("idem %s: exit %d, want 0 and %q in:\n%s", strings.Join(args, " "), code, want, out)
-		}
-		return out
-	}
+	mustRun := mustRunner(t, url)
 	mustRun("applied", "migrate", "up")
 	mustRun("up to date", "migrate", "up")
 	mustRun("applied", "migrate", "status")
@@ -124,41 +118,15 @@ func TestMigrateStatsInspectPurge(t *testing.T) {
 	mustRun("4242", "inspect", "-show-response", "tenant", "live")
 	// Flags after the operands, as most command lines allow.
 	mustRun("4242", "inspect", "tenant", "live", "-show-response")
-	if code, out := runCommand(t, url, "inspect", "tenant", "live", "extra"); code != exitUsage {
-		t.Errorf("inspect with three operands: exit %d, want %d\n%s", code, exitUsage, out)
+	if code, out := runCommand(t, url, "inspect", "tenant", "live", "extra"); code != cli.ExitUsage {
+		t.Errorf("inspect with three operands: exit %d, want %d\n%s", code, cli.ExitUsage, out)
 	}
-	if code, out := runCommand(t, url, "inspect", "tenant", "absent"); code != exitFailure {
-		t.Errorf("inspect of a missing record: exit %d, want %d\n%s", code, exitFailure, out)
+	if code, out := runCommand(t, url, "inspect", "tenant", "absent"); code != cli.ExitFailure {
+		t.Errorf("inspect of a missing record: exit %d, want %d\n%s", code, cli.ExitFailure, out)
 	}
 	// An operation running now has no record yet at READ COMMITTED: stats
 	// and inspect see it, and the duplicate waiting for it, by its lock.
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	if _, err := idem.Do(ctx, tx, "tenant", "running", nil, fn); err != nil {
-		t.Fatal(err)
-	}
-	waiter := make(chan error, 1)
-	go func() {
-		_, err := idem.Run(ctx, pool, "tenant", "running", nil, fn, idem.WithWait(time.Minute))
-		waiter <- err
-	}()
-	waitFor(t, func() bool {
-		_, out := runCommand(t, url, "stats")
-		return regexp.MustCompile(`duplicates waiting \(advisory lock waits with idem's tag\) +1\n`).MatchString(out)
-	})
-	if out := mustRun("operations running now", "stats"); !regexp.MustCompile(`operations running now \(advisory locks with idem's tag\) +1 \(oldest began`).MatchString(out) {
-		t.Errorf("stats while one operation runs:\n%s", out)
-	}
-	mustRun("no record yet; running now (advisory lock with its id): yes, its transaction began", "inspect", "tenant", "running")
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-waiter; err != nil {
-		t.Fatalf("the waiting duplicate: %v", err)
-	}
+	checkRunning(t, ctx, pool, url, fn, "no record yet; running now (advisory lock with its id): yes, its transaction began")
 	if out := mustRun("running now", "inspect", "tenant", "running"); !regexp.MustCompile(`running now \(advisory lock with its id\) +no\n`).MatchString(out) {
 		t.Errorf("inspect after the operation committed:\n%s", out)
 	}
@@ -179,7 +147,7 @@ func TestMigrateStatsInspectPurge(t *testing.T) {
 func TestStatsAndInspectSayTheyCountLocksByIdemsTag(t *testing.T) {
 	url := env.EmptyDatabase(t)
 	ctx := context.Background()
-	if code, out := runCommand(t, url, "migrate", "up"); code != exitOK {
+	if code, out := runCommand(t, url, "migrate", "up"); code != cli.ExitOK {
 		t.Fatalf("migrate up: exit %d\n%s", code, out)
 	}
 	conn, err := pgx.Connect(ctx, url)
@@ -203,7 +171,7 @@ func TestStatsAndInspectSayTheyCountLocksByIdemsTag(t *testing.T) {
 		}
 	}
 	code, out := runCommand(t, url, "stats")
-	if code != exitOK {
+	if code != cli.ExitOK {
 		t.Fatalf("stats: exit %d\n%s", code, out)
 	}
 	if !regexp.MustCompile(`operations running now \(advisory locks with idem's tag\) +1 \(oldest began`).MatchString(out) ||
@@ -211,8 +179,8 @@ func TestStatsAndInspectSayTheyCountLocksByIdemsTag(t *testing.T) {
 		t.Errorf("stats does not say that it counts the locks with idem's tag, or counts other locks:\n%s", out)
 	}
 	code, out = runCommand(t, url, "inspect", "tenant", "absent")
-	if code != exitFailure || !strings.Contains(out, "no advisory lock with its id") {
-		t.Errorf("inspect of a key with no record and no lock: exit %d, want %d and where it looked:\n%s", code, exitFailure, out)
+	if code != cli.ExitFailure || !strings.Contains(out, "no advisory lock with its id") {
+		t.Errorf("inspect of a key with no record and no lock: exit %d, want %d and where it looked:\n%s", code, cli.ExitFailure, out)
 	}
 	for args, want := range map[string][]string{
 		"stats -h":   {"advisory locks whose id carries idem's tag", "0x1de0", "an estimate"},
@@ -259,7 +227,7 @@ func TestHelpSaysWhatCommandsDo(t *testing.T) {
 		"inspect -h": {"-show-response", "before or after SCOPE and KEY"},
 	} {
 		code, out := runCommand(t, "", strings.Fields(args)...)
-		if code != exitOK {
+		if code != cli.ExitOK {
 			t.Errorf("idem %s: exit %d", args, code)
 		}
 		for _, w := range want {
@@ -281,8 +249,8 @@ func TestAuthenticationFailureIsReportedOnceAsSuch(t *testing.T) {
 	u.User = neturl.UserPassword("no_such_role_for_idem", "wrong")
 	u.RawQuery = "" // sslmode=prefer: the driver tries twice
 	code, out := runCommand(t, u.String(), "stats")
-	if code != exitDatabase {
-		t.Errorf("exit %d, want %d", code, exitDatabase)
+	if code != cli.ExitDatabase {
+		t.Errorf("exit %d, want %d", code, cli.ExitDatabase)
 	}
 	if !strings.Contains(out, "refused the credentials") || strings.Contains(out, "cannot reach") {
 		t.Errorf("a refused login is not reported as such:\n%s", out)
@@ -296,6 +264,57 @@ func TestAuthenticationFailureIsReportedOnceAsSuch(t *testing.T) {
 }
 
 // waitFor polls cond until it holds, or fails the test after ten seconds.
+// mustRunner returns mustRun, which runs the command line args against the
+// database at url, fails the test unless it succeeds and prints want, and
+// returns what it printed.
+func mustRunner(t *testing.T, url string) func(want string, args ...string) string {
+	return func(want string, args ...string) string {
+		t.Helper()
+		code, out := runCommand(t, url, args...)
+		if code != cli.ExitOK || !strings.Contains(out, want) {
+			t.Fatalf("idem %s: exit %d, want 0 and %q in:\n%s", strings.Join(args, " "), code, want, out)
+		}
+		return out
+	}
+}
+
+// checkRunning runs fn on the key (tenant, running) in a transaction it
+// leaves open, and a duplicate that waits for it; it checks that stats
+// counts the operation and its waiting duplicate, and that inspect of the
+// key says inspecting; then it commits, and checks that the duplicate
+// returned.
+func checkRunning(t *testing.T, ctx context.Context, pool *pgxpool.Pool, url string, fn func(context.Context, pgx.Tx) (map[string]string, error), inspecting string) {
+	t.Helper()
+	mustRun := mustRunner(t, url)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := idem.Do(ctx, tx, "tenant", "running", nil, fn); err != nil {
+		t.Fatal(err)
+	}
+	waiter := make(chan error, 1)
+	go func() {
+		_, err := idem.Run(ctx, pool, "tenant", "running", nil, fn, idem.WithWait(time.Minute))
+		waiter <- err
+	}()
+	waitFor(t, func() bool {
+		_, out := runCommand(t, url, "stats")
+		return regexp.MustCompile(`duplicates waiting \(advisory lock waits with idem's tag\) +1\n`).MatchString(out)
+	})
+	if out := mustRun("operations running now", "stats"); !regexp.MustCompile(`operations running now \(advisory locks with idem's tag\) +1 \(oldest began`).MatchString(out) {
+		t.Errorf("stats while one operation runs:\n%s", out)
+	}
+	mustRun(inspecting, "inspect", "tenant", "running")
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-waiter; err != nil {
+		t.Fatalf("the waiting duplicate: %v", err)
+	}
+}
+
 func waitFor(t *testing.T, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)

@@ -10,10 +10,11 @@ import (
 	"strings"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 func runSchema(_ context.Context, args []string, stdout io.Writer) error {
-	fs := newFlagSet(stdout, "schema", `schema
+	fs := program.NewFlagSet(stdout, "schema", `schema
 
 Prints the SQL of idem's tables, indexes and function: the Up sections of
 the migrations embedded in this build of idem, in order, without goose's
@@ -22,11 +23,11 @@ embedded in a Go module, such as sqlc: save it beside the application's own
 migrations and list both in sqlc.yaml (see docs/sqlc.md). Apply the tables
 themselves with idem.Migrate or 'idem migrate up', which record their
 versions; this only prints. It connects to nothing.`)
-	if err := parseFlags(fs, args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() != 0 {
-		return usageError{errors.New("takes no operands")}
+		return cli.UsageError{Err: errors.New("takes no operands")}
 	}
 	return writeSchema(stdout, idem.Migrations())
 }

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"testing/fstest"
+
+	"github.com/pgidem/idem/cmd/idem/cli"
 )
 
 // TestSchemaIsTheCommittedFile keeps the repository's schema.sql, which
@@ -17,7 +19,7 @@ import (
 func TestSchemaIsTheCommittedFile(t *testing.T) {
 	t.Parallel()
 	var out, errs bytes.Buffer
-	if code := run(context.Background(), []string{"schema"}, &out, &errs); code != exitOK {
+	if code := run(context.Background(), []string{"schema"}, &out, &errs); code != cli.ExitOK {
 		t.Fatalf("idem schema: exit %d\n%s", code, errs.String())
 	}
 	committed, err := os.ReadFile(filepath.Join("..", "..", "schema.sql"))
@@ -37,8 +39,8 @@ func TestSchemaIsTheCommittedFile(t *testing.T) {
 			t.Errorf("idem schema prints %q, from goose's annotations or a Down section", not)
 		}
 	}
-	if code := run(context.Background(), []string{"schema", "extra"}, &out, &errs); code != exitUsage {
-		t.Errorf("idem schema extra: exit %d, want %d", code, exitUsage)
+	if code := run(context.Background(), []string{"schema", "extra"}, &out, &errs); code != cli.ExitUsage {
+		t.Errorf("idem schema extra: exit %d, want %d", code, cli.ExitUsage)
 	}
 }
 

@@ -8,15 +8,10 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
-	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/backoff"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/metadata"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgrpc"
@@ -103,7 +98,7 @@ type flowOrder struct {
 func TestFlowRetryStormThroughAConnectionCutter(t *testing.T) {
 	ctx, pool, tenant := setup(t)
 	l := &ledger{loseEvery: 5, failEvery: 7, keys: map[int64]map[string]bool{}}
-	flow := idem.MustNewFlow("pay", func(s *idem.Steps, in flowOrder) (flowOrder, error) {
+	flow := idem.MustNewFlow("pay", func(ctx context.Context, s *idem.Steps, in flowOrder) (flowOrder, error) {
 		id, err := idem.Local(s, "record", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
@@ -125,45 +120,7 @@ func TestFlowRetryStormThroughAConnectionCutter(t *testing.T) {
 
 	const clients, workers, perWorker = 4, 4, 15
 	const logical = clients * workers * perWorker
-	var sent atomic.Int64 // attempts that went to the wire
-	countAttempt := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		sent.Add(1)
-		return invoker(ctx, method, req, reply, cc, opts...)
-	}
-	var replayed, failed atomic.Int64
-	answers := make([]*testpb.Payment, logical)
-	var wg sync.WaitGroup
-	for c := range clients {
-		conn := dial(t, cut.addr(),
-			grpc.WithChainUnaryInterceptor(idemgrpc.MustNewClientInterceptor(),
-				retry.UnaryClientInterceptor(retry.WithMax(50), retry.WithCodes(codes.Unavailable, codes.Aborted),
-					retry.WithBackoff(retry.BackoffLinear(5*time.Millisecond))),
-				countAttempt),
-			grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{
-				BaseDelay: 5 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 50 * time.Millisecond}}),
-			grpc.WithDefaultCallOptions(grpc.WaitForReady(true)))
-		client := testpb.NewPaymentsClient(conn)
-		for w := range workers {
-			wg.Go(func() {
-				for i := range perWorker {
-					n := (c*workers+w)*perWorker + i
-					var header metadata.MD
-					res, err := client.Pay(metadata.AppendToOutgoingContext(ctx, tenantKey, tenant),
-						&testpb.PayRequest{AmountCents: int64(n + 1)}, grpc.Header(&header))
-					if err != nil {
-						failed.Add(1)
-						t.Errorf("logical call %d: %v", n, err)
-						continue
-					}
-					answers[n] = res
-					if len(header.Get(idemgrpc.ReplayedMetadata)) == 1 {
-						replayed.Add(1)
-					}
-				}
-			})
-		}
-	}
-	wg.Wait()
+	st := storm(t, ctx, cut, tenant, clients, workers, perWorker)
 
 	var charges, lost, doubled int
 	for n := range logical {
@@ -175,7 +132,7 @@ func TestFlowRetryStormThroughAConnectionCutter(t *testing.T) {
 		case len(keys) > 1:
 			doubled++
 		}
-		res := answers[n]
+		res := st.answers[n]
 		if res == nil || len(keys) != 1 {
 			continue
 		}
@@ -194,15 +151,15 @@ func TestFlowRetryStormThroughAConnectionCutter(t *testing.T) {
 	t.Logf("flow storm: %d logical calls, %d attempts sent, %d connections cut after the server answered (of %d answers), "+
 		"%d provider calls (%d answers lost after applying, %d failed before), %d answers replayed, %d calls failed; "+
 		"%d charges, %d lost, %d doubled, %d payments, %d flows completed",
-		logical, sent.Load(), cut.cuts.Load(), cut.answers.Load(), l.calls.Load(), l.lost.Load(), l.failed.Load(),
-		replayed.Load(), failed.Load(), charges, lost, doubled, payments, completed)
-	if lost != 0 || doubled != 0 || charges != logical || payments != logical || completed != logical || failed.Load() != 0 {
+		logical, st.sent, cut.cuts.Load(), cut.answers.Load(), l.calls.Load(), l.lost.Load(), l.failed.Load(),
+		st.replayed, st.failed, charges, lost, doubled, payments, completed)
+	if lost != 0 || doubled != 0 || charges != logical || payments != logical || completed != logical || st.failed != 0 {
 		t.Fatalf("%d charges (%d lost, %d doubled), %d payments, %d flows completed for %d logical calls (%d failed)",
-			charges, lost, doubled, payments, completed, logical, failed.Load())
+			charges, lost, doubled, payments, completed, logical, st.failed)
 	}
-	if cut.cuts.Load() == 0 || replayed.Load() == 0 || l.lost.Load() == 0 || l.failed.Load() == 0 {
+	if cut.cuts.Load() == 0 || st.replayed == 0 || l.lost.Load() == 0 || l.failed.Load() == 0 {
 		t.Fatalf("%d cuts, %d replays, %d lost and %d failed provider answers: the storm did not storm",
-			cut.cuts.Load(), replayed.Load(), l.lost.Load(), l.failed.Load())
+			cut.cuts.Load(), st.replayed, l.lost.Load(), l.failed.Load())
 	}
 }
 

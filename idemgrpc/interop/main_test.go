@@ -2,7 +2,6 @@ package interop_test
 
 import (
 	"context"
-	"crypto/rand"
 	"net"
 	"os"
 	"sync"
@@ -37,19 +36,12 @@ var (
 // database of the test's own with the payment table, and a tenant.
 func setup(t *testing.T) (context.Context, *pgxpool.Pool, string) {
 	t.Helper()
-	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	t.Cleanup(cancel)
-	pool := idemtest.Pool(t)
-	if _, err := pool.Exec(ctx, `CREATE TABLE payment (
+	return grpctest.Setup(t, 3*time.Minute, `CREATE TABLE payment (
 		id           bigserial PRIMARY KEY,
 		scope        text   NOT NULL,
 		key          text   NOT NULL,
 		amount_cents bigint NOT NULL UNIQUE
-	)`); err != nil {
-		t.Fatal(err)
-	}
-	return ctx, pool, "tenant-" + rand.Text()[:8]
+	)`)
 }
 
 // payments records a payment on the call's transaction, under its key, and

@@ -30,13 +30,49 @@ func TestRetryStormThroughAConnectionCutter(t *testing.T) {
 
 	const clients, workers, perWorker = 4, 4, 25
 	const logical = clients * workers * perWorker
-	var sent atomic.Int64 // attempts that went to the wire
+	st := storm(t, ctx, cut, tenant, clients, workers, perWorker)
+
+	effects := count(t, pool, `SELECT count(*) FROM payment WHERE scope = $1`, tenant)
+	records := count(t, pool, `SELECT count(*) FROM idempotency_key WHERE scope = $1`, tenant)
+	t.Logf("storm: %d logical calls, %d attempts sent, %d connections cut after the server answered (of %d answers), "+
+		"%d handler runs, %d answers replayed, %d calls failed; %d effects, %d records",
+		logical, st.sent, cut.cuts.Load(), cut.answers.Load(), p.runs.Load(), st.replayed, st.failed, effects, records)
+	if effects != logical || records != logical || st.failed != 0 {
+		t.Fatalf("%d effects and %d records for %d logical calls (%d failed)", effects, records, logical, st.failed)
+	}
+	if cut.cuts.Load() == 0 || st.replayed == 0 {
+		t.Fatalf("%d cuts and %d replays: the storm did not storm", cut.cuts.Load(), st.replayed)
+	}
+	// Each answer is the one committed run's: its id is the payment row of
+	// its amount.
+	for n, res := range st.answers {
+		var id int64
+		if err := pool.QueryRow(ctx, `SELECT id FROM payment WHERE amount_cents = $1`, int64(n+1)).Scan(&id); err != nil || res.GetId() != id {
+			t.Fatalf("logical call %d got payment %d, the committed row is %d (%v)", n, res.GetId(), id, err)
+		}
+	}
+}
+
+// stormed is what the logical calls of a storm got.
+type stormed struct {
+	answers          []*testpb.Payment // the nth logical call's; nil if it failed
+	sent             int64             // attempts that went to the wire
+	replayed, failed int64             // logical calls
+}
+
+// storm sends clients*workers*perWorker logical payments as tenant, the
+// nth of n+1 cents, from clients connections through cut, each shared by
+// workers goroutines that make perWorker calls in turn. Each client
+// retries with go-grpc-middleware's retry interceptor, beneath idemgrpc's
+// client interceptor. A logical call that fails fails the test.
+func storm(t *testing.T, ctx context.Context, cut *cutter, tenant string, clients, workers, perWorker int) stormed {
+	t.Helper()
+	var sent, replayed, failed atomic.Int64
 	countAttempt := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		sent.Add(1)
 		return invoker(ctx, method, req, reply, cc, opts...)
 	}
-	var replayed, failed atomic.Int64
-	answers := make([]*testpb.Payment, logical)
+	answers := make([]*testpb.Payment, clients*workers*perWorker)
 	var wg sync.WaitGroup
 	for c := range clients {
 		conn := dial(t, cut.addr(),
@@ -71,24 +107,5 @@ func TestRetryStormThroughAConnectionCutter(t *testing.T) {
 		}
 	}
 	wg.Wait()
-
-	effects := count(t, pool, `SELECT count(*) FROM payment WHERE scope = $1`, tenant)
-	records := count(t, pool, `SELECT count(*) FROM idempotency_key WHERE scope = $1`, tenant)
-	t.Logf("storm: %d logical calls, %d attempts sent, %d connections cut after the server answered (of %d answers), "+
-		"%d handler runs, %d answers replayed, %d calls failed; %d effects, %d records",
-		logical, sent.Load(), cut.cuts.Load(), cut.answers.Load(), p.runs.Load(), replayed.Load(), failed.Load(), effects, records)
-	if effects != logical || records != logical || failed.Load() != 0 {
-		t.Fatalf("%d effects and %d records for %d logical calls (%d failed)", effects, records, logical, failed.Load())
-	}
-	if cut.cuts.Load() == 0 || replayed.Load() == 0 {
-		t.Fatalf("%d cuts and %d replays: the storm did not storm", cut.cuts.Load(), replayed.Load())
-	}
-	// Each answer is the one committed run's: its id is the payment row of
-	// its amount.
-	for n, res := range answers {
-		var id int64
-		if err := pool.QueryRow(ctx, `SELECT id FROM payment WHERE amount_cents = $1`, int64(n+1)).Scan(&id); err != nil || res.GetId() != id {
-			t.Fatalf("logical call %d got payment %d, the committed row is %d (%v)", n, res.GetId(), id, err)
-		}
-	}
+	return stormed{answers: answers, sent: sent.Load(), replayed: replayed.Load(), failed: failed.Load()}
 }

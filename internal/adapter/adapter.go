@@ -2,8 +2,8 @@
 // them is only its protocol: idemhttp, idemhttp/webhook and idemgrpc check
 // their configurations here (field errors, retention, wait, the stored
 // size of an answer, transaction options, the options handed idem.Run),
-// tell an unavailable database from a failed statement here, and make
-// keys here.
+// tell an unavailable database from a failed statement here, classify why
+// a flow gave no answer here, and make keys here.
 //
 // idemgrpc is a module of its own and imports this package, which Go
 // allows since its import path lies below the root module's. A build may

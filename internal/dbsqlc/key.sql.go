@@ -151,7 +151,7 @@ const keyClaimIfFull = `-- name: KeyClaimIfFull :one
 WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
            set_config('lock_timeout', $1::text, true) AS applied
-    WHERE now() = $2::timestamptz
+    WHERE now() = ANY($2::timestamptz[])
       AND NOT current_setting('transaction_read_only')::bool
       AND NOT EXISTS (
           SELECT FROM idempotency_key
@@ -188,7 +188,7 @@ FROM counted
 
 type KeyClaimIfFullParams struct {
 	LockTimeout string
-	FullSince   pgtype.Timestamptz
+	FullSince   []pgtype.Timestamptz
 	Scope       string
 	Key         string
 	Fingerprint []byte
@@ -205,7 +205,7 @@ type KeyClaimIfFullRow struct {
 // KeyClaimIfFull is KeyClaimWait sent in the claim's own round trip, behind
 // KeyLock and KeyGet, by a caller whose count of key locks is full: it
 // writes the record in progress only when KeyLock did not try the lock for
-// that reason (now() is @full_since, as in KeyLock), the transaction is
+// that reason (now() is in @full_since, as in KeyLock), the transaction is
 // read-write, and no live completed record is in the way (a replay needs
 // no claim); attempted says whether it did. Otherwise it does nothing,
 // and the claim goes on from KeyLock's and KeyGet's answers. A key past a
@@ -554,6 +554,36 @@ func (q *Queries) KeyInsert(ctx context.Context, arg KeyInsertParams) error {
 	return err
 }
 
+const keyInsertCitus = `-- name: KeyInsertCitus :exec
+INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
+VALUES ($1::text, $2::text, $3::bytea, 'done',
+        $4::text::jsonb, now() + $5::interval)
+`
+
+type KeyInsertCitusParams struct {
+	Scope       string
+	Key         string
+	Fingerprint []byte
+	Response    pgtype.Text
+	Retention   pgtype.Interval
+}
+
+// KeyInsertCitus is KeyInsert for a database with Citus, sent between
+// KeyWaitBudgetCitus and KeyWaitRestoreCitus, which bound its wait: an
+// INSERT of one row of values, which Citus routes whole to the node of the
+// scope's shard. KeyInsert's CTE makes Citus plan it in three steps
+// through the coordinator (INSERT ... SELECT pulled to the coordinator).
+func (q *Queries) KeyInsertCitus(ctx context.Context, arg KeyInsertCitusParams) error {
+	_, err := q.db.Exec(ctx, keyInsertCitus,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.Response,
+		arg.Retention,
+	)
+	return err
+}
+
 const keyInspect = `-- name: KeyInspect :one
 SELECT fingerprint, state, response, created_at, expires_at,
        (expires_at <= now())::bool AS expired
@@ -594,7 +624,7 @@ func (q *Queries) KeyInspect(ctx context.Context, arg KeyInspectParams) (KeyInsp
 const keyLock = `-- name: KeyLock :one
 SELECT CASE
            WHEN current_setting('transaction_read_only')::bool THEN 0
-           WHEN now() = $1::timestamptz THEN 0
+           WHEN now() = ANY($1::timestamptz[]) THEN 0
            WHEN EXISTS (
                SELECT FROM idempotency_key
                WHERE scope = $2::text
@@ -607,11 +637,15 @@ SELECT CASE
        END::int AS lock,
        now()::timestamptz AS tx_start,
        current_setting('transaction_isolation') = 'read committed' AS read_committed,
-       current_setting('transaction_read_only')::bool AS read_only
+       current_setting('transaction_read_only')::bool AS read_only,
+       -- citus: the database has Citus (see CitusInstalled), where the
+       -- statements that wait for a record take their budget from
+       -- KeyWaitBudgetCitus and the record is stored by KeyInsertCitus.
+       (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL)::bool AS citus
 `
 
 type KeyLockParams struct {
-	FullSince pgtype.Timestamptz
+	FullSince []pgtype.Timestamptz
 	Scope     string
 	Key       string
 	LockID    int64
@@ -622,6 +656,7 @@ type KeyLockRow struct {
 	TxStart       pgtype.Timestamptz
 	ReadCommitted bool
 	ReadOnly      bool
+	Citus         bool
 }
 
 // KeyLock takes the key's lock, a transaction-scoped advisory lock on a hash
@@ -635,10 +670,15 @@ type KeyLockRow struct {
 // left alone:
 //   - the key has a live, completed record: a replay or a mismatch needs no
 //     lock, so that a redelivered batch costs no lock-table entry per key;
-//   - the transaction already holds as many key locks as it may. The caller
-//     counts them and sends, once its count is full, the start of the
-//     transaction that took them as @full_since; now() is the start of the
-//     current one, so a new transaction starts its count again. Advisory
+//   - the transaction already holds as many key locks as it may on this
+//     server. The caller counts them by the start of the transaction that
+//     took them (tx_start, now()) and sends in @full_since the starts whose
+//     counts are full; a new transaction, whose now() is none of them,
+//     starts its count again. On PostgreSQL there is one start; on Citus,
+//     where this statement runs on the worker of the scope's shard, each
+//     worker's part of the distributed transaction has a start of its own,
+//     and so a count of its own: the bound is per node, each node's lock
+//     table its own. Advisory
 //     locks live in the server's shared lock table, which every session of
 //     every database shares: a transaction that took one per key could fill
 //     it and make other sessions fail. Past the limit the claim writes its
@@ -661,6 +701,7 @@ func (q *Queries) KeyLock(ctx context.Context, arg KeyLockParams) (KeyLockRow, e
 		&i.TxStart,
 		&i.ReadCommitted,
 		&i.ReadOnly,
+		&i.Citus,
 	)
 	return i, err
 }
@@ -978,6 +1019,43 @@ func (q *Queries) KeyReplace(ctx context.Context, arg KeyReplaceParams) error {
 	return err
 }
 
+const keyReplaceCitus = `-- name: KeyReplaceCitus :exec
+INSERT INTO idempotency_key AS existing (scope, key, fingerprint, state, response, expires_at)
+VALUES ($1::text, $2::text, $3::bytea, 'done',
+        $4::text::jsonb, now() + $5::interval)
+ON CONFLICT (scope, key) DO UPDATE
+SET fingerprint = excluded.fingerprint,
+    state = excluded.state,
+    response = excluded.response,
+    created_at = excluded.created_at,
+    expires_at = excluded.expires_at
+WHERE 1 / (existing.expires_at <= excluded.created_at
+           OR existing.state = 'in_progress')::int = 1
+`
+
+type KeyReplaceCitusParams struct {
+	Scope       string
+	Key         string
+	Fingerprint []byte
+	Response    pgtype.Text
+	Retention   pgtype.Interval
+}
+
+// KeyReplaceCitus is KeyReplace for a database with Citus, routed whole
+// to one node as KeyInsertCitus is. When the record is live again, its
+// conflict's WHERE divides by zero: division_by_zero, as KeyReplace, so
+// that a COMMIT pipelined behind it keeps nothing.
+func (q *Queries) KeyReplaceCitus(ctx context.Context, arg KeyReplaceCitusParams) error {
+	_, err := q.db.Exec(ctx, keyReplaceCitus,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.Response,
+		arg.Retention,
+	)
+	return err
+}
+
 const keySizesCitus = `-- name: KeySizesCitus :one
 SELECT citus_table_size('idempotency_key'::regclass)::bigint AS table_bytes,
        (citus_total_relation_size('idempotency_key'::regclass) - citus_table_size('idempotency_key'::regclass))::bigint AS index_bytes
@@ -1060,5 +1138,57 @@ type KeyStoreResponseParams struct {
 // record), it fails with division_by_zero instead of succeeding quietly.
 func (q *Queries) KeyStoreResponse(ctx context.Context, arg KeyStoreResponseParams) error {
 	_, err := q.db.Exec(ctx, keyStoreResponse, arg.Response, arg.Scope, arg.Key)
+	return err
+}
+
+const keyWaitBudgetCitus = `-- name: KeyWaitBudgetCitus :exec
+WITH budget AS MATERIALIZED (
+    SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS saved,
+           set_config('lock_timeout', $2::text, true) AS applied
+)
+SELECT FROM budget
+WHERE NOT EXISTS (
+    SELECT FROM idempotency_key
+    WHERE scope = $1::text
+    LIMIT 0
+)
+`
+
+type KeyWaitBudgetCitusParams struct {
+	Scope       string
+	LockTimeout string
+}
+
+// KeyWaitBudgetCitus sets the wait budget, @lock_timeout, on the node
+// that holds the scope's shard, for the statement sent after it, which
+// waits there for a transaction that holds a key's record (on a Citus
+// coordinator, whose own session the set_config of KeyInsert, KeyClaimWait
+// or KeyClaimBatch does not reach: Citus runs their INSERT on that node,
+// over the connection this statement used). It keeps the node's own
+// lock_timeout in idem.saved_lock_timeout, for KeyWaitRestoreCitus, which
+// follows the waiting statement. It names the scope's rows, which it
+// never reads (LIMIT 0), so that Citus runs it on that node, as
+// KeyLockWait does. On PostgreSQL it sets the budget in the session
+// (the waiting statement then sets and restores the same value).
+func (q *Queries) KeyWaitBudgetCitus(ctx context.Context, arg KeyWaitBudgetCitusParams) error {
+	_, err := q.db.Exec(ctx, keyWaitBudgetCitus, arg.Scope, arg.LockTimeout)
+	return err
+}
+
+const keyWaitRestoreCitus = `-- name: KeyWaitRestoreCitus :exec
+SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)
+WHERE NOT EXISTS (
+    SELECT FROM idempotency_key
+    WHERE scope = $1::text
+    LIMIT 0
+)
+`
+
+// KeyWaitRestoreCitus gives the node of the scope's shard back the
+// lock_timeout that KeyWaitBudgetCitus kept, once the waiting statement is
+// done, so that the rest of the transaction's statements there run under
+// it.
+func (q *Queries) KeyWaitRestoreCitus(ctx context.Context, scope string) error {
+	_, err := q.db.Exec(ctx, keyWaitRestoreCitus, scope)
 	return err
 }

@@ -39,7 +39,7 @@ func (r errRow) Scan(...any) error { return r.err }
 // results are read (BatchResults.Close).
 func QueueKeyLock(b *pgx.Batch, arg KeyLockParams, row *KeyLockRow) {
 	b.Queue(keyLock, arg.FullSince, arg.Scope, arg.Key, arg.LockID).QueryRow(func(r pgx.Row) error {
-		return r.Scan(&row.Lock, &row.TxStart, &row.ReadCommitted, &row.ReadOnly)
+		return r.Scan(&row.Lock, &row.TxStart, &row.ReadCommitted, &row.ReadOnly, &row.Citus)
 	})
 }
 
@@ -229,4 +229,37 @@ func queueRows(b *pgx.Batch, call func(q *Queries), n *int64) {
 		*n = tag.RowsAffected()
 		return nil
 	})
+}
+
+// QueueCitusInstalled queues CitusInstalled on b; installed is set when
+// the batch's results are read.
+func QueueCitusInstalled(b *pgx.Batch, installed *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.CitusInstalled(context.Background()) }).QueryRow(func(r pgx.Row) error {
+		return r.Scan(installed)
+	})
+}
+
+// QueueKeyClaimBatch queues KeyClaimBatch on b; the keys it wrote are
+// appended to keys when the batch's results are read.
+func QueueKeyClaimBatch(b *pgx.Batch, arg KeyClaimBatchParams, keys *[]string) {
+	queueCall(b, func(q *Queries) { _, _ = q.KeyClaimBatch(context.Background(), arg) }).Query(scanKeys(keys))
+}
+
+// QueueKeyReclaimBatch queues KeyReclaimBatch on b, as QueueKeyClaimBatch
+// does.
+func QueueKeyReclaimBatch(b *pgx.Batch, arg KeyReclaimBatchParams, keys *[]string) {
+	queueCall(b, func(q *Queries) { _, _ = q.KeyReclaimBatch(context.Background(), arg) }).Query(scanKeys(keys))
+}
+
+func scanKeys(keys *[]string) func(pgx.Rows) error {
+	return func(rows pgx.Rows) error {
+		for rows.Next() {
+			var k string
+			if err := rows.Scan(&k); err != nil {
+				return err
+			}
+			*keys = append(*keys, k)
+		}
+		return rows.Err()
+	}
 }

@@ -12,7 +12,7 @@ func TestQueuedScansMatchTheGeneratedRows(t *testing.T) {
 	for _, c := range []struct {
 		row     any
 		scanned int
-	}{{KeyLockRow{}, 4}, {KeyGetRow{}, 5}, {KeyClaimWaitRow{}, 2},
+	}{{KeyLockRow{}, 5}, {KeyGetRow{}, 5}, {KeyClaimWaitRow{}, 2},
 		{FlowAdoptRow{}, 3}, {FlowGetRow{}, 8}, {FlowStepsRow{}, 5},
 		{FlowStartRow{}, 2}, {FlowRestartRow{}, 2}, {FlowTakeOverRow{}, 3}} {
 		if n := reflect.TypeOf(c.row).NumField(); n != c.scanned {

@@ -33,14 +33,14 @@ var wireSQL = [wireStatements]string{keyLock, keyGet, keyInsert, keyReplace, key
 // connection's own statement cache (pgx's) names its statements by a hash
 // of their text, so these cannot collide with them.
 var wireNames = [wireStatements]string{
-	"idem_key_lock_1", "idem_key_get_2", "idem_key_insert_2", "idem_key_replace_2", "idem_key_store_response_1",
+	"idem_key_lock_3", "idem_key_get_2", "idem_key_insert_2", "idem_key_replace_2", "idem_key_store_response_1",
 }
 
 // Formats: every argument and every result column is sent in binary, but
 // text arguments, which are sent as their bytes (text's binary form).
 var (
 	formatsBinary = []int16{1}
-	// KeyLock: full_since timestamptz, scope text, key text, lock_id int8.
+	// KeyLock: full_since timestamptz[], scope text, key text, lock_id int8.
 	formatsKeyLock = []int16{1, 0, 0, 1}
 	// KeyGet: scope, key.
 	formatsKeyGet = []int16{0, 0}
@@ -167,15 +167,44 @@ func (a *args) nullableText(t pgtype.Text) {
 	a.text(t.String)
 }
 
-func (a *args) timestamptz(t pgtype.Timestamptz) {
+// timestamptzOID is the type of an array's elements, in its binary form.
+const timestamptzOID = 1184
+
+// timestamptzArray encodes ts as a one-dimensional timestamptz[] (an empty
+// one has no dimension), in PostgreSQL's binary form of arrays: the number
+// of dimensions, whether there are NULLs, the elements' type, each
+// dimension's length and lower bound, then each element's length and value.
+func (a *args) timestamptzArray(ts []pgtype.Timestamptz) {
+	be := binary.BigEndian
+	if len(ts) == 0 {
+		a.buf = be.AppendUint32(a.buf, 0)
+		a.buf = be.AppendUint32(a.buf, 0)
+		a.buf = be.AppendUint32(a.buf, timestamptzOID)
+		a.end(false)
+		return
+	}
+	a.buf = be.AppendUint32(a.buf, 1)
+	a.buf = be.AppendUint32(a.buf, 0)
+	a.buf = be.AppendUint32(a.buf, timestamptzOID)
+	a.buf = be.AppendUint32(a.buf, uint32(len(ts)))
+	a.buf = be.AppendUint32(a.buf, 1)
+	for _, t := range ts {
+		a.buf = be.AppendUint32(a.buf, 8)
+		a.buf = be.AppendUint64(a.buf, uint64(timestamptzMicros(t)))
+	}
+	a.end(false)
+}
+
+// timestamptzMicros is t in PostgreSQL's binary form: microseconds since
+// postgresEpochMicros, infinities at the ends of int64.
+func timestamptzMicros(t pgtype.Timestamptz) int64 {
 	switch t.InfinityModifier {
 	case pgtype.NegativeInfinity:
-		a.int8(-1 << 63)
+		return -1 << 63
 	case pgtype.Infinity:
-		a.int8(1<<63 - 1)
-	default:
-		a.int8(t.Time.UnixMicro() - postgresEpochMicros)
+		return 1<<63 - 1
 	}
+	return t.Time.UnixMicro() - postgresEpochMicros
 }
 
 // postgresEpochMicros is 2000-01-01 UTC, where PostgreSQL's timestamps
@@ -222,7 +251,7 @@ func (w *Wire) Claim(ctx context.Context, begin string, lock KeyLockParams, c *C
 		b.ExecParams(begin, nil, nil, nil, nil)
 	}
 	w.reset()
-	w.a.timestamptz(lock.FullSince)
+	w.a.timestamptzArray(lock.FullSince)
 	w.a.text(lock.Scope)
 	w.a.text(lock.Key)
 	w.a.int8(lock.LockID)
@@ -332,13 +361,14 @@ const (
 var errWireColumns = errors.New("dbsqlc: unexpected columns in a result")
 
 func decodeKeyLock(v [][]byte, row *KeyLockRow) error {
-	if len(v) != 4 || len(v[0]) != 4 || len(v[1]) != 8 || len(v[2]) != 1 || len(v[3]) != 1 {
+	if len(v) != 5 || len(v[0]) != 4 || len(v[1]) != 8 || len(v[2]) != 1 || len(v[3]) != 1 || len(v[4]) != 1 {
 		return errWireColumns
 	}
 	row.Lock = int32(binary.BigEndian.Uint32(v[0]))
 	row.TxStart = decodeTimestamptz(v[1])
 	row.ReadCommitted = v[2][0] != 0
 	row.ReadOnly = v[3][0] != 0
+	row.Citus = v[4][0] != 0
 	return nil
 }
 

@@ -34,6 +34,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/faultproxy"
 	"github.com/pgidem/idem/internal/testserver"
 )
 
@@ -294,4 +295,69 @@ func Expire(t testing.TB, pool *pgxpool.Pool, scope, key string) {
 	if err != nil || tag.RowsAffected() != 1 {
 		t.Fatalf("expire %s/%s: %v (%d rows)", scope, key, err, tag.RowsAffected())
 	}
+}
+
+// StartFreezer starts a faultproxy.Freezer in front of the PostgreSQL
+// server at host and port, closed when the test ends.
+func StartFreezer(t testing.TB, host string, port uint16) *faultproxy.Freezer {
+	t.Helper()
+	f, err := faultproxy.StartFreezer(faultproxy.PostgresAddress(host, port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(f.Close)
+	return f
+}
+
+// FlowStep returns the step named step of the flow (scope, key), as
+// idem.InspectFlow reads it, and fails the test if there is none.
+func FlowStep(t testing.TB, ctx context.Context, pool *pgxpool.Pool, scope, key, step string) idem.FlowStep {
+	t.Helper()
+	info, err := idem.InspectFlow(ctx, pool, scope, key)
+	if err != nil || !info.Found {
+		t.Fatalf("no flow for %s: %v", key, err)
+	}
+	for _, s := range info.Steps {
+		if s.Name == step {
+			return s
+		}
+	}
+	t.Fatalf("the flow for %s has no step named %s: %+v", key, step, info.Steps)
+	return idem.FlowStep{}
+}
+
+// CallersTx acquires a connection of pool and begins a caller's
+// transaction on it that writes a payment in scope and, when state is
+// "failed", then fails, for a test of a call that must refuse a connection
+// in a transaction. db is the connection as the call gets it: its
+// *pgx.Conn when kind is "pgx.Conn", else the *pgxpool.Conn. want is the
+// status the transaction must keep: 'T' open, 'E' failed. The connection
+// is released when the test ends.
+func CallersTx(t testing.TB, ctx context.Context, pool *pgxpool.Pool, kind, state, scope string) (conn *pgxpool.Conn, db idem.TxBeginner, tx pgx.Tx, want byte) {
+	t.Helper()
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(conn.Release)
+	db = conn
+	if kind == "pgx.Conn" {
+		db = conn.Conn()
+	}
+	tx, err = conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if _, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, 'caller', 1)`, scope); err != nil {
+		t.Fatal(err)
+	}
+	want = 'T'
+	if state == "failed" {
+		want = 'E'
+		if _, err := tx.Exec(ctx, `SELECT 1/0`); err == nil {
+			t.Fatal("SELECT 1/0 did not fail")
+		}
+	}
+	return conn, db, tx, want
 }

@@ -84,7 +84,7 @@ type Charged struct {
 // the payment, a call that charges it (no transaction open, no connection
 // held), and a local step that records the charge.
 func ChargeFlow(p *Provider) *idem.Flow[int64, Charged] {
-	return idem.MustNewFlow("bench-charge", func(s *idem.Steps, amount int64) (Charged, error) {
+	return idem.MustNewFlow("bench-charge", func(ctx context.Context, s *idem.Steps, amount int64) (Charged, error) {
 		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO bench_flow_payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,

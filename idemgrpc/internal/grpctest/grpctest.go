@@ -1,19 +1,25 @@
 // Package grpctest is what idemgrpc's tests and its interop tests share:
-// the tenant that stands in for authentication, a client connection that
-// ends with the test, and a server interceptor that loses answers.
+// a database with the tests' payment table, the tenant that stands in for
+// authentication, a client connection that ends with the test, and a
+// server interceptor that loses answers.
 package grpctest
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+
+	"github.com/pgidem/idem/idemtest"
 )
 
 // TenantMetadata stands in for authentication in the tests: it names the
@@ -53,4 +59,20 @@ func LoseFirst(n int64) grpc.UnaryServerInterceptor {
 		}
 		return resp, err
 	}
+}
+
+// Setup marks the test parallel and returns a context that ends with it
+// (within timeout), a pool on a database of the test's own (idemtest.Pool)
+// in which it ran paymentTable, the CREATE TABLE of the tests' payment
+// table, and a tenant no other test uses.
+func Setup(t *testing.T, timeout time.Duration, paymentTable string) (context.Context, *pgxpool.Pool, string) {
+	t.Helper()
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	t.Cleanup(cancel)
+	pool := idemtest.Pool(t)
+	if _, err := pool.Exec(ctx, paymentTable); err != nil {
+		t.Fatal(err)
+	}
+	return ctx, pool, "tenant-" + rand.Text()[:8]
 }
