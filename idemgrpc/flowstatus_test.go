@@ -125,13 +125,19 @@ func changingSteps() flowFunc {
 }
 
 // stealsItsLease is a flow that, at each run, loses the flow to another
-// executor (a new epoch, whose lease has run out) before its step: the
-// step is fenced, and each run that takes the flow over again meets the
-// same.
+// executor (a new epoch, whose lease has run out) in its call, before its
+// local step: the step is fenced, and each run that takes the flow over
+// again meets the same.
 func stealsItsLease(pool *pgxpool.Pool) flowFunc {
 	return func(ctx context.Context, s *idem.Steps, in order) (order, error) {
-		if _, err := pool.Exec(ctx, `UPDATE idem_flow SET epoch = epoch + 1, leased_until = now() - interval '1 second'
-			WHERE scope = $1 AND key = $2`, s.Scope(), s.Key()); err != nil {
+		// A new flow's row commits with its first statement, here the
+		// call's intent: the call makes the flow another executor's.
+		_, err := idem.Call(s, "steal", func(ctx context.Context, _ string) (int64, error) {
+			tag, err := pool.Exec(ctx, `UPDATE idem_flow SET epoch = epoch + 1, leased_until = now() - interval '1 second'
+				WHERE scope = $1 AND key = $2`, s.Scope(), s.Key())
+			return tag.RowsAffected(), err
+		})
+		if err != nil {
 			return order{}, err
 		}
 		return idem.Local(s, "record", func(context.Context, pgx.Tx) (order, error) { return in, nil })
