@@ -51,8 +51,12 @@ type failoverReport struct {
 	Receipts                                   int64
 	Deliveries, Redelivered                    int
 	Undelivered, ReceiptsTwice, ReceiptsOfLost int
-	AppliedTwice                               int
-	Pending, Parked                            int
+	// ReceiptsLost counts payments without a receipt whose receipt an
+	// acknowledged call of idem.Once applied: a consumer's commit that a
+	// failover lost, which asynchronous replication allows.
+	ReceiptsLost    int
+	AppliedTwice    int
+	Pending, Parked int
 
 	// Flows is what the flows run beside the payments found; nil without
 	// flows.
@@ -153,6 +157,8 @@ func (f *failoverRun) check(ctx context.Context, answers []soakPayment, errs []e
 			rep.ReRun++
 		}
 		switch r := receipts[key]; {
+		case len(r) == 0 && f.appliedOnce(key):
+			rep.ReceiptsLost++
 		case len(r) == 0:
 			rep.Undelivered++
 		case len(r) > 1:
@@ -208,7 +214,7 @@ func (r *failoverReport) violations() error {
 	add(r.Mismatched > 0, "%d answered payments without exactly one effect and its record", r.Mismatched)
 	add(r.Stranded > 0, "%d claims left in progress", r.Stranded)
 	add(r.RetryFailed > 0 || r.RetryWrong > 0, "the retry after the failovers failed %d times and answered %d times with something else than what was stored", r.RetryFailed, r.RetryWrong)
-	add(r.Undelivered > 0 || r.Pending > 0 || r.Parked > 0, "%d payments without a receipt (%d messages pending, %d parked)", r.Undelivered, r.Pending, r.Parked)
+	add(r.Undelivered > 0 || r.Pending > 0 || r.Parked > 0, "%d payments without a receipt the consumer acknowledged (%d messages pending, %d parked)", r.Undelivered, r.Pending, r.Parked)
 	add(r.ReceiptsTwice > 0, "%d receipts applied twice", r.ReceiptsTwice)
 	add(r.LongestLate > soakLateBound, "an attempt returned %s after its deadline", r.LongestLate.Round(time.Millisecond))
 	if r.Flows != nil {
@@ -220,6 +226,11 @@ func (r *failoverReport) violations() error {
 		add(r.WrongAnswers > 0, "%d answers differ from what was finally stored", r.WrongAnswers)
 		add(r.AppliedTwice > 0, "%d receipts applied twice by acknowledged calls of idem.Once", r.AppliedTwice)
 		add(r.ReceiptsOfLost > 0, "%d receipts of payments that were lost", r.ReceiptsOfLost)
+		// Asynchronously, a receipt the consumer applied and committed on
+		// the dying primary, and that the relay then marked delivered on
+		// the promoted standby, is lost with the consumer's commit: an
+		// acknowledged commit lost, as an answered payment can be.
+		add(r.ReceiptsLost > 0, "%d receipts applied by acknowledged calls of idem.Once, then lost", r.ReceiptsLost)
 	}
 	if len(v) == 0 {
 		return nil
@@ -274,6 +285,7 @@ func (r *failoverReport) print(w io.Writer, verbose bool, samples map[string]str
 		r.Receipts, r.Answered, r.Deliveries)
 	fmt.Fprintf(w, "  delivered more than once:       %d (the consumer's Once skipped the repeats)\n", r.Redelivered)
 	fmt.Fprintf(w, "  not delivered / pending / parked: %d / %d / %d\n", r.Undelivered, r.Pending, r.Parked)
+	fmt.Fprintf(w, "  applied, then lost in a failover: %d\n", r.ReceiptsLost)
 	fmt.Fprintf(w, "  applied twice:                  %d (by acknowledged calls of Once: %d)\n", r.ReceiptsTwice, r.AppliedTwice)
 	fmt.Fprintf(w, "  of a payment a failover lost:   %d\n", r.ReceiptsOfLost)
 	if r.Flows != nil {
@@ -310,4 +322,12 @@ func (ev failover) describe() string {
 		s += fmt.Sprintf(", synchronous after %s", ev.Synchronous.Round(time.Millisecond))
 	}
 	return s
+}
+
+// appliedOnce reports whether a call of idem.Once that ran applied the
+// receipt of the payment key and committed.
+func (f *failoverRun) appliedOnce(key string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.applied[key] > 0
 }
