@@ -191,10 +191,19 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 	// would: it answers its caller what a retry would get, the other
 	// executor's answer, rather than an error about leases. One whose
 	// flow another executor was starting (errTaken) looks again too,
-	// after a while, within the same wait budget.
+	// within the same wait budget; it starts the flow itself again only
+	// once startAfter has passed (50ms after the first errTaken, doubling
+	// with each), so that a duplicate does not run the function's code
+	// before its first step each time it looks, while the other
+	// executor's first step runs, but does start a flow whose first
+	// executor died or failed in its first step.
 	deadline := time.Now().Add(o.wait)
-	for reclaims, polls := 0, 0; ; {
-		r, stored, err := f.claim(ctx, db, k, input, &o, obs, deadline)
+	var (
+		startAfter time.Time
+		startWait  time.Duration
+	)
+	for reclaims := 0; ; {
+		r, stored, err := f.claim(ctx, db, k, input, &o, obs, deadline, startAfter)
 		if err != nil {
 			return Result[Out]{}, err
 		}
@@ -213,15 +222,12 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 		res, err := f.execute(ctx, r, decoded.Value)
 		switch {
 		case errors.Is(err, errTaken):
-			remaining := time.Until(deadline)
-			if remaining <= 0 {
+			if time.Until(deadline) <= 0 {
 				obs.claimDone(outcomeInProgress)
 				return Result[Out]{}, fmt.Errorf("%w: flow %q is being started elsewhere past the wait budget", ErrInProgress, f.name)
 			}
-			if err := backoff.Sleep(ctx, min(pollDelay(polls), remaining)); err != nil {
-				return Result[Out]{}, err
-			}
-			polls++
+			startWait = max(2*startWait, firstStartWait)
+			startAfter = time.Now().Add(startWait)
 			continue
 		case !errors.Is(err, ErrLeaseLost) || reclaims == maxReclaims || ctx.Err() != nil:
 			return res, err
@@ -253,7 +259,7 @@ const (
 // under its budget only, polling.
 // It returns the run to execute, or the stored answer to replay.
 func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation,
-	deadline time.Time,
+	deadline, startAfter time.Time,
 ) (*flowRun, []byte, error) {
 	lease := pgtime.Interval(o.lease)
 	// start is false while another executor is known to hold the flow,
@@ -290,6 +296,10 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			obs.claimDone(outcomeResumed)
 			keys := providerKeys{namespace: takenRow.ProviderNamespace, operation: takenRow.Operation}
 			return newFlowRun(db, k, f.name, keys, epoch, takenRow.Input, sent, steps, o, obs), nil, nil
+		case !found && time.Now().Before(startAfter):
+			// Another executor was starting the flow when this caller's
+			// run tried to (errTaken), and its first step has not
+			// committed: look again rather than run the function again.
 		case !found:
 			// No flow yet (or gone since the last look: ended, expired
 			// and purged): the run starts it with its first statement,
@@ -343,6 +353,12 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 // hand out numbers the lost primary already gave, and so that no sequence
 // is needed on a distributed database.
 func newEpoch() int64 { return int64(rand.Uint64()>>1) | 1 }
+
+// firstStartWait is how long a caller that found another executor
+// starting its flow (errTaken) waits before it starts the flow itself
+// again, if the flow's row has not appeared by then; each errTaken
+// doubles it.
+const firstStartWait = 50 * time.Millisecond
 
 // pollDelay is how long a duplicate waits before it looks at a flow that
 // another executor holds again: 5ms, doubling to 100ms, jittered.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -227,6 +228,48 @@ func TestFlowDuplicatesAndResumeDoNotWaitOnALocalStepsLock(t *testing.T) {
 		if err := <-done; err != nil {
 			t.Fatalf("taken over %t: the executor whose step outlasted its lease: %v", takenOver, err)
 		}
+	}
+}
+
+// A duplicate that finds another executor starting the flow (its first
+// step running, the row not committed) looks again without running the
+// flow's function each time it looks: it starts the flow itself again
+// only after 50ms, 100ms, 200ms… (the other may have died), so within a
+// budget of 2s it runs the function at most 1+log2(2s/50ms) ≈ 6 times.
+// Polling alone (5ms doubling to 100ms) ran it once per look, 20 and more.
+func TestFlowDuplicateOfAStartingFlowDoesNotRunTheFunctionAtEachLook(t *testing.T) {
+	ctx, pool, scope, _ := setupFlow(t)
+	var calls atomic.Int64
+	inStep, release := make(chan struct{}), make(chan struct{})
+	flow := idem.MustNewFlow(testdb.Name("starting"), func(ctx context.Context, s *idem.Steps, in chargeIn) (int, error) {
+		first := calls.Add(1) == 1
+		return idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			if first {
+				close(inStep)
+				<-release
+			}
+			return 1, nil
+		})
+	})
+	done := make(chan error, 1)
+	go func() {
+		_, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 1})
+		done <- err
+	}()
+	<-inStep
+	const budget = 2 * time.Second
+	_, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 1}, idem.WithWait(budget))
+	close(release)
+	if !errors.Is(err, idem.ErrInProgress) {
+		t.Fatalf("the duplicate: %v, want ErrInProgress", err)
+	}
+	dup := calls.Load() - 1
+	maxRuns := int64(1 + math.Log2(float64(budget/(50*time.Millisecond))) + 1)
+	if dup < 1 || dup > maxRuns {
+		t.Errorf("the duplicate ran the flow's function %d times in its %s budget, want 1 to %d", dup, budget, maxRuns)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("the first executor: %v", err)
 	}
 }
 

@@ -81,7 +81,9 @@ type FlowStep struct {
 // InspectFlow reads what idem holds for the flow operation (scope, key),
 // whatever its state, in a read-only transaction on db, a pool or an idle
 // connection. A key without a flow is not an error: FlowInfo.Found is
-// false. Scopes and keys are checked as [Do] checks them.
+// false, as it is for a flow whose first step has not committed yet (its
+// row commits with that step). Scopes and keys are checked as [Do] checks
+// them.
 func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInfo, error) {
 	k, err := newKeyRef(scope, key, nil)
 	if err != nil {
@@ -125,7 +127,8 @@ func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInf
 // executor, if one still runs, commits nothing more ([ErrLeaseLost]), and
 // until its retention (counted from now) has passed, every run for the key
 // gets [ErrFlowStopped] with reason. It reports false when the key has no
-// flow that is running or stopped.
+// flow that is running or stopped, as for a flow whose first step has not
+// committed yet.
 func EndFlow(ctx context.Context, db TxBeginner, scope, key, reason string) (ended bool, err error) {
 	k, err := newKeyRef(scope, key, nil)
 	if err != nil {

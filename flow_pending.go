@@ -86,7 +86,11 @@ func (r *flowRun) started(st *starting, err error) error {
 		r.keys = providerKeys{namespace: st.row.ProviderNamespace, operation: st.row.Operation}
 		return nil
 	case err == nil,
-		errors.As(err, &pgErr) && pgErr.Code == "23505" && strings.HasPrefix(pgErr.ConstraintName, "idem_flow_pkey"):
+		errors.As(err, &pgErr) && pgErr.Code == "23505" && strings.HasPrefix(pgErr.ConstraintName, "idem_flow_pkey"),
+		// Citus reports a shard's unique violation in a statement it ran
+		// through the coordinator as XX000, with the constraint's name in
+		// the message only.
+		errors.As(err, &pgErr) && pgErr.Code == "XX000" && strings.Contains(pgErr.Message, `unique constraint "idem_flow_pkey`):
 		r.taken = errTaken
 		return errTaken
 	}
