@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	"github.com/pgidem/idem/idemgrpc"
 	"github.com/pgidem/idem/idemgrpc/internal/testpb"
@@ -60,6 +61,14 @@ type stormed struct {
 	replayed, failed int64             // logical calls
 }
 
+// callAttempts is what each attempt of one logical call got, for the message
+// of a call that fails; attemptsKey carries it in the call's context, which
+// the retry interceptor passes to each attempt. A logical call's attempts
+// are made one after another.
+type callAttempts struct{ codes []string }
+
+type attemptsKey struct{}
+
 // storm sends clients*workers*perWorker logical payments as tenant, the
 // nth of n+1 cents, from clients connections through cut, each shared by
 // workers goroutines that make perWorker calls in turn. Each client
@@ -70,7 +79,11 @@ func storm(t *testing.T, ctx context.Context, cut *cutter, tenant string, client
 	var sent, replayed, failed atomic.Int64
 	countAttempt := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		sent.Add(1)
-		return invoker(ctx, method, req, reply, cc, opts...)
+		err := invoker(ctx, method, req, reply, cc, opts...)
+		if a, ok := ctx.Value(attemptsKey{}).(*callAttempts); ok {
+			a.codes = append(a.codes, status.Code(err).String())
+		}
+		return err
 	}
 	answers := make([]*testpb.Payment, clients*workers*perWorker)
 	var wg sync.WaitGroup
@@ -91,11 +104,12 @@ func storm(t *testing.T, ctx context.Context, cut *cutter, tenant string, client
 				for i := range perWorker {
 					n := (c*workers+w)*perWorker + i
 					var header metadata.MD
-					res, err := client.Pay(metadata.AppendToOutgoingContext(ctx, tenantKey, tenant),
-						&testpb.PayRequest{AmountCents: int64(n + 1)}, grpc.Header(&header))
+					tried := &callAttempts{}
+					callCtx := context.WithValue(metadata.AppendToOutgoingContext(ctx, tenantKey, tenant), attemptsKey{}, tried)
+					res, err := client.Pay(callCtx, &testpb.PayRequest{AmountCents: int64(n + 1)}, grpc.Header(&header))
 					if err != nil {
 						failed.Add(1)
-						t.Errorf("logical call %d: %v", n, err)
+						t.Errorf("logical call %d: %v; its %d attempts got %v", n, err, len(tried.codes), tried.codes)
 						continue
 					}
 					answers[n] = res
