@@ -142,6 +142,10 @@ func reconcileOverHTTP(providerURL, ref string) idem.CallOption {
 
 // crashFlowWith is crashFlow, whose call has a lookup (reconcileOverHTTP)
 // when reconcile is set.
+// callFirstSuffix ends the name of a crash flow that takes no reserve
+// step: its first step is the call, whose intent carries the flow's row.
+const callFirstSuffix = "-call-first"
+
 func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.FlowOption) *idem.Flow[chargeIn, chargeOut] {
 	kill := func(point string) {
 		switch {
@@ -161,16 +165,21 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.F
 		}
 		opts = append(opts, idem.WithObserver(obs))
 	}
+	callFirst := strings.HasSuffix(name, callFirstSuffix)
 	return idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, in chargeIn) (chargeOut, error) {
-		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
-			var id int64
-			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
-				s.Scope(), s.Key(), in.Amount).Scan(&id)
-			if err == nil {
-				kill(freezeInStep)
-			}
-			return id, err
-		})
+		var id int64
+		var err error
+		if !callFirst {
+			id, err = idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+				var id int64
+				err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
+					s.Scope(), s.Key(), in.Amount).Scan(&id)
+				if err == nil {
+					kill(freezeInStep)
+				}
+				return id, err
+			})
+		}
 		if err != nil {
 			return chargeOut{}, err
 		}
@@ -417,6 +426,27 @@ func TestFlowCrashBeforeTheCallDoesNotRepeatTheLocalStep(t *testing.T) {
 		t.Fatalf("the retry: %+v, %v", res, err)
 	}
 	checkOneCharge(t, pool, scope, "k", p, 1)
+}
+
+// A flow whose first step is a call has its row committed with the call's
+// intent, with no claim committed before it: killed after that commit,
+// before the request is sent, its retry takes the flow over once the lease
+// has run out and calls the provider once, with the same provider key.
+func TestFlowCrashBeforeAFirstCallCallsOnceWithTheSameKey(t *testing.T) {
+	ctx, pool, scope, p, providerURL, crash := setupCrash(t)
+	name := testdb.Name("crash") + callFirstSuffix
+	crash(name, "k", crashBeforeCall)
+	if countFlows(t, pool, scope) != 1 || p.calls.Load() != 0 {
+		t.Fatalf("before the retry: %d flows, %d calls; want 1 (committed with the intent), 0", countFlows(t, pool, scope), p.calls.Load())
+	}
+	res, err := crashFlow(name, providerURL, "").Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
+	if err != nil || res.Value.ChargeID != "ch_1" {
+		t.Fatalf("the retry: %+v, %v", res, err)
+	}
+	charges, keys := p.effects()
+	if want := providerKeyOf(t, ctx, pool, scope, "k", "charge"); charges != 1 || len(keys) != 1 || keys[want] != 1 {
+		t.Fatalf("charges %d, keys %v; want 1, {%s: 1}", charges, keys, want)
+	}
 }
 
 func TestFlowCrashBeforeALocalStepCommitsRunsTheStepOnce(t *testing.T) {
