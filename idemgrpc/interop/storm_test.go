@@ -88,9 +88,14 @@ func storm(t *testing.T, ctx context.Context, cut *cutter, tenant string, client
 	answers := make([]*testpb.Payment, clients*workers*perWorker)
 	var wg sync.WaitGroup
 	for c := range clients {
+		// A client is patient: an attempt that finds the call in progress
+		// (ABORTED) waits for another attempt still running on the
+		// server, which on a loaded machine can take a while, so the
+		// budget is 500 attempts, not a few; a call that is lost or stuck
+		// fails the test anyway, having used them all.
 		conn := dial(t, cut.addr(),
 			grpc.WithChainUnaryInterceptor(idemgrpc.MustNewClientInterceptor(),
-				retry.UnaryClientInterceptor(retry.WithMax(50), retry.WithCodes(codes.Unavailable, codes.Aborted),
+				retry.UnaryClientInterceptor(retry.WithMax(500), retry.WithCodes(codes.Unavailable, codes.Aborted),
 					retry.WithBackoff(retry.BackoffLinear(5*time.Millisecond))),
 				countAttempt),
 			// Reconnect at once after a cut, and wait for the connection
