@@ -126,7 +126,16 @@ func (f callOptionFunc) applyCall(o *callOptions) { f(o) }
 // can tell an attempt that was applied from one that was not. lookup must
 // tell them apart for as long as a flow may resume: a lookup by provider
 // key at a provider that forgets keys must return an error, not "not
-// found", once the provider may have forgotten. Its context is kept
+// found", once the provider may have forgotten. A lookup sees what the
+// other system has applied when it asks: an earlier attempt still on its
+// way then (sent, timed out by its caller, not yet processed) is not
+// found, and is applied after all, along with the call made again. So
+// lookup answers not found only when no earlier attempt can arrive any
+// more (the requests carry their time and the other system refuses them
+// past a bound that has passed, or the lookup voids the reference there
+// so that a late request is refused), and an error otherwise, which
+// leaves the flow incomplete for its next attempt to ask again. Its
+// context is kept
 // alive as a call's is, by the lease. [InspectFlow] shows each call's
 // lookups and the last one's outcome; an [Observer] counts them
 // (idem.flow.reconciliations). T must be the call's result type, or Call
