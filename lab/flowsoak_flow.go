@@ -333,8 +333,9 @@ func (w *flowSoakWorker) newFlow() *idem.Flow[flowSoakInput, flowSoakAnswer] {
 		}
 		w.at(fault, killAfterReserve)
 		charge, err := idem.Call(s, "charge", func(ctx context.Context, providerKey string) (flowSoakCharge, error) {
+			entered := time.Now()
 			w.at(fault, killBeforeSend)
-			return w.charge(ctx, providerKey, s.Scope(), s.Key(), in.Amount, fault)
+			return w.charge(ctx, entered, providerKey, s.Scope(), s.Key(), in.Amount, fault)
 		}, w.callOptions()...)
 		if err != nil {
 			return flowSoakAnswer{}, err
@@ -419,11 +420,14 @@ func (w *flowSoakWorker) lookup(ctx context.Context, providerKey string) (flowSo
 // An operation marked to die or freeze in the call tells the provider,
 // which kills or freezes the worker.
 //
-// The call says which process sends it and when it was handed to the
-// HTTP client, whose first act is to look at its context, so that the
+// The call says which process sends it and when the call's function was
+// entered (entered), after idem's last look at the lease, so that the
 // soak can tell a call that arrived after its flow was done because its
-// process was frozen after that look (see flowSoakReport.FrozenLate).
-func (w *flowSoakWorker) charge(ctx context.Context, providerKey, scope, key string, amount int64, fault *flowSoakFault) (flowSoakCharge, error) {
+// process was frozen after that look (see flowSoakReport.FrozenLate). Not
+// when the request was handed to the HTTP client: the client looks at
+// the call's context, but a process woken from a freeze can get past
+// that look before the timer that ends the context, overdue, has run.
+func (w *flowSoakWorker) charge(ctx context.Context, entered time.Time, providerKey, scope, key string, amount int64, fault *flowSoakFault) (flowSoakCharge, error) {
 	ctx, cancel := context.WithTimeout(ctx, w.spec.ProviderTimeout)
 	defer cancel()
 	body, _ := json.Marshal(flowSoakChargeRequest{Amount: amount, Reference: providerKey, Scope: scope, Key: key})
@@ -447,7 +451,7 @@ func (w *flowSoakWorker) charge(ctx context.Context, providerKey, scope, key str
 			req.Header.Set(flowSoakFreezeHeader, "1")
 		}
 	}
-	req.Header.Set(flowSoakStartedHeader, strconv.FormatInt(time.Now().UnixNano(), 10))
+	req.Header.Set(flowSoakStartedHeader, strconv.FormatInt(entered.UnixNano(), 10))
 	resp, err := w.provider.Do(req)
 	if err != nil {
 		kind := "no answer"

@@ -39,8 +39,8 @@ const (
 	// woke in the same run of the operation: the point of the freeze.
 	flowSoakWokeHeader = "X-Flowsoak-Woke"
 	// flowSoakProcessHeader names the calling process (slot/gen), and
-	// flowSoakStartedHeader says when it handed the call to its HTTP
-	// client, in Unix nanoseconds.
+	// flowSoakStartedHeader says when it entered the call's function, in
+	// Unix nanoseconds.
 	flowSoakProcessHeader = "X-Flowsoak-Process"
 	flowSoakStartedHeader = "X-Flowsoak-Started"
 )
@@ -63,8 +63,8 @@ type flowSoakArrival struct {
 	key     string
 	at      time.Time
 	applied bool
-	// proc is the calling process, started when it handed the call to
-	// its HTTP client.
+	// proc is the calling process, started when it entered the call's
+	// function.
 	proc    string
 	started time.Time
 }

@@ -72,8 +72,8 @@ type flowSoakReport struct {
 	CallsAfterDone, AppliedAfterDone int
 	// FrozenLate counts the calls after their flow was done whose process
 	// was frozen while the call was under way (between the moment it
-	// handed the call to its HTTP client, which looks at the call's context
-	// first, and the call's arrival): the residue docs/flows.md names, a
+	// entered the call's function, after idem's last look at the lease,
+	// and the call's arrival): the residue docs/flows.md names, a
 	// process frozen after its last look at the call's context and before
 	// its request was written, which sends once it wakes.
 	// FrozenLateApplied counts those the provider applied as a new charge.
