@@ -338,11 +338,11 @@ func callKeepingLease[T any](ctx context.Context, r *flowRun, name, providerKey 
 	if err := r.holdForCall(ctx, name); err != nil {
 		return value, err
 	}
-	callCtx, stop := r.keepLease(ctx, name)
-	callCtx = context.WithValue(callCtx, providerKeyContextKey{}, providerKey)
+	kept := r.keepLease(ctx, name)
+	callCtx := context.WithValue(kept, providerKeyContextKey{}, providerKey)
 	callCtx, end := r.obs.step(callCtx, stepCall, span, name, providerKey, attempt)
 	defer func() {
-		if lost := stop(); lost != nil {
+		if lost := kept.stop(); lost != nil {
 			err = errors.Join(lost, err)
 		}
 		end(err)
