@@ -97,6 +97,13 @@ func (c *captured) QueryRow(_ context.Context, sql string, args ...any) pgx.Row 
 	return errRow{errCaptured}
 }
 
+// The flows' statements are queued with their arguments as pointers into
+// the parameters, arg, which are moved to the heap once: each argument
+// passed by value, as sqlc's methods pass them, would be boxed in an
+// interface of its own, an allocation each. The arguments are in the
+// order of sqlc's method for the statement, which
+// TestQueuedArgumentsMatchTheGeneratedMethods checks.
+
 // queueCall queues on b the statement that call runs through its Queries.
 func queueCall(b *pgx.Batch, call func(q *Queries)) *pgx.QueuedQuery {
 	var c captured
@@ -116,21 +123,21 @@ func noRow(err error, found *bool) error {
 // QueueFlowStart queues FlowStart on b: row is filled in and started set
 // when the batch's results are read. No row is not an error.
 func QueueFlowStart(b *pgx.Batch, arg FlowStartParams, row *FlowStartRow, started *bool) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowStart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowStart, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint, &arg.Input, &arg.Epoch, &arg.Lease, &arg.Step, &arg.Retention, &arg.LockID).QueryRow(func(r pgx.Row) error {
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), started)
 	})
 }
 
 // QueueFlowRestart queues FlowRestart on b, as QueueFlowStart does.
 func QueueFlowRestart(b *pgx.Batch, arg FlowRestartParams, row *FlowRestartRow, restarted *bool) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowRestart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowRestart, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint, &arg.Input, &arg.Epoch, &arg.Lease, &arg.Retention).QueryRow(func(r pgx.Row) error {
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), restarted)
 	})
 }
 
 // QueueFlowTakeOver queues FlowTakeOver on b, as QueueFlowStart does.
 func QueueFlowTakeOver(b *pgx.Batch, arg FlowTakeOverParams, row *FlowTakeOverRow, tookOver *bool) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowTakeOver(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowTakeOver, &arg.Epoch, &arg.Lease, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint).QueryRow(func(r pgx.Row) error {
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation, &row.Input), tookOver)
 	})
 }
@@ -145,7 +152,7 @@ func QueueFlowAdopt(b *pgx.Batch, arg FlowAdoptParams, row *FlowAdoptRow, adopte
 // QueueFlowGet queues FlowGet on b; row is filled in and found set when the
 // batch's results are read. No flow is not an error.
 func QueueFlowGet(b *pgx.Batch, arg FlowGetParams, row *FlowGetRow, found *bool) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowGet(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowGet, &arg.Scope, &arg.Key).QueryRow(func(r pgx.Row) error {
 		return noRow(r.Scan(&row.Name, &row.Fingerprint, &row.State, &row.Output, &row.LastError, &row.Leased, &row.Expired, &row.StandbyWait), found)
 	})
 }
@@ -153,7 +160,7 @@ func QueueFlowGet(b *pgx.Batch, arg FlowGetParams, row *FlowGetRow, found *bool)
 // QueueFlowSteps queues FlowSteps on b; rows are appended to steps when the
 // batch's results are read.
 func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowSteps(context.Background(), arg) }).Query(func(rows pgx.Rows) error {
+	b.Queue(flowSteps, &arg.Scope, &arg.Key).Query(func(rows pgx.Rows) error {
 		for rows.Next() {
 			var s FlowStepsRow
 			if err := rows.Scan(&s.Seq, &s.Name, &s.Kind, &s.State, &s.Result); err != nil {
@@ -168,7 +175,7 @@ func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
 // QueueFlowLease queues FlowLease on b; leased is set when the batch's
 // results are read.
 func QueueFlowLease(b *pgx.Batch, arg FlowLeaseParams, leased *bool) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowLease(context.Background(), arg) }).Exec(func(tag pgconn.CommandTag) error {
+	b.Queue(flowLease, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch).Exec(func(tag pgconn.CommandTag) error {
 		*leased = tag.RowsAffected() == 1
 		return nil
 	})
@@ -176,13 +183,13 @@ func QueueFlowLease(b *pgx.Batch, arg FlowLeaseParams, leased *bool) {
 
 // QueueFlowStepRecord queues FlowStepRecord on b.
 func QueueFlowStepRecord(b *pgx.Batch, arg FlowStepRecordParams) {
-	queueCall(b, func(q *Queries) { _ = q.FlowStepRecord(context.Background(), arg) })
+	b.Queue(flowStepRecord, &arg.Scope, &arg.Key, &arg.Seq, &arg.Step, &arg.Result)
 }
 
 // QueueFlowCallStart queues FlowCallStart on b; row is filled in when the
 // batch's results are read.
 func QueueFlowCallStart(b *pgx.Batch, arg FlowCallStartParams, row *FlowCallStartRow) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowCallStart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowCallStart, &arg.CallWindow, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch, &arg.Seq).QueryRow(func(r pgx.Row) error {
 		return r.Scan(&row.Leased, &row.Attempts, &row.Resumed, &row.PastWindow)
 	})
 }
@@ -190,7 +197,7 @@ func QueueFlowCallStart(b *pgx.Batch, arg FlowCallStartParams, row *FlowCallStar
 // QueueFlowCallStartNew queues FlowCallStartNew on b; row is filled in
 // when the batch's results are read.
 func QueueFlowCallStartNew(b *pgx.Batch, arg FlowCallStartNewParams, row *FlowCallStartNewRow) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowCallStartNew(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowCallStartNew, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch, &arg.Seq).QueryRow(func(r pgx.Row) error {
 		return r.Scan(&row.Leased, &row.Attempts)
 	})
 }
@@ -198,34 +205,34 @@ func QueueFlowCallStartNew(b *pgx.Batch, arg FlowCallStartNewParams, row *FlowCa
 // QueueFlowCallDone queues FlowCallDone on b; n is set to the rows it
 // affected when the batch's results are read.
 func QueueFlowCallDone(b *pgx.Batch, arg FlowCallDoneParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowCallDone(context.Background(), arg) }, n)
+	queueRows(b.Queue(flowCallDone, &arg.Result, &arg.Reconciled, &arg.Scope, &arg.Key, &arg.Seq, &arg.Lease, &arg.Epoch), n)
 }
 
 // QueueFlowCallDoneHeld queues FlowCallDoneHeld on b, as
 // QueueFlowCallDone does.
 func QueueFlowCallDoneHeld(b *pgx.Batch, arg FlowCallDoneHeldParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowCallDoneHeld(context.Background(), arg) }, n)
+	queueRows(b.Queue(flowCallDoneHeld, &arg.Result, &arg.Reconciled, &arg.Scope, &arg.Key, &arg.Epoch, &arg.Seq), n)
 }
 
 // QueueFlowComplete queues FlowComplete on b, as QueueFlowCallDone does.
 func QueueFlowComplete(b *pgx.Batch, arg FlowCompleteParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowComplete(context.Background(), arg) }, n)
+	queueRows(b.Queue(flowComplete, &arg.Output, &arg.Scope, &arg.Key, &arg.Epoch), n)
 }
 
 // QueueFlowRelease queues FlowRelease on b, as QueueFlowCallDone does.
 func QueueFlowRelease(b *pgx.Batch, arg FlowReleaseParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowRelease(context.Background(), arg) }, n)
+	queueRows(b.Queue(flowRelease, &arg.LastError, &arg.Scope, &arg.Key, &arg.Epoch), n)
 }
 
 // QueueFlowStop queues FlowStop on b, as QueueFlowCallDone does.
 func QueueFlowStop(b *pgx.Batch, arg FlowStopParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowStop(context.Background(), arg) }, n)
+	queueRows(b.Queue(flowStop, &arg.LastError, &arg.Scope, &arg.Key, &arg.Epoch), n)
 }
 
-// queueRows queues the statement call runs, setting n to the rows it
-// affected when the batch's results are read.
-func queueRows(b *pgx.Batch, call func(q *Queries), n *int64) {
-	queueCall(b, call).Exec(func(tag pgconn.CommandTag) error {
+// queueRows sets n to the rows qq affected when the batch's results are
+// read.
+func queueRows(qq *pgx.QueuedQuery, n *int64) {
+	qq.Exec(func(tag pgconn.CommandTag) error {
 		*n = tag.RowsAffected()
 		return nil
 	})
