@@ -265,28 +265,37 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 	// start is false while another executor is known to hold the flow,
 	// which FlowRestart would not change.
 	start := true
+	// What the claim's statements read, in one allocation, and its batch,
+	// made for its four statements.
+	var c struct {
+		restarted, tookOver, found bool
+		restartRow                 dbsqlc.FlowRestartRow
+		takenRow                   dbsqlc.FlowTakeOverRow
+		rec                        dbsqlc.FlowGetRow
+		steps                      []dbsqlc.FlowStepsRow
+		queued                     [4]*pgx.QueuedQuery
+		b                          pgx.Batch
+	}
 	for attempt := 0; ; attempt++ {
-		var (
-			restarted, tookOver, found bool
-			restartRow                 dbsqlc.FlowRestartRow
-			takenRow                   dbsqlc.FlowTakeOverRow
-			rec                        dbsqlc.FlowGetRow
-			steps                      []dbsqlc.FlowStepsRow
-		)
+		c.restarted, c.tookOver, c.found = false, false, false
+		c.restartRow, c.takenRow, c.rec, c.steps = dbsqlc.FlowRestartRow{}, dbsqlc.FlowTakeOverRow{}, dbsqlc.FlowGetRow{}, nil
+		c.b = pgx.Batch{QueuedQueries: c.queued[:0]}
 		epoch := newEpoch()
-		b := &pgx.Batch{}
+		b := &c.b
 		if start {
 			dbsqlc.QueueFlowRestart(b, dbsqlc.FlowRestartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
-				Input: string(input), Epoch: epoch, Lease: lease, Retention: o.retentionInterval()}, &restartRow, &restarted)
+				Input: string(input), Epoch: epoch, Lease: lease, Retention: o.retentionInterval()}, &c.restartRow, &c.restarted)
 		}
 		dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Epoch: epoch, Lease: lease, Scope: k.scope, Key: k.key, FlowName: f.name,
-			Fingerprint: k.fp}, &takenRow, &tookOver)
-		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
-		dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &steps)
+			Fingerprint: k.fp}, &c.takenRow, &c.tookOver)
+		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: k.scope, Key: k.key}, &c.rec, &c.found)
+		dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &c.steps)
 		sent := time.Now()
 		if err := sendBatch(ctx, db, b); err != nil {
 			return nil, nil, translate("idem: flow: claim key", err)
 		}
+		restarted, tookOver, found := c.restarted, c.tookOver, c.found
+		restartRow, takenRow, rec, steps := c.restartRow, c.takenRow, c.rec, c.steps
 		switch {
 		case restarted:
 			obs.claimDone(outcomeClaimed)
@@ -474,6 +483,29 @@ type flowRun struct {
 	result *dbsqlc.FlowCallDoneParams
 	start  *dbsqlc.FlowStartParams
 	taken  error
+	// flushBatch (flush's, under mu) and stepBatch (a local step's, in the
+	// function's goroutine) are reused from one round trip to the next,
+	// with the room for their statements (see newBatch).
+	flushBatch, stepBatch reusedBatch
+}
+
+// reusedBatch is a batch reused from one round trip to the next, and room
+// for its first statements.
+type reusedBatch struct {
+	b      pgx.Batch
+	queued [4]*pgx.QueuedQuery
+}
+
+// newBatch empties rb's batch, which was sent, for the next round trip,
+// and returns it.
+func (rb *reusedBatch) newBatch() *pgx.Batch {
+	queued := rb.b.QueuedQueries
+	if cap(queued) == 0 {
+		queued = rb.queued[:0]
+	}
+	clear(queued)
+	rb.b = pgx.Batch{QueuedQueries: queued[:0]}
+	return &rb.b
 }
 
 // newFlowRun returns the run of the executor that claimed the flow under

@@ -217,7 +217,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 	if r.taken != nil {
 		return r.taken
 	}
-	b := &pgx.Batch{}
+	b := r.flushBatch.newBatch()
 	var recorded int64
 	carried := r.result != nil && (open == nil || open.carries)
 	// A flow not started yet is started by what is queued (never with a

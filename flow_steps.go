@@ -132,7 +132,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	sent := time.Now()
 	switch {
 	case pipelined:
-		b := &pgx.Batch{}
+		b := r.stepBatch.newBatch()
 		b.BeginTx(opts)
 		queueIdleTimeout(b, r.o)
 		// The lease first: it holds the flow's row, so that the call's
@@ -223,7 +223,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		r.lease.renewed(sent)
 		return decodedResult[T](r, encoded)
 	}
-	b := &pgx.Batch{}
+	b := r.stepBatch.newBatch()
 	dbsqlc.QueueFlowLease(b, lease, &leased)
 	dbsqlc.QueueFlowStepRecord(b, record)
 	_ = dbsqlc.Queue(b).TxCommit(ctx)
