@@ -291,7 +291,7 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: k.scope, Key: k.key}, &c.rec, &c.found)
 		dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &c.steps)
 		sent := time.Now()
-		if err := sendBatch(ctx, db, b); err != nil {
+		if err := sendFlowBatch(ctx, db, b); err != nil {
 			return nil, nil, translate("idem: flow: claim key", err)
 		}
 		restarted, tookOver, found := c.restarted, c.tookOver, c.found

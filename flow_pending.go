@@ -246,7 +246,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 	}
 	sent := time.Now()
 	if open == nil {
-		if err := r.started(st, sendBatch(ctx, r.db, b)); errors.Is(err, errTaken) {
+		if err := r.started(st, sendFlowBatch(ctx, r.db, b)); errors.Is(err, errTaken) {
 			return err
 		} else if err != nil {
 			return translate("record the call's result", err)
@@ -269,7 +269,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 		commit = tag
 		return nil
 	})
-	err := open.tx.SendBatch(ctx, b).Close()
+	err := sendOnConn(ctx, open.conn, open.tx, b)
 	if open.conn.PgConn().TxStatus() != 'I' {
 		rollback(ctx, open.tx)
 	}

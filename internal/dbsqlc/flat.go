@@ -1,0 +1,321 @@
+// This file is written by hand, not generated: it sends a pgx.Batch of
+// sqlc's statements through pgconn's batch, beneath pgx's, as statements
+// prepared once per connection. pgx sends a batch in pipeline mode, whose
+// bookkeeping (a list element, and boxed values, for each request and
+// each statement) is most of what a flow's round trip allocates; pgconn's
+// batch does without it, and sends the same messages: Bind and Execute
+// for each statement, then one Sync, in one round trip.
+
+package dbsqlc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"strconv"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// flat is what SendFlat keeps on a connection, in its CustomData: the
+// statements it prepared there, by their SQL, and what it reuses from one
+// round trip to the next.
+type flat struct {
+	pc      *pgconn.PgConn
+	stmts   map[string]*flatStmt
+	batch   pgconn.Batch
+	eqb     pgx.ExtendedQueryBuilder
+	results flatResults
+	missing []string
+}
+
+// flatStmt is a statement prepared on the connection, with the formats of
+// its result columns, which are the same each time.
+type flatStmt struct {
+	sd            *pgconn.StatementDescription
+	resultFormats []int16
+}
+
+const flatKey = "idem.flat"
+
+// flatFor returns conn's flat, when conn runs its statements the way
+// SendFlat does (pgx's default execution mode, statements prepared and
+// cached on the connection) and traces no batch, which pgx's batch would
+// tell a BatchTracer about; otherwise nil.
+func flatFor(conn *pgx.Conn) *flat {
+	pc := conn.PgConn()
+	data := pc.CustomData()
+	if data == nil {
+		return nil
+	}
+	// A nil *flat records a connection SendFlat cannot use: its
+	// configuration does not change.
+	if f, ok := data[flatKey].(*flat); ok {
+		return f
+	}
+	cfg := conn.Config()
+	if _, traced := cfg.Tracer.(pgx.BatchTracer); traced || cfg.DefaultQueryExecMode != pgx.QueryExecModeCacheStatement {
+		data[flatKey] = (*flat)(nil)
+		return nil
+	}
+	f := &flat{pc: pc, stmts: make(map[string]*flatStmt)}
+	data[flatKey] = f
+	return f
+}
+
+// SendFlat sends b on conn, as conn.SendBatch(ctx, b).Close() would, in
+// one round trip (and one more the first time a statement is sent on the
+// connection, to prepare it): the statements' callbacks (QueuedQuery's
+// Exec, Query, QueryRow) are called as pgx calls them, and it returns the
+// first error. When conn cannot send it so (see flatFor), or b uses what
+// SendFlat does not support (a statement's options, Batch.BeginTx), sent
+// is false and nothing was sent: send it through pgx.
+func SendFlat(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (sent bool, err error) {
+	f := flatFor(conn)
+	if f == nil || len(b.QueuedQueries) == 0 {
+		return false, nil
+	}
+	f.missing = f.missing[:0]
+	for _, qq := range b.QueuedQueries {
+		if len(qq.Arguments) > 0 {
+			switch qq.Arguments[0].(type) {
+			case pgx.QueryRewriter, pgx.QueryExecMode:
+				return false, nil
+			}
+		}
+		if _, ok := f.stmts[qq.SQL]; !ok {
+			f.missing = append(f.missing, qq.SQL)
+		}
+	}
+	if len(f.missing) > 0 {
+		if err := f.prepare(ctx); err != nil {
+			return true, err
+		}
+	}
+	batch := &f.batch
+	if !reuseBatch(batch) {
+		batch = &pgconn.Batch{}
+	}
+	typeMap := conn.TypeMap()
+	for _, qq := range b.QueuedQueries {
+		st := f.stmts[qq.SQL]
+		if err := f.eqb.Build(typeMap, st.sd, qq.Arguments); err != nil {
+			return true, fmt.Errorf("build statement %q: %w", firstLine(qq.SQL), err)
+		}
+		if st.resultFormats == nil {
+			st.resultFormats = append([]int16{}, f.eqb.ResultFormats...)
+		}
+		batch.ExecStatement(st.sd, f.eqb.ParamValues, f.eqb.ParamFormats, st.resultFormats)
+	}
+	br := &f.results
+	*br = flatResults{conn: conn, mrr: f.pc.ExecBatch(ctx, batch), b: b}
+	err = br.Close()
+	*br = flatResults{}
+	if err != nil {
+		f.forget(err)
+	}
+	return true, err
+}
+
+// prepare prepares the statements f.missing names, in one round trip
+// (pipelined), or one by one when that fails (a statement of the same
+// name left there before).
+func (f *flat) prepare(ctx context.Context) error {
+	p := f.pc.StartPipeline(ctx)
+	for _, sql := range f.missing {
+		p.SendPrepare(flatName(sql), sql, nil)
+	}
+	err := p.Sync()
+	sds := make([]*pgconn.StatementDescription, 0, len(f.missing))
+	for range f.missing {
+		if err != nil {
+			break
+		}
+		var res any
+		if res, err = p.GetResults(); err == nil {
+			// The pipeline's description has the statement's parameters
+			// and columns, not its name.
+			got, ok := res.(*pgconn.StatementDescription)
+			if !ok {
+				err = fmt.Errorf("dbsqlc: a prepare's result is a %T", res)
+				break
+			}
+			sql := f.missing[len(sds)]
+			sds = append(sds, &pgconn.StatementDescription{Name: flatName(sql), SQL: sql, ParamOIDs: got.ParamOIDs, Fields: got.Fields})
+		}
+	}
+	if err == nil {
+		_, err = p.GetResults() // the Sync
+	}
+	if closeErr := p.Close(); err == nil {
+		err = closeErr
+	}
+	if err != nil {
+		if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || f.pc.IsClosed() {
+			return err
+		}
+		sds = sds[:0]
+		for _, sql := range f.missing {
+			sd, err := prepare(ctx, f.pc, flatName(sql), sql)
+			if err != nil {
+				return err
+			}
+			sds = append(sds, sd)
+		}
+	}
+	for i, sql := range f.missing {
+		f.stmts[sql] = &flatStmt{sd: sds[i]}
+	}
+	return nil
+}
+
+// flatName is the name sql is prepared under: a connection's own
+// statement cache (pgx's) names its statements otherwise, and Wire's
+// differently again.
+func flatName(sql string) string {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(sql))
+	return "idem_flat_" + strconv.FormatUint(h.Sum64(), 16)
+}
+
+// forget drops the statements f prepared when err says that they are gone
+// or stale (DISCARD ALL, DEALLOCATE, a change to a table), so that the
+// next round trip prepares them again.
+func (f *flat) forget(err error) {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Code == "26000" || pgErr.Code == "0A000") {
+		clear(f.stmts)
+	}
+}
+
+func firstLine(sql string) string {
+	for i := range len(sql) {
+		if sql[i] == '\n' {
+			return sql[:i]
+		}
+	}
+	return sql
+}
+
+// flatResults reads a flat batch's results, as pgx's own BatchResults read
+// a batch sent with pgconn's (pgx's QueryExecModeExec): its callbacks get
+// it.
+type flatResults struct {
+	conn   *pgx.Conn
+	mrr    *pgconn.MultiResultReader
+	b      *pgx.Batch
+	next   int
+	err    error
+	closed bool
+}
+
+var errNoMoreResults = errors.New("no more results in batch")
+
+func (br *flatResults) Exec() (pgconn.CommandTag, error) {
+	if br.err != nil {
+		return pgconn.CommandTag{}, br.err
+	}
+	if br.closed {
+		return pgconn.CommandTag{}, errors.New("batch already closed")
+	}
+	br.next++
+	if !br.mrr.NextResult() {
+		err := br.mrr.Close()
+		if err == nil {
+			err = errNoMoreResults
+		}
+		return pgconn.CommandTag{}, err
+	}
+	tag, err := br.mrr.ResultReader().Close()
+	if err != nil {
+		br.err = err
+		_ = br.mrr.Close()
+	}
+	return tag, br.err
+}
+
+func (br *flatResults) Query() (pgx.Rows, error) {
+	if br.err != nil {
+		return &errRows{err: br.err}, br.err
+	}
+	if br.closed {
+		err := errors.New("batch already closed")
+		return &errRows{err: err}, err
+	}
+	br.next++
+	if !br.mrr.NextResult() {
+		err := br.mrr.Close()
+		if err == nil {
+			err = errNoMoreResults
+		}
+		return &errRows{err: err}, err
+	}
+	return pgx.RowsFromResultReader(br.conn.TypeMap(), br.mrr.ResultReader()), nil
+}
+
+func (br *flatResults) QueryRow() pgx.Row {
+	rows, _ := br.Query()
+	return flatRow{rows}
+}
+
+func (br *flatResults) Close() error {
+	if br.err != nil {
+		return br.err
+	}
+	if br.closed {
+		return nil
+	}
+	for br.err == nil && br.next < len(br.b.QueuedQueries) {
+		if fn := br.b.QueuedQueries[br.next].Fn; fn != nil {
+			if err := fn(br); err != nil && br.err == nil {
+				br.err = err
+			}
+		} else {
+			_, _ = br.Exec()
+		}
+	}
+	br.closed = true
+	if err := br.mrr.Close(); br.err == nil {
+		br.err = err
+	}
+	return br.err
+}
+
+func (br *flatResults) Tx() pgx.Tx { return nil }
+
+// flatRow is a statement's row, read as pgx's QueryRow reads it.
+type flatRow struct{ rows pgx.Rows }
+
+func (r flatRow) Scan(dest ...any) error {
+	rows := r.rows
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	defer rows.Close()
+	if !rows.Next() {
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		return pgx.ErrNoRows
+	}
+	_ = rows.Scan(dest...)
+	rows.Close()
+	return rows.Err()
+}
+
+// errRows is the rows of a statement that failed before it had any.
+type errRows struct{ err error }
+
+func (r *errRows) Close()                                       {}
+func (r *errRows) Err() error                                   { return r.err }
+func (r *errRows) CommandTag() pgconn.CommandTag                { return pgconn.CommandTag{} }
+func (r *errRows) FieldDescriptions() []pgconn.FieldDescription { return nil }
+func (r *errRows) Next() bool                                   { return false }
+func (r *errRows) Scan(...any) error                            { return r.err }
+func (r *errRows) Values() ([]any, error)                       { return nil, r.err }
+func (r *errRows) RawValues() [][]byte                          { return nil }
+func (r *errRows) Conn() *pgx.Conn                              { return nil }
+func (r *errRows) TypeMap() *pgtype.Map                         { return nil }
