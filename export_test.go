@@ -9,3 +9,6 @@ func RouteStoreOnCitus(on bool) (restore func()) {
 	storeRoutedOnCitus = on
 	return func() { storeRoutedOnCitus = was }
 }
+
+// TxOver is txOver, for TestAnEmptyBatchBeginsNoTransaction.
+var TxOver = txOver

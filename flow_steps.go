@@ -146,9 +146,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 			dbsqlc.QueueFlowCallDoneHeld(b, dbsqlc.FlowCallDoneHeldParams{Result: res.Result, Reconciled: res.Reconciled,
 				Scope: res.Scope, Key: res.Key, Epoch: res.Epoch, Seq: res.Seq}, &recorded)
 		}
-		results := conn.SendBatch(ctx, b)
-		tx = results.Tx()
-		err = results.Close()
+		tx, err = sendBeginBatch(ctx, conn, b, opts)
 	default:
 		var beginner TxBeginner = r.db
 		if conn != nil {
@@ -251,6 +249,48 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}
 	r.lease.renewed(sent)
 	return decodedResult[T](r, encoded)
+}
+
+// sendBeginBatch sends b, which begins a transaction with opts
+// (pgx.Batch.BeginTx), on conn, and returns the transaction, as
+// conn.SendBatch's results do, and the batch's error. Through
+// dbsqlc.SendFlat when conn allows it: pgx's transaction over the one b
+// began is then that of an empty batch that begins one, which sends
+// nothing (TestAnEmptyBatchBeginsNoTransaction).
+func sendBeginBatch(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, opts pgx.TxOptions) (pgx.Tx, error) {
+	sent, err := dbsqlc.SendFlat(ctx, conn, b)
+	if !sent {
+		results := conn.SendBatch(ctx, b)
+		tx := results.Tx()
+		return tx, results.Close()
+	}
+	tx := txOver(ctx, conn, opts)
+	if tx == nil {
+		// pgx made no transaction of an empty batch: one of its own, over
+		// the one b began, if b did (a BEGIN in a transaction only warns),
+		// at the cost of a round trip.
+		if conn.PgConn().TxStatus() == 'I' {
+			return nil, err
+		}
+		var beginErr error
+		if tx, beginErr = conn.BeginTx(ctx, opts); beginErr != nil && err == nil {
+			err = beginErr
+		}
+	}
+	return tx, err
+}
+
+// txOver returns pgx's transaction over the one conn is in, begun with
+// opts: that of an empty batch that begins one, or nil if pgx makes none
+// of it. It is closed when conn is in no transaction.
+func txOver(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) pgx.Tx {
+	var b pgx.Batch
+	b.BeginTx(opts)
+	b.QueuedQueries = nil
+	results := conn.SendBatch(ctx, &b)
+	tx := results.Tx()
+	_ = results.Close()
+	return tx
 }
 
 // queueIdleTimeout queues, at the start of a local step's transaction,
