@@ -10,6 +10,7 @@ package dbsqlc
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -28,6 +29,7 @@ type flat struct {
 	stmts   map[string]*flatStmt
 	batch   pgconn.Batch
 	eqb     pgx.ExtendedQueryBuilder
+	params  flatParams
 	results flatResults
 	missing []string
 }
@@ -102,11 +104,18 @@ func SendFlat(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (sent bool, err
 	typeMap := conn.TypeMap()
 	for _, qq := range b.QueuedQueries {
 		st := f.stmts[qq.SQL]
+		if st.resultFormats == nil {
+			st.resultFormats = make([]int16, len(st.sd.Fields))
+			for i, fd := range st.sd.Fields {
+				st.resultFormats[i] = typeMap.FormatCodeForOID(fd.DataTypeOID)
+			}
+		}
+		if f.params.encode(st.sd, qq.Arguments) {
+			batch.ExecStatement(st.sd, f.params.values, f.params.formats, st.resultFormats)
+			continue
+		}
 		if err := f.eqb.Build(typeMap, st.sd, qq.Arguments); err != nil {
 			return true, fmt.Errorf("build statement %q: %w", firstLine(qq.SQL), err)
-		}
-		if st.resultFormats == nil {
-			st.resultFormats = append([]int16{}, f.eqb.ResultFormats...)
 		}
 		batch.ExecStatement(st.sd, f.eqb.ParamValues, f.eqb.ParamFormats, st.resultFormats)
 	}
@@ -319,3 +328,84 @@ func (r *errRows) Values() ([]any, error)                       { return nil, r.
 func (r *errRows) RawValues() [][]byte                          { return nil }
 func (r *errRows) Conn() *pgx.Conn                              { return nil }
 func (r *errRows) TypeMap() *pgtype.Map                         { return nil }
+
+// flatParams encodes a statement's arguments when each is a pointer of a
+// kind the flows' Queue functions pass (see queue.go) to a parameter of
+// the type it holds: pgx's type map would copy each value out of its
+// pointer, an allocation each, to encode it. Strings and texts are sent as
+// text, which every type accepts; the rest in binary.
+type flatParams struct {
+	buf     []byte
+	ends    []int
+	values  [][]byte
+	formats []int16
+}
+
+// encode encodes args, the arguments of sd, into p.values and p.formats,
+// and reports whether it could: when it could not, pgx's type map encodes
+// them.
+func (p *flatParams) encode(sd *pgconn.StatementDescription, args []any) bool {
+	if len(args) != len(sd.ParamOIDs) {
+		return false
+	}
+	p.buf, p.ends, p.values, p.formats = p.buf[:0], p.ends[:0], p.values[:0], p.formats[:0]
+	be := binary.BigEndian
+	for i, arg := range args {
+		oid := sd.ParamOIDs[i]
+		format, null := int16(pgtype.BinaryFormatCode), false
+		switch a := arg.(type) {
+		case *string:
+			format = pgtype.TextFormatCode
+			p.buf = append(p.buf, *a...)
+		case *pgtype.Text:
+			format, null = pgtype.TextFormatCode, !a.Valid
+			if !null {
+				p.buf = append(p.buf, a.String...)
+			}
+		case *int64:
+			if oid != pgtype.Int8OID {
+				return false
+			}
+			p.buf = be.AppendUint64(p.buf, uint64(*a))
+		case *int32:
+			if oid != pgtype.Int4OID {
+				return false
+			}
+			p.buf = be.AppendUint32(p.buf, uint32(*a))
+		case *[]byte:
+			if oid != pgtype.ByteaOID {
+				return false
+			}
+			null = *a == nil
+			p.buf = append(p.buf, *a...)
+		case *pgtype.Interval:
+			if oid != pgtype.IntervalOID {
+				return false
+			}
+			null = !a.Valid
+			if !null {
+				p.buf = be.AppendUint64(p.buf, uint64(a.Microseconds))
+				p.buf = be.AppendUint32(p.buf, uint32(a.Days))
+				p.buf = be.AppendUint32(p.buf, uint32(a.Months))
+			}
+		default:
+			return false
+		}
+		if null {
+			p.ends = append(p.ends, -1)
+		} else {
+			p.ends = append(p.ends, len(p.buf))
+		}
+		p.formats = append(p.formats, format)
+	}
+	start := 0
+	for _, end := range p.ends {
+		if end < 0 {
+			p.values = append(p.values, nil)
+			continue
+		}
+		p.values = append(p.values, p.buf[start:end:end])
+		start = end
+	}
+	return true
+}

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -156,5 +157,61 @@ func fillDistinct(t *testing.T, v reflect.Value) {
 		default:
 			t.Fatalf("%s.%s: a %s; fillDistinct knows no distinct value for it", v.Type().Name(), v.Type().Field(i).Name, f.Type())
 		}
+	}
+}
+
+// TestFlatParamsEncodeAsPgxDoes encodes the flows' arguments both ways:
+// flatParams's and pgx's type map's, which must send the same values (the
+// same bytes in the same format, or, for text, the same text).
+func TestFlatParamsEncodeAsPgxDoes(t *testing.T) {
+	s, fp, i8, i4 := "a text", []byte{0, 1, 0xff}, int64(-1)<<40, int32(-7)
+	txt, null := pgtype.Text{String: "b", Valid: true}, pgtype.Text{String: "not sent", Valid: false}
+	iv := pgtype.Interval{Microseconds: 90_000_000, Days: 2, Months: 3, Valid: true}
+	var nilBytes []byte
+	sd := &pgconn.StatementDescription{ParamOIDs: []uint32{pgtype.TextOID, pgtype.TextOID, pgtype.TextOID, pgtype.Int8OID,
+		pgtype.Int4OID, pgtype.ByteaOID, pgtype.IntervalOID, pgtype.ByteaOID, pgtype.JSONBOID}}
+	args := []any{&s, &txt, &null, &i8, &i4, &fp, &iv, &nilBytes, &s}
+	var p flatParams
+	if !p.encode(sd, args) {
+		t.Fatal("flatParams refused the flows' arguments")
+	}
+	var eqb pgx.ExtendedQueryBuilder
+	m := pgtype.NewMap()
+	if err := eqb.Build(m, sd, args); err != nil {
+		t.Fatal(err)
+	}
+	for i := range args {
+		got, want := p.values[i], eqb.ParamValues[i]
+		if (got == nil) != (want == nil) {
+			t.Errorf("argument %d: NULL %v, pgx's %v", i+1, got == nil, want == nil)
+			continue
+		}
+		if p.formats[i] == eqb.ParamFormats[i] {
+			if string(got) != string(want) {
+				t.Errorf("argument %d: %x, pgx's %x", i+1, got, want)
+			}
+			continue
+		}
+		// Sent as text where pgx sends binary: the text of pgx's value.
+		var v any
+		if err := m.Scan(sd.ParamOIDs[i], eqb.ParamFormats[i], want, &v); err != nil {
+			t.Fatal(err)
+		}
+		var text string
+		switch x := v.(type) {
+		case string:
+			text = x
+		case map[string]any, []any:
+			text = s // JSONB: the string sent as the JSON's text
+		default:
+			t.Fatalf("argument %d: pgx's %T", i+1, v)
+		}
+		if string(got) != text {
+			t.Errorf("argument %d: %q, pgx's %q", i+1, got, text)
+		}
+	}
+	// A parameter of another type than its pointer's: pgx's type map.
+	if p.encode(&pgconn.StatementDescription{ParamOIDs: []uint32{pgtype.Int4OID}}, []any{&i8}) {
+		t.Error("flatParams encoded an int64 for an int4")
 	}
 }
