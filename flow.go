@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/backoff"
@@ -487,6 +488,12 @@ type flowRun struct {
 	// function's goroutine) are reused from one round trip to the next,
 	// with the room for their statements (see newBatch).
 	flushBatch, stepBatch reusedBatch
+	// flushRecorded and commitTag are what flush's statements read
+	// (noteCommit the latter), idleTimeout the text of WithIdleTimeout.
+	flushRecorded int64
+	commitTag     pgconn.CommandTag
+	noteCommit    func(pgconn.CommandTag) error
+	idleTimeout   string
 }
 
 // reusedBatch is a batch reused from one round trip to the next, and room
@@ -515,6 +522,13 @@ func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch i
 ) *flowRun {
 	r := &flowRun{db: db, k: k, flow: flow, keys: keys, epoch: epoch, input: input, o: o, obs: obs,
 		recorded: make(map[int32]dbsqlc.FlowStepsRow, len(recorded)), names: make(map[string]bool)}
+	r.noteCommit = func(tag pgconn.CommandTag) error {
+		r.commitTag = tag
+		return nil
+	}
+	if o.idleTimeout > 0 {
+		r.idleTimeout = millis(o.idleTimeout)
+	}
 	r.lease.init(o.lease)
 	r.lease.renewed(sent)
 	for _, step := range recorded {

@@ -218,7 +218,8 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 		return r.taken
 	}
 	b := r.flushBatch.newBatch()
-	var recorded int64
+	recorded := &r.flushRecorded
+	*recorded = 0
 	carried := r.result != nil && (open == nil || open.carries)
 	// A flow not started yet is started by what is queued (never with a
 	// step's transaction open: that one wrote the row as it began).
@@ -236,7 +237,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 	case open != nil:
 		dbsqlc.QueueFlowStepRecord(b, open.record)
 	case carried:
-		dbsqlc.QueueFlowCallDone(b, *r.result, &recorded)
+		dbsqlc.QueueFlowCallDone(b, *r.result, recorded)
 	}
 	if queue != nil {
 		queue(b)
@@ -256,20 +257,17 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 		}
 		if carried {
 			r.result = nil
-			if recorded == 0 {
+			if *recorded == 0 {
 				return r.lostError()
 			}
 		}
 		return nil
 	}
 	defer open.release()
-	var commit pgconn.CommandTag
-	_ = dbsqlc.Queue(b).TxCommit(ctx)
-	b.QueuedQueries[b.Len()-1].Exec(func(tag pgconn.CommandTag) error {
-		commit = tag
-		return nil
-	})
+	r.commitTag = pgconn.CommandTag{}
+	dbsqlc.QueueTxCommit(b).Exec(r.noteCommit)
 	err := sendOnConn(ctx, open.conn, open.tx, b)
+	commit := r.commitTag
 	if open.conn.PgConn().TxStatus() != 'I' {
 		rollback(ctx, open.tx)
 	}

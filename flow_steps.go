@@ -134,7 +134,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	case pipelined:
 		b := r.stepBatch.newBatch()
 		b.BeginTx(opts)
-		queueIdleTimeout(b, r.o)
+		r.queueIdleTimeout(b)
 		// The lease first: it holds the flow's row, so that the call's
 		// result, recorded after it, need not write that row again. A
 		// flow not started yet is started here instead, leased.
@@ -154,7 +154,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		}
 		if tx, err = beginner.BeginTx(ctx, opts); err == nil {
 			b := &pgx.Batch{}
-			queueIdleTimeout(b, r.o)
+			r.queueIdleTimeout(b)
 			if st = r.queueStart(b, name); st == nil {
 				dbsqlc.QueueFlowLease(b, lease, &leased)
 			}
@@ -224,7 +224,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	b := r.stepBatch.newBatch()
 	dbsqlc.QueueFlowLease(b, lease, &leased)
 	dbsqlc.QueueFlowStepRecord(b, record)
-	_ = dbsqlc.Queue(b).TxCommit(ctx)
+	dbsqlc.QueueTxCommit(b)
 	results := tx.SendBatch(ctx, b)
 	_, _ = results.Exec() // FlowLease: the row is held, it renews
 	_, recordErr := results.Exec()
@@ -297,9 +297,9 @@ func txOver(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) pgx.Tx {
 // the bound of how long it may sit idle (WithIdleTimeout), if any: an
 // executor frozen in the step, or before its next statement commits it,
 // holds the flow's row until the server ends its session.
-func queueIdleTimeout(b *pgx.Batch, o *options) {
-	if o.idleTimeout > 0 {
-		_ = dbsqlc.Queue(b).TxIdleTimeout(context.Background(), millis(o.idleTimeout))
+func (r *flowRun) queueIdleTimeout(b *pgx.Batch) {
+	if r.o.idleTimeout > 0 {
+		dbsqlc.QueueTxIdleTimeout(b, &r.idleTimeout)
 	}
 }
 

@@ -35,6 +35,14 @@ type errRow struct{ err error }
 
 func (r errRow) Scan(...any) error { return r.err }
 
+// QueueTxCommit queues TxCommit on b, and returns it, to read its
+// command tag.
+func QueueTxCommit(b *pgx.Batch) *pgx.QueuedQuery { return b.Queue(txCommit) }
+
+// QueueTxIdleTimeout queues TxIdleTimeout on b, with timeout, which must
+// not change until the batch is sent.
+func QueueTxIdleTimeout(b *pgx.Batch, timeout *string) { b.Queue(txIdleTimeout, timeout) }
+
 // QueueKeyLock queues KeyLock on b; row is filled in when the batch's
 // results are read (BatchResults.Close).
 func QueueKeyLock(b *pgx.Batch, arg KeyLockParams, row *KeyLockRow) {
