@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"slices"
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
@@ -72,9 +73,11 @@ func flatFor(conn *pgx.Conn) *flat {
 // one round trip (and one more the first time a statement is sent on the
 // connection, to prepare it): the statements' callbacks (QueuedQuery's
 // Exec, Query, QueryRow) are called as pgx calls them, and it returns the
-// first error. When conn cannot send it so (see flatFor), or b uses what
-// SendFlat does not support (a statement's options, Batch.BeginTx), sent
-// is false and nothing was sent: send it through pgx.
+// first error. When conn cannot send it so (see flatFor), or a statement
+// has options (a QueryRewriter), sent is false and nothing was sent: send
+// it through pgx. A batch that begins a transaction (Batch.BeginTx)
+// begins it with its first statement, as any other, but nothing makes a
+// pgx.Tx of it (see idem's sendBeginBatch).
 func SendFlat(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (sent bool, err error) {
 	f := flatFor(conn)
 	if f == nil || len(b.QueuedQueries) == 0 {
@@ -88,7 +91,7 @@ func SendFlat(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (sent bool, err
 				return false, nil
 			}
 		}
-		if _, ok := f.stmts[qq.SQL]; !ok {
+		if _, ok := f.stmts[qq.SQL]; !ok && !slices.Contains(f.missing, qq.SQL) {
 			f.missing = append(f.missing, qq.SQL)
 		}
 	}
