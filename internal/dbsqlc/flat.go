@@ -222,6 +222,8 @@ type flatResults struct {
 	next   int
 	err    error
 	closed bool
+	// row is the last statement's row (QueryRow), reused.
+	row flatRow
 }
 
 var errNoMoreResults = errors.New("no more results in batch")
@@ -270,7 +272,8 @@ func (br *flatResults) Query() (pgx.Rows, error) {
 
 func (br *flatResults) QueryRow() pgx.Row {
 	rows, _ := br.Query()
-	return flatRow{rows}
+	br.row = flatRow{rows}
+	return &br.row
 }
 
 func (br *flatResults) Close() error {
@@ -301,7 +304,7 @@ func (br *flatResults) Tx() pgx.Tx { return nil }
 // flatRow is a statement's row, read as pgx's QueryRow reads it.
 type flatRow struct{ rows pgx.Rows }
 
-func (r flatRow) Scan(dest ...any) error {
+func (r *flatRow) Scan(dest ...any) error {
 	rows := r.rows
 	if err := rows.Err(); err != nil {
 		return err

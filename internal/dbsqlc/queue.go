@@ -105,6 +105,10 @@ func (c *captured) QueryRow(_ context.Context, sql string, args ...any) pgx.Row 
 	return errRow{errCaptured}
 }
 
+// The flows' statements read their results in a callback set as their
+// QueuedQuery's Fn, which does what QueuedQuery's QueryRow, Query and Exec
+// do, in one closure instead of two.
+//
 // The flows' statements are queued with their arguments as pointers into
 // the parameters, arg, which are moved to the heap once: each argument
 // passed by value, as sqlc's methods pass them, would be boxed in an
@@ -131,23 +135,26 @@ func noRow(err error, found *bool) error {
 // QueueFlowStart queues FlowStart on b: row is filled in and started set
 // when the batch's results are read. No row is not an error.
 func QueueFlowStart(b *pgx.Batch, arg FlowStartParams, row *FlowStartRow, started *bool) {
-	b.Queue(flowStart, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint, &arg.Input, &arg.Epoch, &arg.Lease, &arg.Step, &arg.Retention, &arg.LockID).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowStart, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint, &arg.Input, &arg.Epoch, &arg.Lease, &arg.Step, &arg.Retention, &arg.LockID).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), started)
-	})
+	}
 }
 
 // QueueFlowRestart queues FlowRestart on b, as QueueFlowStart does.
 func QueueFlowRestart(b *pgx.Batch, arg FlowRestartParams, row *FlowRestartRow, restarted *bool) {
-	b.Queue(flowRestart, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint, &arg.Input, &arg.Epoch, &arg.Lease, &arg.Retention).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowRestart, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint, &arg.Input, &arg.Epoch, &arg.Lease, &arg.Retention).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), restarted)
-	})
+	}
 }
 
 // QueueFlowTakeOver queues FlowTakeOver on b, as QueueFlowStart does.
 func QueueFlowTakeOver(b *pgx.Batch, arg FlowTakeOverParams, row *FlowTakeOverRow, tookOver *bool) {
-	b.Queue(flowTakeOver, &arg.Epoch, &arg.Lease, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowTakeOver, &arg.Epoch, &arg.Lease, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation, &row.Input), tookOver)
-	})
+	}
 }
 
 // QueueFlowAdopt queues FlowAdopt on b, as QueueFlowStart does.
@@ -160,15 +167,19 @@ func QueueFlowAdopt(b *pgx.Batch, arg FlowAdoptParams, row *FlowAdoptRow, adopte
 // QueueFlowGet queues FlowGet on b; row is filled in and found set when the
 // batch's results are read. No flow is not an error.
 func QueueFlowGet(b *pgx.Batch, arg FlowGetParams, row *FlowGetRow, found *bool) {
-	b.Queue(flowGet, &arg.Scope, &arg.Key).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowGet, &arg.Scope, &arg.Key).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return noRow(r.Scan(&row.Name, &row.Fingerprint, &row.State, &row.Output, &row.LastError, &row.Leased, &row.Expired, &row.StandbyWait), found)
-	})
+	}
 }
 
 // QueueFlowSteps queues FlowSteps on b; rows are appended to steps when the
 // batch's results are read.
 func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
-	b.Queue(flowSteps, &arg.Scope, &arg.Key).Query(func(rows pgx.Rows) error {
+	b.Queue(flowSteps, &arg.Scope, &arg.Key).Fn = func(br pgx.BatchResults) error {
+		// As QueuedQuery.Query reads its rows, in one closure instead of two.
+		rows, _ := br.Query()
+		defer rows.Close()
 		for rows.Next() {
 			var s FlowStepsRow
 			if err := rows.Scan(&s.Seq, &s.Name, &s.Kind, &s.State, &s.Result); err != nil {
@@ -176,17 +187,19 @@ func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
 			}
 			*steps = append(*steps, s)
 		}
+		rows.Close()
 		return rows.Err()
-	})
+	}
 }
 
 // QueueFlowLease queues FlowLease on b; leased is set when the batch's
 // results are read.
 func QueueFlowLease(b *pgx.Batch, arg FlowLeaseParams, leased *bool) {
-	b.Queue(flowLease, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch).Exec(func(tag pgconn.CommandTag) error {
-		*leased = tag.RowsAffected() == 1
-		return nil
-	})
+	b.Queue(flowLease, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch).Fn = func(br pgx.BatchResults) error {
+		tag, err := br.Exec()
+		*leased = err == nil && tag.RowsAffected() == 1
+		return err
+	}
 }
 
 // QueueFlowStepRecord queues FlowStepRecord on b.
@@ -197,17 +210,19 @@ func QueueFlowStepRecord(b *pgx.Batch, arg FlowStepRecordParams) {
 // QueueFlowCallStart queues FlowCallStart on b; row is filled in when the
 // batch's results are read.
 func QueueFlowCallStart(b *pgx.Batch, arg FlowCallStartParams, row *FlowCallStartRow) {
-	b.Queue(flowCallStart, &arg.CallWindow, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch, &arg.Seq).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowCallStart, &arg.CallWindow, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch, &arg.Seq).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return r.Scan(&row.Leased, &row.Attempts, &row.Resumed, &row.PastWindow)
-	})
+	}
 }
 
 // QueueFlowCallStartNew queues FlowCallStartNew on b; row is filled in
 // when the batch's results are read.
 func QueueFlowCallStartNew(b *pgx.Batch, arg FlowCallStartNewParams, row *FlowCallStartNewRow) {
-	b.Queue(flowCallStartNew, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch, &arg.Seq).QueryRow(func(r pgx.Row) error {
+	b.Queue(flowCallStartNew, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch, &arg.Seq).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return r.Scan(&row.Leased, &row.Attempts)
-	})
+	}
 }
 
 // QueueFlowCallDone queues FlowCallDone on b; n is set to the rows it
@@ -240,10 +255,14 @@ func QueueFlowStop(b *pgx.Batch, arg FlowStopParams, n *int64) {
 // queueRows sets n to the rows qq affected when the batch's results are
 // read.
 func queueRows(qq *pgx.QueuedQuery, n *int64) {
-	qq.Exec(func(tag pgconn.CommandTag) error {
+	qq.Fn = func(br pgx.BatchResults) error {
+		tag, err := br.Exec()
+		if err != nil {
+			return err
+		}
 		*n = tag.RowsAffected()
 		return nil
-	})
+	}
 }
 
 // QueueCitusInstalled queues CitusInstalled on b; installed is set when
