@@ -116,6 +116,18 @@ func (c *captured) QueryRow(_ context.Context, sql string, args ...any) pgx.Row 
 // order of sqlc's method for the statement, which
 // TestQueuedArgumentsMatchTheGeneratedMethods checks.
 
+// withArgs is a statement's parameters, moved to the heap, with its
+// arguments, pointers into them: one allocation for both.
+type withArgs[P any] struct {
+	arg  P
+	args [10]any
+}
+
+// set returns args, kept in q.
+func (q *withArgs[P]) set(args ...any) []any {
+	return q.args[:copy(q.args[:], args)]
+}
+
 // queueCall queues on b the statement that call runs through its Queries.
 func queueCall(b *pgx.Batch, call func(q *Queries)) *pgx.QueuedQuery {
 	var c captured
@@ -135,7 +147,8 @@ func noRow(err error, found *bool) error {
 // QueueFlowStart queues FlowStart on b: row is filled in and started set
 // when the batch's results are read. No row is not an error.
 func QueueFlowStart(b *pgx.Batch, arg FlowStartParams, row *FlowStartRow, started *bool) {
-	b.Queue(flowStart, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint, &arg.Input, &arg.Epoch, &arg.Lease, &arg.Step, &arg.Retention, &arg.LockID).Fn = func(br pgx.BatchResults) error {
+	q := &withArgs[FlowStartParams]{arg: arg}
+	b.Queue(flowStart, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.FlowName, &q.arg.Fingerprint, &q.arg.Input, &q.arg.Epoch, &q.arg.Lease, &q.arg.Step, &q.arg.Retention, &q.arg.LockID)...).Fn = func(br pgx.BatchResults) error {
 		r := br.QueryRow()
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), started)
 	}
@@ -143,7 +156,8 @@ func QueueFlowStart(b *pgx.Batch, arg FlowStartParams, row *FlowStartRow, starte
 
 // QueueFlowRestart queues FlowRestart on b, as QueueFlowStart does.
 func QueueFlowRestart(b *pgx.Batch, arg FlowRestartParams, row *FlowRestartRow, restarted *bool) {
-	b.Queue(flowRestart, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint, &arg.Input, &arg.Epoch, &arg.Lease, &arg.Retention).Fn = func(br pgx.BatchResults) error {
+	q := &withArgs[FlowRestartParams]{arg: arg}
+	b.Queue(flowRestart, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.FlowName, &q.arg.Fingerprint, &q.arg.Input, &q.arg.Epoch, &q.arg.Lease, &q.arg.Retention)...).Fn = func(br pgx.BatchResults) error {
 		r := br.QueryRow()
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), restarted)
 	}
@@ -151,7 +165,8 @@ func QueueFlowRestart(b *pgx.Batch, arg FlowRestartParams, row *FlowRestartRow, 
 
 // QueueFlowTakeOver queues FlowTakeOver on b, as QueueFlowStart does.
 func QueueFlowTakeOver(b *pgx.Batch, arg FlowTakeOverParams, row *FlowTakeOverRow, tookOver *bool) {
-	b.Queue(flowTakeOver, &arg.Epoch, &arg.Lease, &arg.Scope, &arg.Key, &arg.FlowName, &arg.Fingerprint).Fn = func(br pgx.BatchResults) error {
+	q := &withArgs[FlowTakeOverParams]{arg: arg}
+	b.Queue(flowTakeOver, q.set(&q.arg.Epoch, &q.arg.Lease, &q.arg.Scope, &q.arg.Key, &q.arg.FlowName, &q.arg.Fingerprint)...).Fn = func(br pgx.BatchResults) error {
 		r := br.QueryRow()
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation, &row.Input), tookOver)
 	}
@@ -167,7 +182,8 @@ func QueueFlowAdopt(b *pgx.Batch, arg FlowAdoptParams, row *FlowAdoptRow, adopte
 // QueueFlowGet queues FlowGet on b; row is filled in and found set when the
 // batch's results are read. No flow is not an error.
 func QueueFlowGet(b *pgx.Batch, arg FlowGetParams, row *FlowGetRow, found *bool) {
-	b.Queue(flowGet, &arg.Scope, &arg.Key).Fn = func(br pgx.BatchResults) error {
+	q := &withArgs[FlowGetParams]{arg: arg}
+	b.Queue(flowGet, q.set(&q.arg.Scope, &q.arg.Key)...).Fn = func(br pgx.BatchResults) error {
 		r := br.QueryRow()
 		return noRow(r.Scan(&row.Name, &row.Fingerprint, &row.State, &row.Output, &row.LastError, &row.Leased, &row.Expired, &row.StandbyWait), found)
 	}
@@ -176,7 +192,8 @@ func QueueFlowGet(b *pgx.Batch, arg FlowGetParams, row *FlowGetRow, found *bool)
 // QueueFlowSteps queues FlowSteps on b; rows are appended to steps when the
 // batch's results are read.
 func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
-	b.Queue(flowSteps, &arg.Scope, &arg.Key).Fn = func(br pgx.BatchResults) error {
+	q := &withArgs[FlowStepsParams]{arg: arg}
+	b.Queue(flowSteps, q.set(&q.arg.Scope, &q.arg.Key)...).Fn = func(br pgx.BatchResults) error {
 		// As QueuedQuery.Query reads its rows, in one closure instead of two.
 		rows, _ := br.Query()
 		defer rows.Close()
@@ -195,7 +212,8 @@ func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
 // QueueFlowLease queues FlowLease on b; leased is set when the batch's
 // results are read.
 func QueueFlowLease(b *pgx.Batch, arg FlowLeaseParams, leased *bool) {
-	b.Queue(flowLease, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch).Fn = func(br pgx.BatchResults) error {
+	q := &withArgs[FlowLeaseParams]{arg: arg}
+	b.Queue(flowLease, q.set(&q.arg.Lease, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...).Fn = func(br pgx.BatchResults) error {
 		tag, err := br.Exec()
 		*leased = err == nil && tag.RowsAffected() == 1
 		return err
@@ -204,13 +222,15 @@ func QueueFlowLease(b *pgx.Batch, arg FlowLeaseParams, leased *bool) {
 
 // QueueFlowStepRecord queues FlowStepRecord on b.
 func QueueFlowStepRecord(b *pgx.Batch, arg FlowStepRecordParams) {
-	b.Queue(flowStepRecord, &arg.Scope, &arg.Key, &arg.Seq, &arg.Step, &arg.Result)
+	q := &withArgs[FlowStepRecordParams]{arg: arg}
+	b.Queue(flowStepRecord, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.Seq, &q.arg.Step, &q.arg.Result)...)
 }
 
 // QueueFlowCallStart queues FlowCallStart on b; row is filled in when the
 // batch's results are read.
 func QueueFlowCallStart(b *pgx.Batch, arg FlowCallStartParams, row *FlowCallStartRow) {
-	b.Queue(flowCallStart, &arg.CallWindow, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch, &arg.Seq).Fn = func(br pgx.BatchResults) error {
+	q := &withArgs[FlowCallStartParams]{arg: arg}
+	b.Queue(flowCallStart, q.set(&q.arg.CallWindow, &q.arg.Lease, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Seq)...).Fn = func(br pgx.BatchResults) error {
 		r := br.QueryRow()
 		return r.Scan(&row.Leased, &row.Attempts, &row.Resumed, &row.PastWindow)
 	}
@@ -219,7 +239,8 @@ func QueueFlowCallStart(b *pgx.Batch, arg FlowCallStartParams, row *FlowCallStar
 // QueueFlowCallStartNew queues FlowCallStartNew on b; row is filled in
 // when the batch's results are read.
 func QueueFlowCallStartNew(b *pgx.Batch, arg FlowCallStartNewParams, row *FlowCallStartNewRow) {
-	b.Queue(flowCallStartNew, &arg.Lease, &arg.Step, &arg.Scope, &arg.Key, &arg.Epoch, &arg.Seq).Fn = func(br pgx.BatchResults) error {
+	q := &withArgs[FlowCallStartNewParams]{arg: arg}
+	b.Queue(flowCallStartNew, q.set(&q.arg.Lease, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Seq)...).Fn = func(br pgx.BatchResults) error {
 		r := br.QueryRow()
 		return r.Scan(&row.Leased, &row.Attempts)
 	}
@@ -228,28 +249,33 @@ func QueueFlowCallStartNew(b *pgx.Batch, arg FlowCallStartNewParams, row *FlowCa
 // QueueFlowCallDone queues FlowCallDone on b; n is set to the rows it
 // affected when the batch's results are read.
 func QueueFlowCallDone(b *pgx.Batch, arg FlowCallDoneParams, n *int64) {
-	queueRows(b.Queue(flowCallDone, &arg.Result, &arg.Reconciled, &arg.Scope, &arg.Key, &arg.Seq, &arg.Lease, &arg.Epoch), n)
+	q := &withArgs[FlowCallDoneParams]{arg: arg}
+	queueRows(b.Queue(flowCallDone, q.set(&q.arg.Result, &q.arg.Reconciled, &q.arg.Scope, &q.arg.Key, &q.arg.Seq, &q.arg.Lease, &q.arg.Epoch)...), n)
 }
 
 // QueueFlowCallDoneHeld queues FlowCallDoneHeld on b, as
 // QueueFlowCallDone does.
 func QueueFlowCallDoneHeld(b *pgx.Batch, arg FlowCallDoneHeldParams, n *int64) {
-	queueRows(b.Queue(flowCallDoneHeld, &arg.Result, &arg.Reconciled, &arg.Scope, &arg.Key, &arg.Epoch, &arg.Seq), n)
+	q := &withArgs[FlowCallDoneHeldParams]{arg: arg}
+	queueRows(b.Queue(flowCallDoneHeld, q.set(&q.arg.Result, &q.arg.Reconciled, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Seq)...), n)
 }
 
 // QueueFlowComplete queues FlowComplete on b, as QueueFlowCallDone does.
 func QueueFlowComplete(b *pgx.Batch, arg FlowCompleteParams, n *int64) {
-	queueRows(b.Queue(flowComplete, &arg.Output, &arg.Scope, &arg.Key, &arg.Epoch), n)
+	q := &withArgs[FlowCompleteParams]{arg: arg}
+	queueRows(b.Queue(flowComplete, q.set(&q.arg.Output, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
 }
 
 // QueueFlowRelease queues FlowRelease on b, as QueueFlowCallDone does.
 func QueueFlowRelease(b *pgx.Batch, arg FlowReleaseParams, n *int64) {
-	queueRows(b.Queue(flowRelease, &arg.LastError, &arg.Scope, &arg.Key, &arg.Epoch), n)
+	q := &withArgs[FlowReleaseParams]{arg: arg}
+	queueRows(b.Queue(flowRelease, q.set(&q.arg.LastError, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
 }
 
 // QueueFlowStop queues FlowStop on b, as QueueFlowCallDone does.
 func QueueFlowStop(b *pgx.Batch, arg FlowStopParams, n *int64) {
-	queueRows(b.Queue(flowStop, &arg.LastError, &arg.Scope, &arg.Key, &arg.Epoch), n)
+	q := &withArgs[FlowStopParams]{arg: arg}
+	queueRows(b.Queue(flowStop, q.set(&q.arg.LastError, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
 }
 
 // queueRows sets n to the rows qq affected when the batch's results are
