@@ -270,9 +270,26 @@ func (br *flatResults) Query() (pgx.Rows, error) {
 	return pgx.RowsFromResultReader(br.conn.TypeMap(), br.mrr.ResultReader()), nil
 }
 
+// QueryRow reads the next statement's result as its row, which flatRow
+// decodes itself, with conn's type map, as pgx's rows would.
 func (br *flatResults) QueryRow() pgx.Row {
-	rows, _ := br.Query()
-	br.row = flatRow{rows}
+	br.row = flatRow{}
+	switch {
+	case br.err != nil:
+		br.row.err = br.err
+	case br.closed:
+		br.row.err = errors.New("batch already closed")
+	default:
+		br.next++
+		if !br.mrr.NextResult() {
+			br.row.err = br.mrr.Close()
+			if br.row.err == nil {
+				br.row.err = errNoMoreResults
+			}
+			break
+		}
+		br.row.rr, br.row.m = br.mrr.ResultReader(), br.conn.TypeMap()
+	}
 	return &br.row
 }
 
@@ -301,24 +318,41 @@ func (br *flatResults) Close() error {
 
 func (br *flatResults) Tx() pgx.Tx { return nil }
 
-// flatRow is a statement's row, read as pgx's QueryRow reads it.
-type flatRow struct{ rows pgx.Rows }
+// flatRow is a statement's row, read as pgx's QueryRow reads it: its
+// first row, pgx.ErrNoRows when it has none, and the statement's error.
+type flatRow struct {
+	rr  *pgconn.ResultReader
+	m   *pgtype.Map
+	err error
+}
 
 func (r *flatRow) Scan(dest ...any) error {
-	rows := r.rows
-	if err := rows.Err(); err != nil {
-		return err
+	if r.err != nil {
+		return r.err
 	}
-	defer rows.Close()
-	if !rows.Next() {
-		if err := rows.Err(); err != nil {
+	rr := r.rr
+	if !rr.NextRow() {
+		if _, err := rr.Close(); err != nil {
 			return err
 		}
 		return pgx.ErrNoRows
 	}
-	_ = rows.Scan(dest...)
-	rows.Close()
-	return rows.Err()
+	fields, values := rr.FieldDescriptions(), rr.Values()
+	if len(fields) != len(dest) {
+		_, _ = rr.Close()
+		return fmt.Errorf("number of field descriptions must equal number of destinations, got %d and %d", len(fields), len(dest))
+	}
+	for i, d := range dest {
+		if d == nil {
+			continue
+		}
+		if err := r.m.Scan(fields[i].DataTypeOID, fields[i].Format, values[i], d); err != nil {
+			_, _ = rr.Close()
+			return pgx.ScanArgError{ColumnIndex: i, FieldName: fields[i].Name, Err: err}
+		}
+	}
+	_, err := rr.Close()
+	return err
 }
 
 // errRows is the rows of a statement that failed before it had any.
