@@ -389,7 +389,8 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 			panic(p)
 		}
 	}()
-	out, err := f.fn(ctx, &Steps{ctx: ctx, run: r}, in)
+	r.steps = Steps{ctx: ctx, run: r}
+	out, err := f.fn(ctx, &r.steps, in)
 	r.returned.Store(true)
 	if taken := r.takenError(); taken != nil {
 		// Another executor was starting the flow: this run committed
@@ -464,9 +465,9 @@ type flowRun struct {
 	// step whose function failed leaves its place empty).
 	recorded map[int32]dbsqlc.FlowStepsRow
 	// next is the place of the function's next step; names are the steps
-	// it took.
+	// it took (see took).
 	next  int32
-	names map[string]bool
+	names stepNames
 	// stepping is set while a step runs, returned once the function has
 	// returned: steps run one at a time, inside the function.
 	stepping, returned atomic.Bool
@@ -494,6 +495,10 @@ type flowRun struct {
 	commitTag     pgconn.CommandTag
 	noteCommit    func(pgconn.CommandTag) error
 	idleTimeout   string
+	// stepLeased is what a local step's renewal of the lease found;
+	// steps is what the function takes its steps with.
+	stepLeased bool
+	steps      Steps
 }
 
 // reusedBatch is a batch reused from one round trip to the next, and room
@@ -520,8 +525,10 @@ func (rb *reusedBatch) newBatch() *pgx.Batch {
 func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch int64, input []byte, sent time.Time,
 	recorded []dbsqlc.FlowStepsRow, o *options, obs *flowObservation,
 ) *flowRun {
-	r := &flowRun{db: db, k: k, flow: flow, keys: keys, epoch: epoch, input: input, o: o, obs: obs,
-		recorded: make(map[int32]dbsqlc.FlowStepsRow, len(recorded)), names: make(map[string]bool)}
+	r := &flowRun{db: db, k: k, flow: flow, keys: keys, epoch: epoch, input: input, o: o, obs: obs}
+	if len(recorded) > 0 {
+		r.recorded = make(map[int32]dbsqlc.FlowStepsRow, len(recorded))
+	}
 	r.noteCommit = func(tag pgconn.CommandTag) error {
 		r.commitTag = tag
 		return nil

@@ -128,7 +128,8 @@ func (r *flowRun) keepLease(ctx context.Context, step string) *leaseContext {
 	c := &leaseContext{lease: &r.lease, r: r, step: step, endTimeout: noCancel}
 	c.Context, c.cancel = context.WithCancelCause(ctx)
 	if r.o.callTimeout > 0 {
-		c.Context, c.endTimeout = context.WithTimeoutCause(c.Context, r.o.callTimeout, callTimeoutError{step, r.o.callTimeout})
+		c.timeoutCause = callTimeoutError{step, r.o.callTimeout}
+		c.Context, c.endTimeout = context.WithTimeoutCause(c.Context, r.o.callTimeout, &c.timeoutCause)
 	}
 	switch r.db.(type) {
 	case *pgx.Conn, *pgxpool.Conn:
@@ -151,7 +152,7 @@ type callTimeoutError struct {
 	timeout time.Duration
 }
 
-func (e callTimeoutError) Error() string {
+func (e *callTimeoutError) Error() string {
 	return fmt.Sprintf("idem: step %q: the call ran past its timeout (%s)", e.step, e.timeout)
 }
 
@@ -170,9 +171,12 @@ type leaseContext struct {
 	lease      *flowLease
 	cancel     context.CancelCauseFunc
 	endTimeout context.CancelFunc
-	r          *flowRun
-	step       string
-	renews     bool
+	// timeoutCause is the cause of a context that ran past the call's
+	// timeout (kept here, so that it takes no allocation of its own).
+	timeoutCause callTimeoutError
+	r            *flowRun
+	step         string
+	renews       bool
 	// mu guards what follows; wg counts the renewal running.
 	mu       sync.Mutex
 	timer    *time.Timer

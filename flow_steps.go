@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -125,7 +126,8 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}
 	lease := dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	var tx pgx.Tx
-	var leased bool
+	leased := &r.stepLeased
+	*leased = false
 	var st *starting
 	carries := r.result != nil
 	recorded := int64(1)
@@ -139,7 +141,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		// result, recorded after it, need not write that row again. A
 		// flow not started yet is started here instead, leased.
 		if st = r.queueStart(b, name); st == nil {
-			dbsqlc.QueueFlowLease(b, lease, &leased)
+			dbsqlc.QueueFlowLease(b, lease, leased)
 		}
 		if carries {
 			res := r.result
@@ -156,13 +158,13 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 			b := &pgx.Batch{}
 			r.queueIdleTimeout(b)
 			if st = r.queueStart(b, name); st == nil {
-				dbsqlc.QueueFlowLease(b, lease, &leased)
+				dbsqlc.QueueFlowLease(b, lease, leased)
 			}
 			err = tx.SendBatch(ctx, b).Close()
 		}
 	}
 	if err = r.started(st, err); st != nil {
-		leased = err == nil
+		*leased = err == nil
 	}
 	ended := false
 	defer func() {
@@ -176,7 +178,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	case err != nil:
 		return zero, translate("begin, renewing the lease", err)
 	}
-	if !leased || recorded == 0 {
+	if !*leased || recorded == 0 {
 		return zero, r.lostError()
 	}
 	r.lease.renewed(sent)
@@ -222,7 +224,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		return decodedResult[T](r, encoded)
 	}
 	b := r.stepBatch.newBatch()
-	dbsqlc.QueueFlowLease(b, lease, &leased)
+	dbsqlc.QueueFlowLease(b, lease, leased)
 	dbsqlc.QueueFlowStepRecord(b, record)
 	dbsqlc.QueueTxCommit(b)
 	results := tx.SendBatch(ctx, b)
@@ -332,13 +334,12 @@ func (r *flowRun) begin(name, kind string) (int32, *dbsqlc.FlowStepsRow, error) 
 	if !r.stepping.CompareAndSwap(false, true) {
 		return 0, nil, fmt.Errorf("idem: step %q: another step of the flow is running: steps run one at a time", name)
 	}
-	if r.names[name] {
+	if !r.names.add(name) {
 		r.stepping.Store(false)
 		return 0, nil, fmt.Errorf("idem: step %q: the flow took a step of this name already: each step needs a name of its own", name)
 	}
 	seq := r.next
 	r.next++
-	r.names[name] = true
 	rec, ok := r.recorded[seq]
 	switch {
 	case !ok:
@@ -348,9 +349,35 @@ func (r *flowRun) begin(name, kind string) (int32, *dbsqlc.FlowStepsRow, error) 
 		return 0, nil, fmt.Errorf("%w: step %d is %s %q, the earlier run recorded %s %q", ErrFlowChanged,
 			seq, kindName(kind), name, kindName(rec.Kind), rec.Name)
 	case rec.State == stepDone:
-		return seq, &rec, nil
+		done := rec
+		return seq, &done, nil
 	}
 	return seq, nil, nil
+}
+
+// stepNames are the names of the steps a run took: the first few in a
+// slice, in the run's own room, the rest also in a map.
+type stepNames struct {
+	first [8]string
+	n     int
+	more  map[string]bool
+}
+
+// add adds name, and reports whether it was not there yet.
+func (s *stepNames) add(name string) bool {
+	if slices.Contains(s.first[:min(s.n, len(s.first))], name) || s.more[name] {
+		return false
+	}
+	if s.n < len(s.first) {
+		s.first[s.n] = name
+	} else {
+		if s.more == nil {
+			s.more = make(map[string]bool)
+		}
+		s.more[name] = true
+	}
+	s.n++
+	return true
 }
 
 func (r *flowRun) end() { r.stepping.Store(false) }
