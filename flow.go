@@ -499,6 +499,9 @@ type flowRun struct {
 	// steps is what the function takes its steps with.
 	stepLeased bool
 	steps      Steps
+	// txBatch is the empty batch whose pgx.Tx a local step's takes
+	// (sendBegin).
+	txBatch *pgx.Batch
 }
 
 // reusedBatch is a batch reused from one round trip to the next, and room

@@ -135,7 +135,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	switch {
 	case pipelined:
 		b := r.stepBatch.newBatch()
-		b.BeginTx(opts)
+		queueBegin(b, conn, opts)
 		r.queueIdleTimeout(b)
 		// The lease first: it holds the flow's row, so that the call's
 		// result, recorded after it, need not write that row again. A
@@ -148,7 +148,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 			dbsqlc.QueueFlowCallDoneHeld(b, dbsqlc.FlowCallDoneHeldParams{Result: res.Result, Reconciled: res.Reconciled,
 				Scope: res.Scope, Key: res.Key, Epoch: res.Epoch, Seq: res.Seq}, &recorded)
 		}
-		tx, err = sendBeginBatch(ctx, conn, b, opts)
+		tx, err = r.sendBegin(ctx, conn, b, opts)
 	default:
 		var beginner TxBeginner = r.db
 		if conn != nil {
@@ -253,43 +253,65 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	return decodedResult[T](r, encoded)
 }
 
-// sendBeginBatch sends b, which begins a transaction with opts
-// (pgx.Batch.BeginTx), on conn, and returns the transaction, as
-// conn.SendBatch's results do, and the batch's error. Through
-// dbsqlc.SendFlat when conn allows it: pgx's transaction over the one b
-// began is then that of an empty batch that begins one, which sends
-// nothing (TestAnEmptyBatchBeginsNoTransaction).
-func sendBeginBatch(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, opts pgx.TxOptions) (pgx.Tx, error) {
+// queueBegin queues on b, empty, what begins a local step's transaction
+// with opts, on conn: the statement itself when conn takes batches through
+// dbsqlc.SendFlat (sendBegin makes the pgx.Tx), otherwise
+// pgx.Batch.BeginTx.
+func queueBegin(b *pgx.Batch, conn *pgx.Conn, opts pgx.TxOptions) {
+	if dbsqlc.CanSendFlat(conn) {
+		b.Queue(beginSQL(opts))
+		return
+	}
+	b.BeginTx(opts)
+}
+
+// sendBegin sends b, which queueBegin began, on conn, and returns the
+// transaction, as conn.SendBatch's results do, and the batch's error.
+// Through dbsqlc.SendFlat, pgx's transaction over the one b began is that
+// of an empty batch that begins one, which sends nothing
+// (TestAnEmptyBatchBeginsNoTransaction).
+func (r *flowRun) sendBegin(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, opts pgx.TxOptions) (pgx.Tx, error) {
 	sent, err := dbsqlc.SendFlat(ctx, conn, b)
 	if !sent {
 		results := conn.SendBatch(ctx, b)
 		tx := results.Tx()
-		return tx, results.Close()
+		if err = results.Close(); tx != nil {
+			return tx, err
+		}
+	} else {
+		if r.txBatch == nil {
+			r.txBatch = emptyBegin(opts)
+		}
+		if tx := txOver(ctx, conn, r.txBatch); tx != nil {
+			return tx, err
+		}
 	}
-	tx := txOver(ctx, conn, opts)
-	if tx == nil {
-		// pgx made no transaction of an empty batch: one of its own, over
-		// the one b began, if b did (a BEGIN in a transaction only warns),
-		// at the cost of a round trip.
-		if conn.PgConn().TxStatus() == 'I' {
-			return nil, err
-		}
-		var beginErr error
-		if tx, beginErr = conn.BeginTx(ctx, opts); beginErr != nil && err == nil {
-			err = beginErr
-		}
+	// pgx made no transaction of b, or of an empty batch: one of its own,
+	// over the one b began, if b did (a BEGIN in a transaction only warns),
+	// at the cost of a round trip.
+	if conn.PgConn().TxStatus() == 'I' {
+		return nil, err
+	}
+	tx, beginErr := conn.BeginTx(ctx, opts)
+	if beginErr != nil && err == nil {
+		err = beginErr
 	}
 	return tx, err
 }
 
-// txOver returns pgx's transaction over the one conn is in, begun with
-// opts: that of an empty batch that begins one, or nil if pgx makes none
-// of it. It is closed when conn is in no transaction.
-func txOver(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) pgx.Tx {
-	var b pgx.Batch
+// emptyBegin returns an empty batch that begins a transaction with opts.
+func emptyBegin(opts pgx.TxOptions) *pgx.Batch {
+	b := &pgx.Batch{}
 	b.BeginTx(opts)
 	b.QueuedQueries = nil
-	results := conn.SendBatch(ctx, &b)
+	return b
+}
+
+// txOver returns pgx's transaction over the one conn is in: that of
+// empty, an empty batch that begins one (emptyBegin), or nil if pgx makes
+// none of it. It is closed when conn is in no transaction.
+func txOver(ctx context.Context, conn *pgx.Conn, empty *pgx.Batch) pgx.Tx {
+	results := conn.SendBatch(ctx, empty)
 	tx := results.Tx()
 	_ = results.Close()
 	return tx

@@ -69,6 +69,10 @@ func flatFor(conn *pgx.Conn) *flat {
 	return f
 }
 
+// CanSendFlat reports whether SendFlat sends batches on conn (see
+// flatFor).
+func CanSendFlat(conn *pgx.Conn) bool { return flatFor(conn) != nil }
+
 // SendFlat sends b on conn, as conn.SendBatch(ctx, b).Close() would, in
 // one round trip (and one more the first time a statement is sent on the
 // connection, to prepare it): the statements' callbacks (QueuedQuery's
