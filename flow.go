@@ -490,11 +490,12 @@ type flowRun struct {
 	// with the room for their statements (see newBatch).
 	flushBatch, stepBatch reusedBatch
 	// flushRecorded and commitTag are what flush's statements read
-	// (noteCommit the latter), idleTimeout the text of WithIdleTimeout.
+	// (noteCommit the latter), idleTimeout TxIdleTimeout's argument, made
+	// from WithIdleTimeout.
 	flushRecorded int64
 	commitTag     pgconn.CommandTag
 	noteCommit    func(pgconn.CommandTag) error
-	idleTimeout   string
+	idleTimeout   *dbsqlc.IdleTimeout
 	// stepLeased is what a local step's renewal of the lease found;
 	// steps is what the function takes its steps with.
 	stepLeased bool
@@ -537,7 +538,7 @@ func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch i
 		return nil
 	}
 	if o.idleTimeout > 0 {
-		r.idleTimeout = millis(o.idleTimeout)
+		r.idleTimeout = dbsqlc.NewIdleTimeout(millis(o.idleTimeout))
 	}
 	r.lease.init(o.lease)
 	r.lease.renewed(sent)

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
 )
@@ -115,12 +116,12 @@ func (r *flowRun) takenError() error {
 // returned: its writes and the flow's row are locked, its record is still
 // to be sent.
 type openStep struct {
-	name    string
-	conn    *pgx.Conn
-	release func()
-	tx      pgx.Tx
-	record  dbsqlc.FlowStepRecordParams
-	lease   dbsqlc.FlowLeaseParams
+	name   string
+	conn   *pgx.Conn
+	pooled *pgxpool.Conn // given back once the step ends (releaseConn)
+	tx     pgx.Tx
+	record dbsqlc.FlowStepRecordParams
+	lease  dbsqlc.FlowLeaseParams
 	// carries is set when the transaction also records the call's result
 	// (flowRun.result), sent as it began; starts when it wrote the flow's
 	// row (flowRun.start).
@@ -263,7 +264,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 		}
 		return nil
 	}
-	defer open.release()
+	defer releaseConn(open.pooled)
 	r.commitTag = pgconn.CommandTag{}
 	dbsqlc.QueueTxCommit(b).Exec(r.noteCommit)
 	err := sendOnConn(ctx, open.conn, open.tx, b)
@@ -299,7 +300,7 @@ func (r *flowRun) discard(ctx context.Context) {
 		r.open = nil
 		open.timer.Stop()
 		rollback(ctx, open.tx)
-		open.release()
+		releaseConn(open.pooled)
 	}
 	r.result = nil
 }

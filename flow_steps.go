@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/ident"
@@ -106,14 +107,14 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	if err := r.flushOpen(ctx); err != nil {
 		return zero, err
 	}
-	conn, release, err := ownConn(ctx, r.db)
+	conn, pooled, err := stepConn(ctx, r.db)
 	if err != nil {
 		return zero, fmt.Errorf("acquire connection: %w", err)
 	}
 	kept := false
 	defer func() {
 		if !kept {
-			release()
+			releaseConn(pooled)
 		}
 	}()
 	opts := r.o.txOptions
@@ -198,7 +199,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		if err != nil {
 			return zero, err
 		}
-		r.keepOpen(&openStep{name: name, conn: conn, release: release, tx: tx, record: record, lease: lease, carries: carries, starts: st != nil})
+		r.keepOpen(&openStep{name: name, conn: conn, pooled: pooled, tx: tx, record: record, lease: lease, carries: carries, starts: st != nil})
 		ended, kept = true, true
 		return value, nil
 	}
@@ -251,6 +252,27 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}
 	r.lease.renewed(sent)
 	return decodedResult[T](r, encoded)
+}
+
+// stepConn is ownConn for a local step, without a function to release
+// the connection (an allocation): pooled is the pool's connection that
+// conn is, to give back with releaseConn, or nil.
+func stepConn(ctx context.Context, db TxBeginner) (conn *pgx.Conn, pooled *pgxpool.Conn, err error) {
+	if pool, ok := db.(*pgxpool.Pool); ok {
+		if pooled, err = pool.Acquire(ctx); err != nil {
+			return nil, nil, err
+		}
+		return pooled.Conn(), pooled, nil
+	}
+	conn, _, err = ownConn(ctx, db) // the release of any other does nothing
+	return conn, nil, err
+}
+
+// releaseConn gives pooled, stepConn's, back to its pool, if not nil.
+func releaseConn(pooled *pgxpool.Conn) {
+	if pooled != nil {
+		pooled.Release()
+	}
 }
 
 // queueBegin queues on b, empty, what begins a local step's transaction
@@ -323,7 +345,7 @@ func txOver(ctx context.Context, conn *pgx.Conn, empty *pgx.Batch) pgx.Tx {
 // holds the flow's row until the server ends its session.
 func (r *flowRun) queueIdleTimeout(b *pgx.Batch) {
 	if r.o.idleTimeout > 0 {
-		dbsqlc.QueueTxIdleTimeout(b, &r.idleTimeout)
+		dbsqlc.QueueTxIdleTimeout(b, r.idleTimeout)
 	}
 }
 

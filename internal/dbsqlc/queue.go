@@ -39,9 +39,23 @@ func (r errRow) Scan(...any) error { return r.err }
 // command tag.
 func QueueTxCommit(b *pgx.Batch) *pgx.QueuedQuery { return b.Queue(txCommit) }
 
-// QueueTxIdleTimeout queues TxIdleTimeout on b, with timeout, which must
-// not change until the batch is sent.
-func QueueTxIdleTimeout(b *pgx.Batch, timeout *string) { b.Queue(txIdleTimeout, timeout) }
+// IdleTimeout is TxIdleTimeout's argument, made once (NewIdleTimeout)
+// and queued as often as needed (QueueTxIdleTimeout), without an
+// allocation each time.
+type IdleTimeout struct {
+	timeout string
+	args    [1]any
+}
+
+// NewIdleTimeout returns timeout as TxIdleTimeout's argument.
+func NewIdleTimeout(timeout string) *IdleTimeout {
+	t := &IdleTimeout{timeout: timeout}
+	t.args[0] = &t.timeout
+	return t
+}
+
+// QueueTxIdleTimeout queues TxIdleTimeout on b, with t.
+func QueueTxIdleTimeout(b *pgx.Batch, t *IdleTimeout) { b.Queue(txIdleTimeout, t.args[:]...) }
 
 // QueueKeyLock queues KeyLock on b; row is filled in when the batch's
 // results are read (BatchResults.Close).
