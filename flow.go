@@ -500,9 +500,8 @@ type flowRun struct {
 	// steps is what the function takes its steps with.
 	stepLeased bool
 	steps      Steps
-	// txBatch is the empty batch whose pgx.Tx a local step's takes
-	// (sendBegin).
-	txBatch *pgx.Batch
+	// resultStore holds result, the call's result not recorded yet.
+	resultStore dbsqlc.FlowCallDoneParams
 }
 
 // reusedBatch is a batch reused from one round trip to the next, and room

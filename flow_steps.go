@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -301,10 +302,7 @@ func (r *flowRun) sendBegin(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, o
 			return tx, err
 		}
 	} else {
-		if r.txBatch == nil {
-			r.txBatch = emptyBegin(opts)
-		}
-		if tx := txOver(ctx, conn, r.txBatch); tx != nil {
+		if tx := txOver(ctx, conn, emptyBegin(opts)); tx != nil {
 			return tx, err
 		}
 	}
@@ -321,12 +319,32 @@ func (r *flowRun) sendBegin(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, o
 	return tx, err
 }
 
-// emptyBegin returns an empty batch that begins a transaction with opts.
+// emptyBegin returns an empty batch that begins a transaction with opts:
+// one per opts, made once, and shared (pgx only reads a batch it sends).
 func emptyBegin(opts pgx.TxOptions) *pgx.Batch {
-	b := &pgx.Batch{}
+	emptyBegins.mu.RLock()
+	b, ok := emptyBegins.m[opts]
+	emptyBegins.mu.RUnlock()
+	if ok {
+		return b
+	}
+	b = &pgx.Batch{}
 	b.BeginTx(opts)
 	b.QueuedQueries = nil
+	emptyBegins.mu.Lock()
+	defer emptyBegins.mu.Unlock()
+	if emptyBegins.m == nil {
+		emptyBegins.m = make(map[pgx.TxOptions]*pgx.Batch)
+	}
+	emptyBegins.m[opts] = b
 	return b
+}
+
+// emptyBegins are emptyBegin's batches, by their options, which a program
+// has a few of.
+var emptyBegins struct {
+	mu sync.RWMutex
+	m  map[pgx.TxOptions]*pgx.Batch
 }
 
 // txOver returns pgx's transaction over the one conn is in: that of
