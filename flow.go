@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/backoff"
@@ -265,28 +266,37 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 	// start is false while another executor is known to hold the flow,
 	// which FlowRestart would not change.
 	start := true
+	// What the claim's statements read, in one allocation, and its batch,
+	// made for its four statements.
+	var c struct {
+		restarted, tookOver, found bool
+		restartRow                 dbsqlc.FlowRestartRow
+		takenRow                   dbsqlc.FlowTakeOverRow
+		rec                        dbsqlc.FlowGetRow
+		steps                      []dbsqlc.FlowStepsRow
+		queued                     [4]*pgx.QueuedQuery
+		b                          pgx.Batch
+	}
 	for attempt := 0; ; attempt++ {
-		var (
-			restarted, tookOver, found bool
-			restartRow                 dbsqlc.FlowRestartRow
-			takenRow                   dbsqlc.FlowTakeOverRow
-			rec                        dbsqlc.FlowGetRow
-			steps                      []dbsqlc.FlowStepsRow
-		)
+		c.restarted, c.tookOver, c.found = false, false, false
+		c.restartRow, c.takenRow, c.rec, c.steps = dbsqlc.FlowRestartRow{}, dbsqlc.FlowTakeOverRow{}, dbsqlc.FlowGetRow{}, nil
+		c.b = pgx.Batch{QueuedQueries: c.queued[:0]}
 		epoch := newEpoch()
-		b := &pgx.Batch{}
+		b := &c.b
 		if start {
 			dbsqlc.QueueFlowRestart(b, dbsqlc.FlowRestartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
-				Input: string(input), Epoch: epoch, Lease: lease, Retention: o.retentionInterval()}, &restartRow, &restarted)
+				Input: string(input), Epoch: epoch, Lease: lease, Retention: o.retentionInterval()}, &c.restartRow, &c.restarted)
 		}
 		dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Epoch: epoch, Lease: lease, Scope: k.scope, Key: k.key, FlowName: f.name,
-			Fingerprint: k.fp}, &takenRow, &tookOver)
-		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
-		dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &steps)
+			Fingerprint: k.fp}, &c.takenRow, &c.tookOver)
+		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: k.scope, Key: k.key}, &c.rec, &c.found)
+		dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &c.steps)
 		sent := time.Now()
-		if err := sendBatch(ctx, db, b); err != nil {
+		if err := sendFlowBatch(ctx, db, b); err != nil {
 			return nil, nil, translate("idem: flow: claim key", err)
 		}
+		restarted, tookOver, found := c.restarted, c.tookOver, c.found
+		restartRow, takenRow, rec, steps := c.restartRow, c.takenRow, c.rec, c.steps
 		switch {
 		case restarted:
 			obs.claimDone(outcomeClaimed)
@@ -379,7 +389,8 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 			panic(p)
 		}
 	}()
-	out, err := f.fn(ctx, &Steps{ctx: ctx, run: r}, in)
+	r.steps = Steps{ctx: ctx, run: r}
+	out, err := f.fn(ctx, &r.steps, in)
 	r.returned.Store(true)
 	if taken := r.takenError(); taken != nil {
 		// Another executor was starting the flow: this run committed
@@ -454,9 +465,9 @@ type flowRun struct {
 	// step whose function failed leaves its place empty).
 	recorded map[int32]dbsqlc.FlowStepsRow
 	// next is the place of the function's next step; names are the steps
-	// it took.
+	// it took (see took).
 	next  int32
-	names map[string]bool
+	names stepNames
 	// stepping is set while a step runs, returned once the function has
 	// returned: steps run one at a time, inside the function.
 	stepping, returned atomic.Bool
@@ -474,6 +485,42 @@ type flowRun struct {
 	result *dbsqlc.FlowCallDoneParams
 	start  *dbsqlc.FlowStartParams
 	taken  error
+	// flushBatch (flush's, under mu) and stepBatch (a local step's, in the
+	// function's goroutine) are reused from one round trip to the next,
+	// with the room for their statements (see newBatch).
+	flushBatch, stepBatch reusedBatch
+	// flushRecorded and commitTag are what flush's statements read
+	// (noteCommit the latter), idleTimeout TxIdleTimeout's argument, made
+	// from WithIdleTimeout.
+	flushRecorded int64
+	commitTag     pgconn.CommandTag
+	noteCommit    func(pgconn.CommandTag) error
+	idleTimeout   *dbsqlc.IdleTimeout
+	// stepLeased is what a local step's renewal of the lease found;
+	// steps is what the function takes its steps with.
+	stepLeased bool
+	steps      Steps
+	// resultStore holds result, the call's result not recorded yet.
+	resultStore dbsqlc.FlowCallDoneParams
+}
+
+// reusedBatch is a batch reused from one round trip to the next, and room
+// for its first statements.
+type reusedBatch struct {
+	b      pgx.Batch
+	queued [4]*pgx.QueuedQuery
+}
+
+// newBatch empties rb's batch, which was sent, for the next round trip,
+// and returns it.
+func (rb *reusedBatch) newBatch() *pgx.Batch {
+	queued := rb.b.QueuedQueries
+	if cap(queued) == 0 {
+		queued = rb.queued[:0]
+	}
+	clear(queued)
+	rb.b = pgx.Batch{QueuedQueries: queued[:0]}
+	return &rb.b
 }
 
 // newFlowRun returns the run of the executor that claimed the flow under
@@ -481,8 +528,17 @@ type flowRun struct {
 func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch int64, input []byte, sent time.Time,
 	recorded []dbsqlc.FlowStepsRow, o *options, obs *flowObservation,
 ) *flowRun {
-	r := &flowRun{db: db, k: k, flow: flow, keys: keys, epoch: epoch, input: input, o: o, obs: obs,
-		recorded: make(map[int32]dbsqlc.FlowStepsRow, len(recorded)), names: make(map[string]bool)}
+	r := &flowRun{db: db, k: k, flow: flow, keys: keys, epoch: epoch, input: input, o: o, obs: obs}
+	if len(recorded) > 0 {
+		r.recorded = make(map[int32]dbsqlc.FlowStepsRow, len(recorded))
+	}
+	r.noteCommit = func(tag pgconn.CommandTag) error {
+		r.commitTag = tag
+		return nil
+	}
+	if o.idleTimeout > 0 {
+		r.idleTimeout = dbsqlc.NewIdleTimeout(millis(o.idleTimeout))
+	}
 	r.lease.init(o.lease)
 	r.lease.renewed(sent)
 	for _, step := range recorded {

@@ -303,9 +303,12 @@ func recordCall[T any](ctx context.Context, r *flowRun, seq int32, name string, 
 		return zero, errors.Join(err, r.stop(ctx, fmt.Sprintf("step %q: the call's result cannot be stored (%v); "+
 			"the other system applied the call, and calling it again would give the same result: settle it by hand", name, err)))
 	}
-	r.result = &dbsqlc.FlowCallDoneParams{Result: pgtype.Text{String: string(encoded), Valid: true},
+	// The result before this one has been recorded, or the run has
+	// ended: its store is free.
+	r.resultStore = dbsqlc.FlowCallDoneParams{Result: pgtype.Text{String: string(encoded), Valid: true},
 		Reconciled: pgtype.Text{String: reconciled, Valid: reconciled != ""},
 		Scope:      r.k.scope, Key: r.k.key, Seq: seq, Lease: pgtime.Interval(r.o.lease), Epoch: r.epoch}
+	r.result = &r.resultStore
 	if now {
 		if err := r.flush(ctx, nil); err != nil {
 			return zero, err
@@ -347,11 +350,11 @@ func callKeepingLease[T any](ctx context.Context, r *flowRun, name, providerKey 
 	if err := r.holdForCall(ctx, name); err != nil {
 		return value, err
 	}
-	callCtx, stop := r.keepLease(ctx, name)
-	callCtx = context.WithValue(callCtx, providerKeyContextKey{}, providerKey)
+	kept := r.keepLease(ctx, name)
+	callCtx := context.WithValue(kept, providerKeyContextKey{}, providerKey)
 	callCtx, end := r.obs.step(callCtx, stepCall, span, name, providerKey, attempt)
 	defer func() {
-		if lost := stop(); lost != nil {
+		if lost := kept.stop(); lost != nil {
 			err = errors.Join(lost, err)
 		}
 		end(err)

@@ -68,9 +68,11 @@ func (l *flowLease) left() time.Duration {
 }
 
 // lostError is ErrLeaseLost, saying what may have happened.
-func (r *flowRun) lostError() error {
-	return fmt.Errorf("%w: its lease ran out, another executor took the flow over, or an operator ended it", ErrLeaseLost)
-}
+func (r *flowRun) lostError() error { return errLeaseLost }
+
+// errLeaseLost is ErrLeaseLost, saying what may have happened; made once,
+// since it says the same each time.
+var errLeaseLost = fmt.Errorf("%w: its lease ran out, another executor took the flow over, or an operator ended it", ErrLeaseLost)
 
 // renew renews the lease (FlowLease), noting step, and reports
 // ErrLeaseLost when the executor no longer holds the flow.
@@ -108,41 +110,50 @@ func (r *flowRun) holdForCall(ctx context.Context, step string) error {
 	return nil
 }
 
-// keepLease returns the context of a call that starts now, and the function
-// to call when the call has returned, which reports ErrLeaseLost if the
-// lease was lost meanwhile. The call's context ends when ctx does, when the
-// call's timeout ([WithCallTimeout]) passes, or when the lease may have run
-// out (flowLease). On a pool (or any TxBeginner but a single connection,
-// which the call must leave alone) the lease is renewed every third of it
-// (FlowLease) until the call returns or its timeout passes, which pushes
-// that end back; a renewal that finds the flow gone ends the context at
-// once.
-func (r *flowRun) keepLease(ctx context.Context, step string) (context.Context, func() error) {
-	lost := r.lostError()
-	ctx, cancel := context.WithCancelCause(ctx)
-	endTimeout := context.CancelFunc(func() {})
+// keepLease returns the context of a call that starts now, and what ends
+// it once the call has returned (callLease.stop), which reports
+// ErrLeaseLost if the lease was lost meanwhile. The call's context ends
+// when ctx does, when the call's timeout ([WithCallTimeout]) passes, or
+// when the lease may have run out (flowLease). On a pool (or any
+// TxBeginner but a single connection, which the call must leave alone) the
+// lease is renewed every third of it (FlowLease) until the call returns or
+// its context ends, which pushes that end back; a renewal that finds the
+// flow gone ends the context at once.
+//
+// One timer does both, firing at the lease's end or at the next renewal,
+// whichever comes first: a call that returns within a third of the lease
+// (most do) costs a timer, and no goroutine; a renewal runs in a goroutine
+// of its own, while the timer still ends the call at the lease's end.
+func (r *flowRun) keepLease(ctx context.Context, step string) *leaseContext {
+	c := &leaseContext{lease: &r.lease, r: r, step: step, endTimeout: noCancel}
+	c.Context, c.cancel = context.WithCancelCause(ctx)
 	if r.o.callTimeout > 0 {
-		ctx, endTimeout = context.WithTimeoutCause(ctx, r.o.callTimeout,
-			fmt.Errorf("idem: step %q: the call ran past its timeout (%s)", step, r.o.callTimeout))
+		c.timeoutCause = callTimeoutError{step, r.o.callTimeout}
+		c.Context, c.endTimeout = context.WithTimeoutCause(c.Context, r.o.callTimeout, &c.timeoutCause)
 	}
-	timer := time.AfterFunc(max(r.lease.left(), 0), func() { cancel(lost) })
-	ctx = &leaseContext{Context: ctx, lease: &r.lease, end: func() { cancel(lost) }}
-	var wg sync.WaitGroup
-	done := make(chan struct{})
 	switch r.db.(type) {
 	case *pgx.Conn, *pgxpool.Conn:
 	default:
-		wg.Go(func() { r.renewDuringCall(ctx, step, timer, done, func() { cancel(lost) }) })
+		c.renews = true
+		c.renewAt = time.Now().Add(r.o.lease / 3)
 	}
-	return ctx, func() error {
-		close(done)
-		wg.Wait()
-		timer.Stop()
-		cause := context.Cause(ctx)
-		endTimeout()
-		cancel(nil)
-		return leaseCause(cause)
-	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.timer = time.AfterFunc(c.next(max(r.lease.left(), 0)), c.fire)
+	return c
+}
+
+func noCancel() {}
+
+// callTimeoutError is the cause of a call's context that ran past its
+// timeout ([WithCallTimeout]).
+type callTimeoutError struct {
+	step    string
+	timeout time.Duration
+}
+
+func (e *callTimeoutError) Error() string {
+	return fmt.Sprintf("idem: step %q: the call ran past its timeout (%s)", e.step, e.timeout)
 }
 
 // leaseContext is a call's context. It ends when the lease may have run
@@ -151,17 +162,37 @@ func (r *flowRun) keepLease(ctx context.Context, step string) (context.Context, 
 // past its lease (SIGSTOP, a paused VM) wakes with that timer still
 // pending, and a call's function woken at the same moment would otherwise
 // see a live context, derive live contexts from it, and send its request.
-// Context is the call's cancelable context; end cancels it, as lost.
+// Context is the call's cancelable context; cancel cancels it.
+//
+// It also keeps the lease while the call runs (see keepLease): timer fires
+// at the lease's end, or at renewAt, when renews, to renew it.
 type leaseContext struct {
 	context.Context
-	lease *flowLease
-	end   func()
+	lease      *flowLease
+	cancel     context.CancelCauseFunc
+	endTimeout context.CancelFunc
+	// timeoutCause is the cause of a context that ran past the call's
+	// timeout (kept here, so that it takes no allocation of its own).
+	timeoutCause callTimeoutError
+	r            *flowRun
+	step         string
+	renews       bool
+	// mu guards what follows; wg counts the renewal running.
+	mu       sync.Mutex
+	timer    *time.Timer
+	renewAt  time.Time
+	renewing bool
+	stopped  bool
+	wg       sync.WaitGroup
 }
+
+// lose ends the context: the lease is lost, or may have run out.
+func (c *leaseContext) lose() { c.cancel(errLeaseLost) }
 
 // expired ends the context if the lease may have run out.
 func (c *leaseContext) expired() {
 	if c.lease.left() <= 0 {
-		c.end()
+		c.lose()
 	}
 }
 
@@ -175,34 +206,75 @@ func (c *leaseContext) Err() error {
 	return c.Context.Err()
 }
 
-// renewDuringCall renews the lease every third of it until done is closed
-// or ctx ends, pushing the timer that ends the call back after each
-// renewal, and calls lose when a renewal finds the flow gone.
-func (r *flowRun) renewDuringCall(ctx context.Context, step string, timer *time.Timer, done <-chan struct{}, lose func()) {
-	ticker := time.NewTicker(r.o.lease / 3)
-	defer ticker.Stop()
-	for {
-		select {
-		case <-done:
-			return
-		case <-ctx.Done():
-			return
-		case <-ticker.C:
-		}
-		// A renewal that has not succeeded by the time the lease may run
-		// out is given up: a database out of reach must not keep the call
-		// going past its lease.
-		renewCtx, cancelRenew := context.WithTimeout(ctx, max(r.lease.left(), 0))
-		err := r.renew(renewCtx, step)
-		cancelRenew()
-		switch {
-		case err == nil:
-			timer.Reset(max(r.lease.left(), 0))
-		case errors.Is(err, ErrLeaseLost):
-			lose()
-			return
-		}
+// next is how long from now the timer should fire, the lease holding for
+// left: at its end, or at the next renewal if sooner. mu is held.
+func (c *leaseContext) next(left time.Duration) time.Duration {
+	if c.renews && !c.renewing {
+		left = min(left, time.Until(c.renewAt))
 	}
+	return max(left, 0)
+}
+
+// fire is the timer's: it ends the context once the lease may have run
+// out, and starts the renewal that is due, if any, unless the call has
+// returned or its context has ended.
+func (c *leaseContext) fire() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.stopped {
+		return
+	}
+	left := c.lease.left()
+	if left <= 0 {
+		c.lose()
+		return
+	}
+	if c.Context.Err() != nil {
+		return // nothing to keep: the call's context has ended
+	}
+	if c.renews && !c.renewing && !time.Now().Before(c.renewAt) {
+		c.renewing = true
+		c.wg.Add(1)
+		go c.renew()
+	}
+	c.timer.Reset(c.next(left))
+}
+
+// renew renews the lease once, and schedules the next renewal. A renewal
+// that has not succeeded by the time the lease may run out is given up: a
+// database out of reach must not keep the call going past its lease.
+func (c *leaseContext) renew() {
+	defer c.wg.Done()
+	renewCtx, cancelRenew := context.WithTimeout(c, max(c.lease.left(), 0))
+	err := c.r.renew(renewCtx, c.step)
+	cancelRenew()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.renewing = false
+	if errors.Is(err, ErrLeaseLost) {
+		c.renews = false
+		c.lose()
+		return
+	}
+	c.renewAt = c.renewAt.Add(c.r.o.lease / 3)
+	if !c.stopped && c.Context.Err() == nil {
+		c.timer.Reset(c.next(c.lease.left()))
+	}
+}
+
+// stop is called once the call has returned: it stops the timer, waits for
+// a renewal under way, ends the context, and reports ErrLeaseLost if the
+// lease was lost meanwhile.
+func (c *leaseContext) stop() error {
+	c.mu.Lock()
+	c.stopped = true
+	c.timer.Stop()
+	c.mu.Unlock()
+	c.wg.Wait()
+	cause := context.Cause(c)
+	c.endTimeout()
+	c.cancel(nil)
+	return leaseCause(cause)
 }
 
 // leaseCause is cause when it says the lease was lost, else nil.

@@ -18,8 +18,7 @@ func TestACallContextEndsTheMomentItsLeaseHasRunOut(t *testing.T) {
 	lease.renewed(time.Now()) // holds for 900ms from now
 	ctx, cancel := context.WithCancelCause(context.Background())
 	defer cancel(nil)
-	lost := errors.Join(ErrLeaseLost)
-	lc := &leaseContext{Context: ctx, lease: &lease, end: func() { cancel(lost) }}
+	lc := &leaseContext{Context: ctx, lease: &lease, cancel: cancel}
 	if lc.Err() != nil {
 		t.Fatalf("a call's context with its lease held: %v", lc.Err())
 	}

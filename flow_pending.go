@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
 )
@@ -115,12 +116,12 @@ func (r *flowRun) takenError() error {
 // returned: its writes and the flow's row are locked, its record is still
 // to be sent.
 type openStep struct {
-	name    string
-	conn    *pgx.Conn
-	release func()
-	tx      pgx.Tx
-	record  dbsqlc.FlowStepRecordParams
-	lease   dbsqlc.FlowLeaseParams
+	name   string
+	conn   *pgx.Conn
+	pooled *pgxpool.Conn // given back once the step ends (releaseConn)
+	tx     pgx.Tx
+	record dbsqlc.FlowStepRecordParams
+	lease  dbsqlc.FlowLeaseParams
 	// carries is set when the transaction also records the call's result
 	// (flowRun.result), sent as it began; starts when it wrote the flow's
 	// row (flowRun.start).
@@ -217,8 +218,9 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 	if r.taken != nil {
 		return r.taken
 	}
-	b := &pgx.Batch{}
-	var recorded int64
+	b := r.flushBatch.newBatch()
+	recorded := &r.flushRecorded
+	*recorded = 0
 	carried := r.result != nil && (open == nil || open.carries)
 	// A flow not started yet is started by what is queued (never with a
 	// step's transaction open: that one wrote the row as it began).
@@ -236,7 +238,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 	case open != nil:
 		dbsqlc.QueueFlowStepRecord(b, open.record)
 	case carried:
-		dbsqlc.QueueFlowCallDone(b, *r.result, &recorded)
+		dbsqlc.QueueFlowCallDone(b, *r.result, recorded)
 	}
 	if queue != nil {
 		queue(b)
@@ -246,7 +248,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 	}
 	sent := time.Now()
 	if open == nil {
-		if err := r.started(st, sendBatch(ctx, r.db, b)); errors.Is(err, errTaken) {
+		if err := r.started(st, sendFlowBatch(ctx, r.db, b)); errors.Is(err, errTaken) {
 			return err
 		} else if err != nil {
 			return translate("record the call's result", err)
@@ -256,20 +258,17 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 		}
 		if carried {
 			r.result = nil
-			if recorded == 0 {
+			if *recorded == 0 {
 				return r.lostError()
 			}
 		}
 		return nil
 	}
-	defer open.release()
-	var commit pgconn.CommandTag
-	_ = dbsqlc.Queue(b).TxCommit(ctx)
-	b.QueuedQueries[b.Len()-1].Exec(func(tag pgconn.CommandTag) error {
-		commit = tag
-		return nil
-	})
-	err := open.tx.SendBatch(ctx, b).Close()
+	defer releaseConn(open.pooled)
+	r.commitTag = pgconn.CommandTag{}
+	dbsqlc.QueueTxCommit(b).Exec(r.noteCommit)
+	err := sendOnConn(ctx, open.conn, open.tx, b)
+	commit := r.commitTag
 	if open.conn.PgConn().TxStatus() != 'I' {
 		rollback(ctx, open.tx)
 	}
@@ -301,7 +300,7 @@ func (r *flowRun) discard(ctx context.Context) {
 		r.open = nil
 		open.timer.Stop()
 		rollback(ctx, open.tx)
-		open.release()
+		releaseConn(open.pooled)
 	}
 	r.result = nil
 }

@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/ident"
@@ -105,14 +108,14 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	if err := r.flushOpen(ctx); err != nil {
 		return zero, err
 	}
-	conn, release, err := ownConn(ctx, r.db)
+	conn, pooled, err := stepConn(ctx, r.db)
 	if err != nil {
 		return zero, fmt.Errorf("acquire connection: %w", err)
 	}
 	kept := false
 	defer func() {
 		if !kept {
-			release()
+			releaseConn(pooled)
 		}
 	}()
 	opts := r.o.txOptions
@@ -125,30 +128,29 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}
 	lease := dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	var tx pgx.Tx
-	var leased bool
+	leased := &r.stepLeased
+	*leased = false
 	var st *starting
 	carries := r.result != nil
 	recorded := int64(1)
 	sent := time.Now()
 	switch {
 	case pipelined:
-		b := &pgx.Batch{}
-		b.BeginTx(opts)
-		queueIdleTimeout(b, r.o)
+		b := r.stepBatch.newBatch()
+		queueBegin(b, conn, opts)
+		r.queueIdleTimeout(b)
 		// The lease first: it holds the flow's row, so that the call's
 		// result, recorded after it, need not write that row again. A
 		// flow not started yet is started here instead, leased.
 		if st = r.queueStart(b, name); st == nil {
-			dbsqlc.QueueFlowLease(b, lease, &leased)
+			dbsqlc.QueueFlowLease(b, lease, leased)
 		}
 		if carries {
 			res := r.result
 			dbsqlc.QueueFlowCallDoneHeld(b, dbsqlc.FlowCallDoneHeldParams{Result: res.Result, Reconciled: res.Reconciled,
 				Scope: res.Scope, Key: res.Key, Epoch: res.Epoch, Seq: res.Seq}, &recorded)
 		}
-		results := conn.SendBatch(ctx, b)
-		tx = results.Tx()
-		err = results.Close()
+		tx, err = r.sendBegin(ctx, conn, b, opts)
 	default:
 		var beginner TxBeginner = r.db
 		if conn != nil {
@@ -156,15 +158,15 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		}
 		if tx, err = beginner.BeginTx(ctx, opts); err == nil {
 			b := &pgx.Batch{}
-			queueIdleTimeout(b, r.o)
+			r.queueIdleTimeout(b)
 			if st = r.queueStart(b, name); st == nil {
-				dbsqlc.QueueFlowLease(b, lease, &leased)
+				dbsqlc.QueueFlowLease(b, lease, leased)
 			}
 			err = tx.SendBatch(ctx, b).Close()
 		}
 	}
 	if err = r.started(st, err); st != nil {
-		leased = err == nil
+		*leased = err == nil
 	}
 	ended := false
 	defer func() {
@@ -178,7 +180,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	case err != nil:
 		return zero, translate("begin, renewing the lease", err)
 	}
-	if !leased || recorded == 0 {
+	if !*leased || recorded == 0 {
 		return zero, r.lostError()
 	}
 	r.lease.renewed(sent)
@@ -198,7 +200,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		if err != nil {
 			return zero, err
 		}
-		r.keepOpen(&openStep{name: name, conn: conn, release: release, tx: tx, record: record, lease: lease, carries: carries, starts: st != nil})
+		r.keepOpen(&openStep{name: name, conn: conn, pooled: pooled, tx: tx, record: record, lease: lease, carries: carries, starts: st != nil})
 		ended, kept = true, true
 		return value, nil
 	}
@@ -223,10 +225,10 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		r.lease.renewed(sent)
 		return decodedResult[T](r, encoded)
 	}
-	b := &pgx.Batch{}
-	dbsqlc.QueueFlowLease(b, lease, &leased)
+	b := r.stepBatch.newBatch()
+	dbsqlc.QueueFlowLease(b, lease, leased)
 	dbsqlc.QueueFlowStepRecord(b, record)
-	_ = dbsqlc.Queue(b).TxCommit(ctx)
+	dbsqlc.QueueTxCommit(b)
 	results := tx.SendBatch(ctx, b)
 	_, _ = results.Exec() // FlowLease: the row is held, it renews
 	_, recordErr := results.Exec()
@@ -253,13 +255,115 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	return decodedResult[T](r, encoded)
 }
 
+// stepConn is ownConn for a local step, without a function to release
+// the connection (an allocation): pooled is the pool's connection that
+// conn is, to give back with releaseConn, or nil.
+func stepConn(ctx context.Context, db TxBeginner) (conn *pgx.Conn, pooled *pgxpool.Conn, err error) {
+	if pool, ok := db.(*pgxpool.Pool); ok {
+		if pooled, err = pool.Acquire(ctx); err != nil {
+			return nil, nil, err
+		}
+		return pooled.Conn(), pooled, nil
+	}
+	conn, _, err = ownConn(ctx, db) // the release of any other does nothing
+	return conn, nil, err
+}
+
+// releaseConn gives pooled, stepConn's, back to its pool, if not nil.
+func releaseConn(pooled *pgxpool.Conn) {
+	if pooled != nil {
+		pooled.Release()
+	}
+}
+
+// queueBegin queues on b, empty, what begins a local step's transaction
+// with opts, on conn: the statement itself when conn takes batches through
+// dbsqlc.SendFlat (sendBegin makes the pgx.Tx), otherwise
+// pgx.Batch.BeginTx.
+func queueBegin(b *pgx.Batch, conn *pgx.Conn, opts pgx.TxOptions) {
+	if dbsqlc.CanSendFlat(conn) {
+		b.Queue(beginSQL(opts))
+		return
+	}
+	b.BeginTx(opts)
+}
+
+// sendBegin sends b, which queueBegin began, on conn, and returns the
+// transaction, as conn.SendBatch's results do, and the batch's error.
+// Through dbsqlc.SendFlat, pgx's transaction over the one b began is that
+// of an empty batch that begins one, which sends nothing
+// (TestAnEmptyBatchBeginsNoTransaction).
+func (r *flowRun) sendBegin(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, opts pgx.TxOptions) (pgx.Tx, error) {
+	sent, err := dbsqlc.SendFlat(ctx, conn, b)
+	if !sent {
+		results := conn.SendBatch(ctx, b)
+		tx := results.Tx()
+		if err = results.Close(); tx != nil {
+			return tx, err
+		}
+	} else {
+		if tx := txOver(ctx, conn, emptyBegin(opts)); tx != nil {
+			return tx, err
+		}
+	}
+	// pgx made no transaction of b, or of an empty batch: one of its own,
+	// over the one b began, if b did (a BEGIN in a transaction only warns),
+	// at the cost of a round trip.
+	if conn.PgConn().TxStatus() == 'I' {
+		return nil, err
+	}
+	tx, beginErr := conn.BeginTx(ctx, opts)
+	if beginErr != nil && err == nil {
+		err = beginErr
+	}
+	return tx, err
+}
+
+// emptyBegin returns an empty batch that begins a transaction with opts:
+// one per opts, made once, and shared (pgx only reads a batch it sends).
+func emptyBegin(opts pgx.TxOptions) *pgx.Batch {
+	emptyBegins.mu.RLock()
+	b, ok := emptyBegins.m[opts]
+	emptyBegins.mu.RUnlock()
+	if ok {
+		return b
+	}
+	b = &pgx.Batch{}
+	b.BeginTx(opts)
+	b.QueuedQueries = nil
+	emptyBegins.mu.Lock()
+	defer emptyBegins.mu.Unlock()
+	if emptyBegins.m == nil {
+		emptyBegins.m = make(map[pgx.TxOptions]*pgx.Batch)
+	}
+	emptyBegins.m[opts] = b
+	return b
+}
+
+// emptyBegins are emptyBegin's batches, by their options, which a program
+// has a few of.
+var emptyBegins struct {
+	mu sync.RWMutex
+	m  map[pgx.TxOptions]*pgx.Batch
+}
+
+// txOver returns pgx's transaction over the one conn is in: that of
+// empty, an empty batch that begins one (emptyBegin), or nil if pgx makes
+// none of it. It is closed when conn is in no transaction.
+func txOver(ctx context.Context, conn *pgx.Conn, empty *pgx.Batch) pgx.Tx {
+	results := conn.SendBatch(ctx, empty)
+	tx := results.Tx()
+	_ = results.Close()
+	return tx
+}
+
 // queueIdleTimeout queues, at the start of a local step's transaction,
 // the bound of how long it may sit idle (WithIdleTimeout), if any: an
 // executor frozen in the step, or before its next statement commits it,
 // holds the flow's row until the server ends its session.
-func queueIdleTimeout(b *pgx.Batch, o *options) {
-	if o.idleTimeout > 0 {
-		_ = dbsqlc.Queue(b).TxIdleTimeout(context.Background(), millis(o.idleTimeout))
+func (r *flowRun) queueIdleTimeout(b *pgx.Batch) {
+	if r.o.idleTimeout > 0 {
+		dbsqlc.QueueTxIdleTimeout(b, r.idleTimeout)
 	}
 }
 
@@ -292,13 +396,12 @@ func (r *flowRun) begin(name, kind string) (int32, *dbsqlc.FlowStepsRow, error) 
 	if !r.stepping.CompareAndSwap(false, true) {
 		return 0, nil, fmt.Errorf("idem: step %q: another step of the flow is running: steps run one at a time", name)
 	}
-	if r.names[name] {
+	if !r.names.add(name) {
 		r.stepping.Store(false)
 		return 0, nil, fmt.Errorf("idem: step %q: the flow took a step of this name already: each step needs a name of its own", name)
 	}
 	seq := r.next
 	r.next++
-	r.names[name] = true
 	rec, ok := r.recorded[seq]
 	switch {
 	case !ok:
@@ -308,9 +411,35 @@ func (r *flowRun) begin(name, kind string) (int32, *dbsqlc.FlowStepsRow, error) 
 		return 0, nil, fmt.Errorf("%w: step %d is %s %q, the earlier run recorded %s %q", ErrFlowChanged,
 			seq, kindName(kind), name, kindName(rec.Kind), rec.Name)
 	case rec.State == stepDone:
-		return seq, &rec, nil
+		done := rec
+		return seq, &done, nil
 	}
 	return seq, nil, nil
+}
+
+// stepNames are the names of the steps a run took: the first few in a
+// slice, in the run's own room, the rest also in a map.
+type stepNames struct {
+	first [8]string
+	n     int
+	more  map[string]bool
+}
+
+// add adds name, and reports whether it was not there yet.
+func (s *stepNames) add(name string) bool {
+	if slices.Contains(s.first[:min(s.n, len(s.first))], name) || s.more[name] {
+		return false
+	}
+	if s.n < len(s.first) {
+		s.first[s.n] = name
+	} else {
+		if s.more == nil {
+			s.more = make(map[string]bool)
+		}
+		s.more[name] = true
+	}
+	s.n++
+	return true
 }
 
 func (r *flowRun) end() { r.stepping.Store(false) }

@@ -35,6 +35,28 @@ type errRow struct{ err error }
 
 func (r errRow) Scan(...any) error { return r.err }
 
+// QueueTxCommit queues TxCommit on b, and returns it, to read its
+// command tag.
+func QueueTxCommit(b *pgx.Batch) *pgx.QueuedQuery { return b.Queue(txCommit) }
+
+// IdleTimeout is TxIdleTimeout's argument, made once (NewIdleTimeout)
+// and queued as often as needed (QueueTxIdleTimeout), without an
+// allocation each time.
+type IdleTimeout struct {
+	timeout string
+	args    [1]any
+}
+
+// NewIdleTimeout returns timeout as TxIdleTimeout's argument.
+func NewIdleTimeout(timeout string) *IdleTimeout {
+	t := &IdleTimeout{timeout: timeout}
+	t.args[0] = &t.timeout
+	return t
+}
+
+// QueueTxIdleTimeout queues TxIdleTimeout on b, with t.
+func QueueTxIdleTimeout(b *pgx.Batch, t *IdleTimeout) { b.Queue(txIdleTimeout, t.args[:]...) }
+
 // QueueKeyLock queues KeyLock on b; row is filled in when the batch's
 // results are read (BatchResults.Close).
 func QueueKeyLock(b *pgx.Batch, arg KeyLockParams, row *KeyLockRow) {
@@ -97,6 +119,29 @@ func (c *captured) QueryRow(_ context.Context, sql string, args ...any) pgx.Row 
 	return errRow{errCaptured}
 }
 
+// The flows' statements read their results in a callback set as their
+// QueuedQuery's Fn, which does what QueuedQuery's QueryRow, Query and Exec
+// do, in one closure instead of two.
+//
+// The flows' statements are queued with their arguments as pointers into
+// the parameters, arg, which are moved to the heap once: each argument
+// passed by value, as sqlc's methods pass them, would be boxed in an
+// interface of its own, an allocation each. The arguments are in the
+// order of sqlc's method for the statement, which
+// TestQueuedArgumentsMatchTheGeneratedMethods checks.
+
+// withArgs is a statement's parameters, moved to the heap, with its
+// arguments, pointers into them: one allocation for both.
+type withArgs[P any] struct {
+	arg  P
+	args [10]any
+}
+
+// set returns args, kept in q.
+func (q *withArgs[P]) set(args ...any) []any {
+	return q.args[:copy(q.args[:], args)]
+}
+
 // queueCall queues on b the statement that call runs through its Queries.
 func queueCall(b *pgx.Batch, call func(q *Queries)) *pgx.QueuedQuery {
 	var c captured
@@ -116,23 +161,29 @@ func noRow(err error, found *bool) error {
 // QueueFlowStart queues FlowStart on b: row is filled in and started set
 // when the batch's results are read. No row is not an error.
 func QueueFlowStart(b *pgx.Batch, arg FlowStartParams, row *FlowStartRow, started *bool) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowStart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	q := &withArgs[FlowStartParams]{arg: arg}
+	b.Queue(flowStart, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.FlowName, &q.arg.Fingerprint, &q.arg.Input, &q.arg.Epoch, &q.arg.Lease, &q.arg.Step, &q.arg.Retention, &q.arg.LockID)...).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), started)
-	})
+	}
 }
 
 // QueueFlowRestart queues FlowRestart on b, as QueueFlowStart does.
 func QueueFlowRestart(b *pgx.Batch, arg FlowRestartParams, row *FlowRestartRow, restarted *bool) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowRestart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	q := &withArgs[FlowRestartParams]{arg: arg}
+	b.Queue(flowRestart, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.FlowName, &q.arg.Fingerprint, &q.arg.Input, &q.arg.Epoch, &q.arg.Lease, &q.arg.Retention)...).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), restarted)
-	})
+	}
 }
 
 // QueueFlowTakeOver queues FlowTakeOver on b, as QueueFlowStart does.
 func QueueFlowTakeOver(b *pgx.Batch, arg FlowTakeOverParams, row *FlowTakeOverRow, tookOver *bool) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowTakeOver(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	q := &withArgs[FlowTakeOverParams]{arg: arg}
+	b.Queue(flowTakeOver, q.set(&q.arg.Epoch, &q.arg.Lease, &q.arg.Scope, &q.arg.Key, &q.arg.FlowName, &q.arg.Fingerprint)...).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation, &row.Input), tookOver)
-	})
+	}
 }
 
 // QueueFlowAdopt queues FlowAdopt on b, as QueueFlowStart does.
@@ -145,15 +196,21 @@ func QueueFlowAdopt(b *pgx.Batch, arg FlowAdoptParams, row *FlowAdoptRow, adopte
 // QueueFlowGet queues FlowGet on b; row is filled in and found set when the
 // batch's results are read. No flow is not an error.
 func QueueFlowGet(b *pgx.Batch, arg FlowGetParams, row *FlowGetRow, found *bool) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowGet(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	q := &withArgs[FlowGetParams]{arg: arg}
+	b.Queue(flowGet, q.set(&q.arg.Scope, &q.arg.Key)...).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return noRow(r.Scan(&row.Name, &row.Fingerprint, &row.State, &row.Output, &row.LastError, &row.Leased, &row.Expired, &row.StandbyWait), found)
-	})
+	}
 }
 
 // QueueFlowSteps queues FlowSteps on b; rows are appended to steps when the
 // batch's results are read.
 func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowSteps(context.Background(), arg) }).Query(func(rows pgx.Rows) error {
+	q := &withArgs[FlowStepsParams]{arg: arg}
+	b.Queue(flowSteps, q.set(&q.arg.Scope, &q.arg.Key)...).Fn = func(br pgx.BatchResults) error {
+		// As QueuedQuery.Query reads its rows, in one closure instead of two.
+		rows, _ := br.Query()
+		defer rows.Close()
 		for rows.Next() {
 			var s FlowStepsRow
 			if err := rows.Scan(&s.Seq, &s.Name, &s.Kind, &s.State, &s.Result); err != nil {
@@ -161,74 +218,91 @@ func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
 			}
 			*steps = append(*steps, s)
 		}
+		rows.Close()
 		return rows.Err()
-	})
+	}
 }
 
 // QueueFlowLease queues FlowLease on b; leased is set when the batch's
 // results are read.
 func QueueFlowLease(b *pgx.Batch, arg FlowLeaseParams, leased *bool) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowLease(context.Background(), arg) }).Exec(func(tag pgconn.CommandTag) error {
-		*leased = tag.RowsAffected() == 1
-		return nil
-	})
+	q := &withArgs[FlowLeaseParams]{arg: arg}
+	b.Queue(flowLease, q.set(&q.arg.Lease, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...).Fn = func(br pgx.BatchResults) error {
+		tag, err := br.Exec()
+		*leased = err == nil && tag.RowsAffected() == 1
+		return err
+	}
 }
 
 // QueueFlowStepRecord queues FlowStepRecord on b.
 func QueueFlowStepRecord(b *pgx.Batch, arg FlowStepRecordParams) {
-	queueCall(b, func(q *Queries) { _ = q.FlowStepRecord(context.Background(), arg) })
+	q := &withArgs[FlowStepRecordParams]{arg: arg}
+	b.Queue(flowStepRecord, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.Seq, &q.arg.Step, &q.arg.Result)...)
 }
 
 // QueueFlowCallStart queues FlowCallStart on b; row is filled in when the
 // batch's results are read.
 func QueueFlowCallStart(b *pgx.Batch, arg FlowCallStartParams, row *FlowCallStartRow) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowCallStart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	q := &withArgs[FlowCallStartParams]{arg: arg}
+	b.Queue(flowCallStart, q.set(&q.arg.CallWindow, &q.arg.Lease, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Seq)...).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return r.Scan(&row.Leased, &row.Attempts, &row.Resumed, &row.PastWindow)
-	})
+	}
 }
 
 // QueueFlowCallStartNew queues FlowCallStartNew on b; row is filled in
 // when the batch's results are read.
 func QueueFlowCallStartNew(b *pgx.Batch, arg FlowCallStartNewParams, row *FlowCallStartNewRow) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowCallStartNew(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+	q := &withArgs[FlowCallStartNewParams]{arg: arg}
+	b.Queue(flowCallStartNew, q.set(&q.arg.Lease, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Seq)...).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
 		return r.Scan(&row.Leased, &row.Attempts)
-	})
+	}
 }
 
 // QueueFlowCallDone queues FlowCallDone on b; n is set to the rows it
 // affected when the batch's results are read.
 func QueueFlowCallDone(b *pgx.Batch, arg FlowCallDoneParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowCallDone(context.Background(), arg) }, n)
+	q := &withArgs[FlowCallDoneParams]{arg: arg}
+	queueRows(b.Queue(flowCallDone, q.set(&q.arg.Result, &q.arg.Reconciled, &q.arg.Scope, &q.arg.Key, &q.arg.Seq, &q.arg.Lease, &q.arg.Epoch)...), n)
 }
 
 // QueueFlowCallDoneHeld queues FlowCallDoneHeld on b, as
 // QueueFlowCallDone does.
 func QueueFlowCallDoneHeld(b *pgx.Batch, arg FlowCallDoneHeldParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowCallDoneHeld(context.Background(), arg) }, n)
+	q := &withArgs[FlowCallDoneHeldParams]{arg: arg}
+	queueRows(b.Queue(flowCallDoneHeld, q.set(&q.arg.Result, &q.arg.Reconciled, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Seq)...), n)
 }
 
 // QueueFlowComplete queues FlowComplete on b, as QueueFlowCallDone does.
 func QueueFlowComplete(b *pgx.Batch, arg FlowCompleteParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowComplete(context.Background(), arg) }, n)
+	q := &withArgs[FlowCompleteParams]{arg: arg}
+	queueRows(b.Queue(flowComplete, q.set(&q.arg.Output, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
 }
 
 // QueueFlowRelease queues FlowRelease on b, as QueueFlowCallDone does.
 func QueueFlowRelease(b *pgx.Batch, arg FlowReleaseParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowRelease(context.Background(), arg) }, n)
+	q := &withArgs[FlowReleaseParams]{arg: arg}
+	queueRows(b.Queue(flowRelease, q.set(&q.arg.LastError, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
 }
 
 // QueueFlowStop queues FlowStop on b, as QueueFlowCallDone does.
 func QueueFlowStop(b *pgx.Batch, arg FlowStopParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowStop(context.Background(), arg) }, n)
+	q := &withArgs[FlowStopParams]{arg: arg}
+	queueRows(b.Queue(flowStop, q.set(&q.arg.LastError, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
 }
 
-// queueRows queues the statement call runs, setting n to the rows it
-// affected when the batch's results are read.
-func queueRows(b *pgx.Batch, call func(q *Queries), n *int64) {
-	queueCall(b, call).Exec(func(tag pgconn.CommandTag) error {
+// queueRows sets n to the rows qq affected when the batch's results are
+// read.
+func queueRows(qq *pgx.QueuedQuery, n *int64) {
+	qq.Fn = func(br pgx.BatchResults) error {
+		tag, err := br.Exec()
+		if err != nil {
+			return err
+		}
 		*n = tag.RowsAffected()
 		return nil
-	})
+	}
 }
 
 // QueueCitusInstalled queues CitusInstalled on b; installed is set when

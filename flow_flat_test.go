@@ -1,0 +1,102 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+)
+
+// callOnly is a flow of one call, whose statements are all idem's.
+var callOnly = idem.MustNewFlow("call-only", func(ctx context.Context, s *idem.Steps, in int) (string, error) {
+	return idem.Call(s, "call", func(ctx context.Context, providerKey string) (string, error) { return providerKey, nil })
+})
+
+// TestFlowStatementsPreparedAwayArePreparedAgain deallocates the
+// connection's prepared statements between flows (as DISCARD ALL or a
+// pooler's reset does): at most the next flow fails, with the driver's
+// error, and the ones after it prepare them again and complete.
+func TestFlowStatementsPreparedAwayArePreparedAgain(t *testing.T) {
+	ctx, _, scope := setup(t)
+	// A connection of the test's own: DEALLOCATE ALL also empties pgx's
+	// statement cache, which would fail the next statements of whichever
+	// test got the connection from the pool.
+	conn, err := pgx.Connect(ctx, env.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := callOnly.Run(ctx, conn, scope, "k0", nil, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, `DEALLOCATE ALL`); err != nil {
+		t.Fatal(err)
+	}
+	failed := 0
+	for _, key := range []string{"k1", "k2", "k3"} {
+		if _, err := callOnly.Run(ctx, conn, scope, key, nil, 0); err != nil {
+			failed++
+			var pgErr *pgconn.PgError
+			if !errors.As(err, &pgErr) {
+				t.Errorf("%s: %v, want the driver's error", key, err)
+			}
+		}
+	}
+	t.Logf("%d flows failed after DEALLOCATE ALL", failed)
+	if failed > 1 {
+		t.Errorf("%d flows failed after DEALLOCATE ALL, want at most 1", failed)
+	}
+	for _, key := range []string{"k0", "k1", "k2", "k3"} {
+		if key == "k1" && failed == 1 {
+			continue
+		}
+		res, err := callOnly.Run(ctx, conn, scope, key, nil, 0)
+		if err != nil || !res.Replayed {
+			t.Errorf("%s run again: %+v, %v; want its answer replayed", key, res, err)
+		}
+	}
+}
+
+// batchCounter is a pgx tracer that counts the batches it sees.
+type batchCounter struct{ batches atomic.Int64 }
+
+func (c *batchCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (c *batchCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (c *batchCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	c.batches.Add(1)
+	return ctx
+}
+func (c *batchCounter) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (c *batchCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// TestABatchTracerSeesAFlowsBatches gives a flow a pool whose pgx tracer
+// traces batches: the flow's batches then go through pgx, where the tracer
+// sees them (three: the claim, the call's intent, the answer).
+func TestABatchTracerSeesAFlowsBatches(t *testing.T) {
+	ctx, _, scope := setup(t)
+	cfg, err := pgxpool.ParseConfig(env.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tracer := &batchCounter{}
+	cfg.ConnConfig.Tracer = tracer
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	if _, err := callOnly.Run(ctx, pool, scope, "k", nil, 0); err != nil {
+		t.Fatal(err)
+	}
+	if n := tracer.batches.Load(); n != 3 {
+		t.Errorf("the tracer saw %d batches, want 3", n)
+	}
+}
