@@ -3,7 +3,6 @@ package idem_test
 import (
 	"context"
 	"errors"
-	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -63,20 +62,6 @@ func TestFlowStatementsPreparedAwayArePreparedAgain(t *testing.T) {
 	}
 }
 
-// batchCounter is a pgx tracer that counts the batches it sees.
-type batchCounter struct{ batches atomic.Int64 }
-
-func (c *batchCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	return ctx
-}
-func (c *batchCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-func (c *batchCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
-	c.batches.Add(1)
-	return ctx
-}
-func (c *batchCounter) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (c *batchCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
-
 // TestABatchTracerSeesAFlowsBatches gives a flow a pool whose pgx tracer
 // traces batches: the flow's batches then go through pgx, where the tracer
 // sees them (three: the claim, the call's intent, the answer).
@@ -86,7 +71,7 @@ func TestABatchTracerSeesAFlowsBatches(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tracer := &batchCounter{}
+	tracer := &countingTracer{}
 	cfg.ConnConfig.Tracer = tracer
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
