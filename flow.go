@@ -411,9 +411,9 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 	// The answer commits with what is pending: the last local step, or
 	// the last call's result.
 	var n int64
-	err = r.flush(ctx, func(b *pgx.Batch) {
+	err = r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
 		dbsqlc.QueueFlowComplete(b, dbsqlc.FlowCompleteParams{Output: pgtype.Text{String: string(output), Valid: true},
-			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
+			Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 	})
 	switch {
 	case errors.Is(err, ErrLeaseLost):
@@ -451,8 +451,12 @@ type flowRun struct {
 	// lease is what the executor knows of its lease (see flowLease).
 	lease flowLease
 	// recorded are the steps that earlier runs recorded, by place (a
-	// step whose function failed leaves its place empty).
-	recorded map[int32]dbsqlc.FlowStepsRow
+	// step whose function failed leaves its place empty), and the calls
+	// this run recorded, as recorded (see flow_records.go); unreadable is
+	// the error of records that could not be read, which every step
+	// returns.
+	recorded   map[int32]stepRecord
+	unreadable error
 	// next is the place of the function's next step; names are the steps
 	// it took.
 	next  int32
@@ -471,7 +475,7 @@ type flowRun struct {
 	mu     sync.Mutex
 	open   *openStep
 	failed error
-	result *dbsqlc.FlowCallDoneParams
+	result *pendingStep
 	start  *dbsqlc.FlowStartParams
 	taken  error
 }
@@ -481,13 +485,10 @@ type flowRun struct {
 func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch int64, input []byte, sent time.Time,
 	recorded []dbsqlc.FlowStepsRow, o *options, obs *flowObservation,
 ) *flowRun {
-	r := &flowRun{db: db, k: k, flow: flow, keys: keys, epoch: epoch, input: input, o: o, obs: obs,
-		recorded: make(map[int32]dbsqlc.FlowStepsRow, len(recorded)), names: make(map[string]bool)}
+	r := &flowRun{db: db, k: k, flow: flow, keys: keys, epoch: epoch, input: input, o: o, obs: obs, names: make(map[string]bool)}
 	r.lease.init(o.lease)
 	r.lease.renewed(sent)
-	for _, step := range recorded {
-		r.recorded[step.Seq] = step
-	}
+	r.recorded, r.unreadable = recordedSteps(recorded)
 	return r
 }
 

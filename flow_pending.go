@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/pgtime"
 )
 
 // An executor commits as late as it safely can, so that a flow commits
@@ -119,11 +120,11 @@ type openStep struct {
 	conn    *pgx.Conn
 	release func()
 	tx      pgx.Tx
-	record  dbsqlc.FlowStepRecordParams
+	record  pendingStep
 	lease   dbsqlc.FlowLeaseParams
 	// carries is set when the transaction also records the call's result
-	// (flowRun.result), sent as it began; starts when it wrote the flow's
-	// row (flowRun.start).
+	// (flowRun.result), with the step's record; starts when it wrote the
+	// flow's row (flowRun.start).
 	carries, starts bool
 	// timer commits the transaction alone when the next step is late
 	// (commitIdle).
@@ -190,15 +191,19 @@ func (r *flowRun) flushOpen(ctx context.Context) error {
 }
 
 // flush commits what is pending with the statements queue queues (nil for
-// none), in one round trip: on the open step's transaction, its record,
-// then the statements, then COMMIT; otherwise the call's result, if any,
-// then the statements, in one implicit transaction. The queued statements
-// must check the executor's epoch themselves. It reports ErrLeaseLost when
-// the pending call's result found the flow no longer the executor's; what
-// the queued statements found, they report themselves. When a step's
+// none), in one round trip: on the open step's transaction, the
+// statements, then COMMIT; otherwise the statements, in one implicit
+// transaction. What is pending (the open step's record, or the call's
+// result) is recorded in the flow's row by the statement queue queues
+// that writes that row, which gets it as steps (and may add its own
+// records), so that the row is written once; with nothing queued, by
+// FlowLease, which renews the lease too. The queued statements must check
+// the executor's epoch themselves, and report what they found themselves.
+// It reports ErrLeaseLost when FlowLease found the flow no longer the
+// executor's. When a step's
 // transaction that committed alone (commitIdle) failed, it returns that
 // error and sends nothing.
-func (r *flowRun) flush(ctx context.Context, queue func(b *pgx.Batch)) error {
+func (r *flowRun) flush(ctx context.Context, queue func(b *pgx.Batch, steps *stepPatch)) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if err := r.failed; err != nil {
@@ -208,7 +213,7 @@ func (r *flowRun) flush(ctx context.Context, queue func(b *pgx.Batch)) error {
 	return r.flushLocked(ctx, queue)
 }
 
-func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) error {
+func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, steps *stepPatch)) error {
 	open := r.open
 	r.open = nil
 	if open != nil {
@@ -218,7 +223,6 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 		return r.taken
 	}
 	b := &pgx.Batch{}
-	var recorded int64
 	carried := r.result != nil && (open == nil || open.carries)
 	// A flow not started yet is started by what is queued (never with a
 	// step's transaction open: that one wrote the row as it began).
@@ -226,20 +230,27 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 	if open == nil && queue != nil {
 		st = r.queueStart(b, "")
 	}
+	var steps stepPatch
+	if open != nil {
+		steps.add(open.record.seq, &open.record.rec)
+		steps.at = open.name // FlowLock did not note it
+	}
+	if carried {
+		steps.add(r.result.seq, &r.result.rec)
+	}
+	leased := true
 	switch {
-	case open != nil && queue == nil:
+	case queue != nil:
+		queue(b, &steps)
+	case open != nil:
 		// Nothing after the record renews the lease: the record does,
 		// for the steps after this one.
-		var leased bool
-		dbsqlc.QueueFlowLease(b, open.lease, &leased)
-		dbsqlc.QueueFlowStepRecord(b, open.record)
-	case open != nil:
-		dbsqlc.QueueFlowStepRecord(b, open.record)
+		lease := open.lease
+		lease.Steps = steps.text()
+		dbsqlc.QueueFlowLease(b, lease, &leased)
 	case carried:
-		dbsqlc.QueueFlowCallDone(b, *r.result, &recorded)
-	}
-	if queue != nil {
-		queue(b)
+		dbsqlc.QueueFlowLease(b, dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: r.result.rec.Name,
+			Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &leased)
 	}
 	if b.Len() == 0 {
 		return nil
@@ -256,8 +267,11 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 		}
 		if carried {
 			r.result = nil
-			if recorded == 0 {
+			if !leased {
 				return r.lostError()
+			}
+			if queue == nil {
+				r.lease.renewed(sent)
 			}
 		}
 		return nil

@@ -156,7 +156,7 @@ func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowSteps(context.Background(), arg) }).Query(func(rows pgx.Rows) error {
 		for rows.Next() {
 			var s FlowStepsRow
-			if err := rows.Scan(&s.Seq, &s.Name, &s.Kind, &s.State, &s.Result); err != nil {
+			if err := rows.Scan(&s.Seq, &s.Rec); err != nil {
 				return err
 			}
 			*steps = append(*steps, s)
@@ -174,50 +174,37 @@ func QueueFlowLease(b *pgx.Batch, arg FlowLeaseParams, leased *bool) {
 	})
 }
 
-// QueueFlowStepRecord queues FlowStepRecord on b.
-func QueueFlowStepRecord(b *pgx.Batch, arg FlowStepRecordParams) {
-	queueCall(b, func(q *Queries) { _ = q.FlowStepRecord(context.Background(), arg) })
-}
-
-// QueueFlowCallStart queues FlowCallStart on b; row is filled in when the
-// batch's results are read.
-func QueueFlowCallStart(b *pgx.Batch, arg FlowCallStartParams, row *FlowCallStartRow) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowCallStart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return r.Scan(&row.Leased, &row.Attempts, &row.Resumed, &row.PastWindow)
+// QueueFlowLock queues FlowLock on b; held is set when the batch's
+// results are read.
+func QueueFlowLock(b *pgx.Batch, arg FlowLockParams, held *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowLock(context.Background(), arg) }).Exec(func(tag pgconn.CommandTag) error {
+		*held = tag.RowsAffected() == 1
+		return nil
 	})
 }
 
-// QueueFlowCallStartNew queues FlowCallStartNew on b; row is filled in
-// when the batch's results are read.
-func QueueFlowCallStartNew(b *pgx.Batch, arg FlowCallStartNewParams, row *FlowCallStartNewRow) {
-	queueCall(b, func(q *Queries) { _, _ = q.FlowCallStartNew(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return r.Scan(&row.Leased, &row.Attempts)
+// QueueFlowCallIntent queues FlowCallIntent on b: row is filled in and
+// leased set when the batch's results are read. No row is not an error.
+func QueueFlowCallIntent(b *pgx.Batch, arg FlowCallIntentParams, row *FlowCallIntentRow, leased *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowCallIntent(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return noRow(r.Scan(&row.FirstCalledAt, &row.Now), leased)
 	})
 }
 
-// QueueFlowCallDone queues FlowCallDone on b; n is set to the rows it
+// QueueFlowComplete queues FlowComplete on b, setting n to the rows it
 // affected when the batch's results are read.
-func QueueFlowCallDone(b *pgx.Batch, arg FlowCallDoneParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowCallDone(context.Background(), arg) }, n)
-}
-
-// QueueFlowCallDoneHeld queues FlowCallDoneHeld on b, as
-// QueueFlowCallDone does.
-func QueueFlowCallDoneHeld(b *pgx.Batch, arg FlowCallDoneHeldParams, n *int64) {
-	queueRows(b, func(q *Queries) { _, _ = q.FlowCallDoneHeld(context.Background(), arg) }, n)
-}
-
-// QueueFlowComplete queues FlowComplete on b, as QueueFlowCallDone does.
 func QueueFlowComplete(b *pgx.Batch, arg FlowCompleteParams, n *int64) {
 	queueRows(b, func(q *Queries) { _, _ = q.FlowComplete(context.Background(), arg) }, n)
 }
 
-// QueueFlowRelease queues FlowRelease on b, as QueueFlowCallDone does.
+// QueueFlowRelease queues FlowRelease on b, setting n to the rows it
+// affected when the batch's results are read.
 func QueueFlowRelease(b *pgx.Batch, arg FlowReleaseParams, n *int64) {
 	queueRows(b, func(q *Queries) { _, _ = q.FlowRelease(context.Background(), arg) }, n)
 }
 
-// QueueFlowStop queues FlowStop on b, as QueueFlowCallDone does.
+// QueueFlowStop queues FlowStop on b, setting n to the rows it
+// affected when the batch's results are read.
 func QueueFlowStop(b *pgx.Batch, arg FlowStopParams, n *int64) {
 	queueRows(b, func(q *Queries) { _, _ = q.FlowStop(context.Background(), arg) }, n)
 }

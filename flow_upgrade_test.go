@@ -1,0 +1,79 @@
+package idem_test
+
+import (
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+)
+
+// oldSteps moves the steps that the flows of scope recorded in their rows
+// to idem_flow_step, as the versions before migration 00008 recorded them
+// (the statement is that migration's Down): a flow in flight across the
+// upgrade.
+func oldSteps(t *testing.T, pool *pgxpool.Pool, scope string) {
+	t.Helper()
+	_, err := pool.Exec(t.Context(), `
+		WITH moved AS (
+		    INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, result, attempts, first_called_at, completed_at,
+		                                reconciles, last_reconcile)
+		    SELECT f.scope, f.key, s.key::int, s.value->>'n',
+		           CASE WHEN s.value ? 'a' THEN 'call' ELSE 'local' END,
+		           coalesce(s.value->>'s', 'done'), s.value->'r', coalesce((s.value->>'a')::int, 1),
+		           timestamptz 'epoch' + (s.value->>'f')::bigint * interval '1 microsecond',
+		           timestamptz 'epoch' + (s.value->>'c')::bigint * interval '1 microsecond',
+		           coalesce((s.value->>'x')::int, 0), s.value->>'l'
+		    FROM idem_flow AS f, jsonb_each(f.steps) AS s
+		    WHERE f.scope = $1
+		)
+		UPDATE idem_flow SET steps = NULL WHERE scope = $1`, scope)
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A flow that an older version left with a local step done and a call
+// whose intent it recorded (in idem_flow_step) resumes after the upgrade:
+// the local step's recorded result is replayed, not run again, and the
+// call is made again with the same provider key, its attempts counted on
+// from the older version's; InspectFlow shows the steps of both.
+func TestFlowRecordedBeforeTheUpgradeResumes(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps)
+	abandon(t, ctx, pool, flow, p, scope, "k")
+	oldSteps(t, pool, scope)
+	before, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || len(before.Steps) != 2 || before.Steps[0].Name != "reserve" || before.Steps[0].State != "done" ||
+		before.Steps[1].Name != "charge" || before.Steps[1].State != "calling" || before.Steps[1].Attempts != 1 {
+		t.Fatalf("the older version's steps, inspected: %+v, %v", before.Steps, err)
+	}
+	key := before.Steps[1].ProviderKey
+	res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+	if err != nil || res.Replayed || res.Value.ChargeID == "" {
+		t.Fatalf("the run after the upgrade: %+v, %v", res, err)
+	}
+	// reserve ran once (before the upgrade), record once (after).
+	if n := steps.Load(); n != 2 || countPayments(t, pool, scope) != 1 {
+		t.Fatalf("%d local steps ran, %d payments; want 2, 1", n, countPayments(t, pool, scope))
+	}
+	if len(p.keys) != 2 || p.keys[0] != key || p.keys[1] != key || p.applied != 1 {
+		t.Fatalf("provider keys %v, %d charges applied; want %s twice, 1", p.keys, p.applied, key)
+	}
+	after, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || after.State != "done" || len(after.Steps) != 3 {
+		t.Fatalf("after: %+v, %v", after, err)
+	}
+	if s := after.Steps[0]; s.Name != "reserve" || s.Kind != "local" || s.State != "done" || !s.CompletedAt.Equal(before.Steps[0].CompletedAt) {
+		t.Fatalf("reserve: %+v; want the older version's record", s)
+	}
+	if s := after.Steps[1]; s.Name != "charge" || s.Kind != "call" || s.State != "done" || s.Attempts != 2 ||
+		!s.FirstCalledAt.Equal(before.Steps[1].FirstCalledAt) || s.ProviderKey != key || s.CompletedAt.IsZero() {
+		t.Fatalf("charge: %+v; want done at its second attempt, first called when the older version called it", s)
+	}
+	if s := after.Steps[2]; s.Name != "record" || s.Kind != "local" || s.State != "done" || s.CompletedAt.IsZero() {
+		t.Fatalf("record: %+v", s)
+	}
+}
