@@ -232,8 +232,10 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 	rec.FirstCalled = start.FirstCalledAt
 	r.recorded[seq] = rec
 	// Past the provider's window: the first attempt that may have reached
-	// the other system is older than the window, by the server's clock.
-	pastWindow := resumed && start.FirstCalledAt <= start.Now-r.o.providerWindow.Microseconds()
+	// the other system is older than the window, by the server's clock at
+	// the intent (the lease it renewed, less the lease).
+	now := start.LeasedUntil.Time.UnixMicro() - r.o.lease.Microseconds()
+	pastWindow := resumed && start.FirstCalledAt <= now-r.o.providerWindow.Microseconds()
 	providerKey := r.keys.of(r.k.scope, r.k.key, name)
 
 	if resumed {

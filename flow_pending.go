@@ -121,7 +121,7 @@ type openStep struct {
 	release func()
 	tx      pgx.Tx
 	record  pendingStep
-	lease   dbsqlc.FlowLeaseParams
+	lease   dbsqlc.FlowLeaseStepsParams
 	// carries is set when the transaction also records the call's result
 	// (flowRun.result), with the step's record; starts when it wrote the
 	// flow's row (flowRun.start).
@@ -197,9 +197,9 @@ func (r *flowRun) flushOpen(ctx context.Context) error {
 // result) is recorded in the flow's row by the statement queue queues
 // that writes that row, which gets it as steps (and may add its own
 // records), so that the row is written once; with nothing queued, by
-// FlowLease, which renews the lease too. The queued statements must check
+// FlowLeaseSteps, which renews the lease too. The queued statements must check
 // the executor's epoch themselves, and report what they found themselves.
-// It reports ErrLeaseLost when FlowLease found the flow no longer the
+// It reports ErrLeaseLost when FlowLeaseSteps found the flow no longer the
 // executor's. When a step's
 // transaction that committed alone (commitIdle) failed, it returns that
 // error and sends nothing.
@@ -247,9 +247,9 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 		// for the steps after this one.
 		lease := open.lease
 		lease.Steps = steps.text()
-		dbsqlc.QueueFlowLease(b, lease, &leased)
+		dbsqlc.QueueFlowLeaseSteps(b, lease, &leased)
 	case carried:
-		dbsqlc.QueueFlowLease(b, dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: r.result.rec.Name,
+		dbsqlc.QueueFlowLeaseSteps(b, dbsqlc.FlowLeaseStepsParams{Lease: pgtime.Interval(r.o.lease), Step: r.result.rec.Name,
 			Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &leased)
 	}
 	if b.Len() == 0 {

@@ -13,7 +13,7 @@ import (
 // A flow's steps are recorded in its own row (idem_flow.steps): one JSON
 // object by place, each step's record a small object written whole, in
 // the write of the flow's row that the executor's statement makes anyway
-// (see FlowLease in queries/flow.sql for the fields). Only the executor
+// (see FlowLeaseSteps in queries/flow.sql for the fields). Only the executor
 // that holds the flow writes them, so it knows each record, and writes it
 // whole; a step's times are the server's, written in by the statement
 // (stampNow).
@@ -109,7 +109,7 @@ func appendJSONString(b []byte, s string) []byte {
 }
 
 // stepPatch is the records a statement writes into the flow's row, by
-// place: the JSON object FlowLease and the others take as @steps.
+// place: the JSON object FlowLeaseSteps and the others take as @steps.
 type stepPatch struct {
 	b []byte
 	// at is the local step whose record it holds, for the statements that

@@ -94,7 +94,7 @@ func Local[T any](s *Steps, name string, fn func(ctx context.Context, tx pgx.Tx)
 // record still to send (and the last call's result, if it is not recorded
 // yet): the flow's next statement records them in the flow's row and
 // commits them (flowRun.flush). Otherwise it renews the lease, for the
-// steps after this one, recording them in the same write (FlowLease),
+// steps after this one, recording them in the same write (FlowLeaseSteps),
 // with COMMIT, in one round trip where it can; a BeginQuery or CommitQuery of the caller's (WithTxOptions) is
 // run as given, through pgx, as Run runs it.
 func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
@@ -122,7 +122,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 			return zero, err
 		}
 	}
-	lease := dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
+	lease := dbsqlc.FlowLeaseStepsParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	lock := dbsqlc.FlowLockParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	var tx pgx.Tx
 	var leased bool
@@ -173,7 +173,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	case errors.Is(err, errTaken):
 		return zero, err
 	case err != nil:
-		return zero, translate("begin, renewing the lease", err)
+		return zero, translate("begin, locking the flow", err)
 	}
 	if !leased {
 		return zero, r.lostError()
@@ -212,7 +212,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	lease.Steps = steps.text()
 	if !pipelined {
 		q := dbsqlc.New(tx)
-		if _, err := q.FlowLease(ctx, lease); err != nil {
+		if _, err := q.FlowLeaseSteps(ctx, lease); err != nil {
 			return zero, translate("record step", err)
 		}
 		ended = true
@@ -226,10 +226,10 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		return decodedResult[T](r, encoded)
 	}
 	b := &pgx.Batch{}
-	dbsqlc.QueueFlowLease(b, lease, &leased)
+	dbsqlc.QueueFlowLeaseSteps(b, lease, &leased)
 	_ = dbsqlc.Queue(b).TxCommit(ctx)
 	results := tx.SendBatch(ctx, b)
-	_, recordErr := results.Exec() // FlowLease: the row is held, it renews and records
+	_, recordErr := results.Exec() // FlowLeaseSteps: the row is held, it renews and records
 	tag, commitErr := results.Exec()
 	closeErr := results.Close()
 	ended = conn.PgConn().TxStatus() == 'I'

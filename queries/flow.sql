@@ -138,7 +138,7 @@ WHERE scope = @scope::text
 
 -- name: FlowSteps :many
 -- FlowSteps reads the recorded steps of a running flow, in order, each as
--- its record in idem_flow.steps (see FlowLease), for the executor that
+-- its record in idem_flow.steps (see FlowLeaseSteps), for the executor that
 -- resumes it; for any other flow it reads nothing, so that a replay does
 -- not pay for them. A step that a version before migration 00008 recorded
 -- in idem_flow_step is read from there, as a record of the same fields,
@@ -171,15 +171,25 @@ FROM (
 ORDER BY seq;
 
 -- name: FlowLease :execrows
--- FlowLease renews the executor's lease, notes the step it is at, and
--- records what @steps holds (see below), if anything. It affects no row,
--- and records nothing, when the executor no longer holds the flow:
--- another executor took it over (a new epoch), or an operator stopped it.
--- A lease that ran out with nobody taking the flow over is the same
--- executor's still: the epoch alone fences, so that a slow executor slows
--- down rather than fails. As the first statement of a local step's
--- transaction it also locks the flow's row until that transaction ends,
--- so that no one takes the flow over while the step's writes are open.
+-- FlowLease renews the executor's lease and notes the step it is at. It
+-- affects no row when the executor no longer holds the flow: another
+-- executor took it over (a new epoch), or an operator stopped it. A lease
+-- that ran out with nobody taking the flow over is the same executor's
+-- still: the epoch alone fences, so that a slow executor slows down
+-- rather than fails.
+UPDATE idem_flow
+SET leased_until = statement_timestamp() + @lease::interval,
+    step = @step::text
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running';
+
+-- name: FlowLeaseSteps :execrows
+-- FlowLeaseSteps is FlowLease that also records what @steps holds (see
+-- below): a local step's record, as its transaction commits alone, a
+-- call's result with nothing else to send. It affects no row, and records
+-- nothing, when the executor no longer holds the flow (see FlowLease).
 --
 -- A flow's steps are recorded in its row (idem_flow.steps, migration
 -- 00008), in the write of that row that each statement of the executor
@@ -196,14 +206,15 @@ ORDER BY seq;
 -- the other system was made, x, its lookups (Reconcile) and l, what the
 -- last found; c, when the step was done. A step without a is a local
 -- one. Times are microseconds since 1970 (UTC); the byte 0x01 in @steps
--- stands for the statement's own now(), which the server writes in.
+-- stands for the statement's own now(), which the server writes in. (No
+-- CASE: Citus refuses a function that is not immutable, now() here, in a
+-- CASE or COALESCE of an UPDATE of a distributed table; a NULL @steps
+-- merges '{}', which changes nothing.)
 UPDATE idem_flow
 SET leased_until = statement_timestamp() + @lease::interval,
     step = @step::text,
-    steps = CASE WHEN sqlc.narg(steps)::text IS NULL THEN steps
-                 ELSE coalesce(steps, '{}'::jsonb)
-                      || replace(sqlc.narg(steps)::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-            END
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
@@ -227,15 +238,13 @@ WHERE scope = @scope::text
 FOR NO KEY UPDATE;
 
 -- name: FlowRecordSteps :execrows
--- FlowRecordSteps records what @steps holds (see FlowLease) and nothing
+-- FlowRecordSteps records what @steps holds (see FlowLeaseSteps) and nothing
 -- else: a call's lookup that did not find it, an attempt that surely did
 -- not reach the other system. It affects no row when the executor no
 -- longer holds the flow.
 UPDATE idem_flow
-SET steps = CASE WHEN sqlc.narg(steps)::text IS NULL THEN steps
-                 ELSE coalesce(steps, '{}'::jsonb)
-                      || replace(sqlc.narg(steps)::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-            END
+SET steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
@@ -244,38 +253,36 @@ WHERE scope = @scope::text
 -- name: FlowCallIntent :one
 -- FlowCallIntent records the intent of a call before the other system is
 -- called, renewing the lease: @steps holds the call's record, 'calling',
--- its attempts counted (see FlowLease), with what is pending before it.
+-- its attempts counted (see FlowLeaseSteps), with what is pending before it.
 -- It returns, when the executor holds the flow (no row otherwise), when
--- the call's first attempt was made (f: the statement's now() for a new
+-- the call's first attempt was made (f: the transaction's now() for a new
 -- call, or one whose earlier attempts surely did not reach the other
--- system), and now, in microseconds: a call resumed past the provider's
--- window is one whose first attempt is older than now minus that window.
+-- system), and the lease it renewed, which ends @lease after the
+-- statement's time: a call resumed past the provider's window is one
+-- whose first attempt is older than that time minus the window. (Citus
+-- refuses a function that is not immutable in RETURNING, now() among
+-- them.)
 UPDATE idem_flow
 SET leased_until = statement_timestamp() + @lease::interval,
     step = @step::text,
-    steps = CASE WHEN sqlc.narg(steps)::text IS NULL THEN steps
-                 ELSE coalesce(steps, '{}'::jsonb)
-                      || replace(sqlc.narg(steps)::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-            END
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
   AND state = 'running'
-RETURNING (steps -> (@seq::int)::text ->> 'f')::bigint AS first_called_at,
-          (extract(epoch FROM now()) * 1000000)::bigint AS now;
+RETURNING (steps -> (@seq::int)::text ->> 'f')::bigint AS first_called_at, leased_until;
 
 -- name: FlowComplete :execrows
 -- FlowComplete records the flow's answer, with what @steps holds (see
--- FlowLease): from now on retries replay it, until its retention (counted
--- from now) has passed. It affects no row when the executor no longer
+-- FlowLeaseSteps): from now on retries replay it, until its retention
+-- (counted from now) has passed. It affects no row when the executor no longer
 -- holds the flow (see FlowLease).
 UPDATE idem_flow
 SET state = 'done',
     output = sqlc.narg(output)::text::jsonb,
-    steps = CASE WHEN sqlc.narg(steps)::text IS NULL THEN steps
-             ELSE coalesce(steps, '{}'::jsonb)
-                  || replace(sqlc.narg(steps)::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-        END,
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb,
     leased_until = NULL,
     step = NULL,
     last_error = NULL,
@@ -295,7 +302,7 @@ WHERE scope = @scope::text
 -- FlowRelease gives the lease up when the flow's function returned an
 -- error or its context ended, so that a retry takes the flow over at once
 -- instead of waiting for the lease to run out; the error is kept for
--- operators, what @steps holds recorded (see FlowLease), and @step, if
+-- operators, what @steps holds recorded (see FlowLeaseSteps), and @step, if
 -- any, noted as the step it is at (a local step's, which FlowLock did not
 -- note). It affects no row when the executor no longer holds the flow
 -- (see FlowLease).
@@ -303,10 +310,8 @@ UPDATE idem_flow
 SET leased_until = least(leased_until, statement_timestamp()),
     last_error = @last_error::text,
     step = coalesce(sqlc.narg(step)::text, step),
-    steps = CASE WHEN sqlc.narg(steps)::text IS NULL THEN steps
-             ELSE coalesce(steps, '{}'::jsonb)
-                  || replace(sqlc.narg(steps)::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-        END
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
@@ -323,10 +328,8 @@ SET state = 'attention',
     leased_until = NULL,
     last_error = @last_error::text,
     step = coalesce(sqlc.narg(step)::text, step),
-    steps = CASE WHEN sqlc.narg(steps)::text IS NULL THEN steps
-             ELSE coalesce(steps, '{}'::jsonb)
-                  || replace(sqlc.narg(steps)::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-        END
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
@@ -448,7 +451,7 @@ WHERE scope = @scope::text
 
 -- name: FlowInspectSteps :many
 -- FlowInspectSteps reads one flow's steps, for operators: those its row
--- records (see FlowLease), and those a version before migration 00008
+-- records (see FlowLeaseSteps), and those a version before migration 00008
 -- recorded in idem_flow_step that its row does not.
 SELECT seq::int AS seq, name::text AS name, kind::text AS kind, state::text AS state, result::jsonb AS result,
        attempts::int AS attempts, first_called_at::timestamptz AS first_called_at,

@@ -117,16 +117,13 @@ const flowCallIntent = `-- name: FlowCallIntent :one
 UPDATE idem_flow
 SET leased_until = statement_timestamp() + $1::interval,
     step = $2::text,
-    steps = CASE WHEN $3::text IS NULL THEN steps
-                 ELSE coalesce(steps, '{}'::jsonb)
-                      || replace($3::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-            END
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
 WHERE scope = $4::text
   AND key = $5::text
   AND epoch = $6::bigint
   AND state = 'running'
-RETURNING (steps -> ($7::int)::text ->> 'f')::bigint AS first_called_at,
-          (extract(epoch FROM now()) * 1000000)::bigint AS now
+RETURNING (steps -> ($7::int)::text ->> 'f')::bigint AS first_called_at, leased_until
 `
 
 type FlowCallIntentParams struct {
@@ -141,17 +138,20 @@ type FlowCallIntentParams struct {
 
 type FlowCallIntentRow struct {
 	FirstCalledAt int64
-	Now           int64
+	LeasedUntil   pgtype.Timestamptz
 }
 
 // FlowCallIntent records the intent of a call before the other system is
 // called, renewing the lease: @steps holds the call's record, 'calling',
-// its attempts counted (see FlowLease), with what is pending before it.
+// its attempts counted (see FlowLeaseSteps), with what is pending before it.
 // It returns, when the executor holds the flow (no row otherwise), when
-// the call's first attempt was made (f: the statement's now() for a new
+// the call's first attempt was made (f: the transaction's now() for a new
 // call, or one whose earlier attempts surely did not reach the other
-// system), and now, in microseconds: a call resumed past the provider's
-// window is one whose first attempt is older than now minus that window.
+// system), and the lease it renewed, which ends @lease after the
+// statement's time: a call resumed past the provider's window is one
+// whose first attempt is older than that time minus the window. (Citus
+// refuses a function that is not immutable in RETURNING, now() among
+// them.)
 func (q *Queries) FlowCallIntent(ctx context.Context, arg FlowCallIntentParams) (FlowCallIntentRow, error) {
 	row := q.db.QueryRow(ctx, flowCallIntent,
 		arg.Lease,
@@ -163,7 +163,7 @@ func (q *Queries) FlowCallIntent(ctx context.Context, arg FlowCallIntentParams) 
 		arg.Seq,
 	)
 	var i FlowCallIntentRow
-	err := row.Scan(&i.FirstCalledAt, &i.Now)
+	err := row.Scan(&i.FirstCalledAt, &i.LeasedUntil)
 	return i, err
 }
 
@@ -171,10 +171,8 @@ const flowComplete = `-- name: FlowComplete :execrows
 UPDATE idem_flow
 SET state = 'done',
     output = $1::text::jsonb,
-    steps = CASE WHEN $2::text IS NULL THEN steps
-             ELSE coalesce(steps, '{}'::jsonb)
-                  || replace($2::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-        END,
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($2::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb,
     leased_until = NULL,
     step = NULL,
     last_error = NULL,
@@ -195,8 +193,8 @@ type FlowCompleteParams struct {
 }
 
 // FlowComplete records the flow's answer, with what @steps holds (see
-// FlowLease): from now on retries replay it, until its retention (counted
-// from now) has passed. It affects no row when the executor no longer
+// FlowLeaseSteps): from now on retries replay it, until its retention
+// (counted from now) has passed. It affects no row when the executor no longer
 // holds the flow (see FlowLease).
 func (q *Queries) FlowComplete(ctx context.Context, arg FlowCompleteParams) (int64, error) {
 	result, err := q.db.Exec(ctx, flowComplete,
@@ -408,7 +406,7 @@ type FlowInspectStepsRow struct {
 }
 
 // FlowInspectSteps reads one flow's steps, for operators: those its row
-// records (see FlowLease), and those a version before migration 00008
+// records (see FlowLeaseSteps), and those a version before migration 00008
 // recorded in idem_flow_step that its row does not.
 func (q *Queries) FlowInspectSteps(ctx context.Context, arg FlowInspectStepsParams) ([]FlowInspectStepsRow, error) {
 	rows, err := q.db.Query(ctx, flowInspectSteps, arg.Scope, arg.Key)
@@ -444,18 +442,54 @@ func (q *Queries) FlowInspectSteps(ctx context.Context, arg FlowInspectStepsPara
 const flowLease = `-- name: FlowLease :execrows
 UPDATE idem_flow
 SET leased_until = statement_timestamp() + $1::interval,
+    step = $2::text
+WHERE scope = $3::text
+  AND key = $4::text
+  AND epoch = $5::bigint
+  AND state = 'running'
+`
+
+type FlowLeaseParams struct {
+	Lease pgtype.Interval
+	Step  string
+	Scope string
+	Key   string
+	Epoch int64
+}
+
+// FlowLease renews the executor's lease and notes the step it is at. It
+// affects no row when the executor no longer holds the flow: another
+// executor took it over (a new epoch), or an operator stopped it. A lease
+// that ran out with nobody taking the flow over is the same executor's
+// still: the epoch alone fences, so that a slow executor slows down
+// rather than fails.
+func (q *Queries) FlowLease(ctx context.Context, arg FlowLeaseParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowLease,
+		arg.Lease,
+		arg.Step,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const flowLeaseSteps = `-- name: FlowLeaseSteps :execrows
+UPDATE idem_flow
+SET leased_until = statement_timestamp() + $1::interval,
     step = $2::text,
-    steps = CASE WHEN $3::text IS NULL THEN steps
-                 ELSE coalesce(steps, '{}'::jsonb)
-                      || replace($3::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-            END
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
 WHERE scope = $4::text
   AND key = $5::text
   AND epoch = $6::bigint
   AND state = 'running'
 `
 
-type FlowLeaseParams struct {
+type FlowLeaseStepsParams struct {
 	Lease pgtype.Interval
 	Step  string
 	Steps pgtype.Text
@@ -464,15 +498,10 @@ type FlowLeaseParams struct {
 	Epoch int64
 }
 
-// FlowLease renews the executor's lease, notes the step it is at, and
-// records what @steps holds (see below), if anything. It affects no row,
-// and records nothing, when the executor no longer holds the flow:
-// another executor took it over (a new epoch), or an operator stopped it.
-// A lease that ran out with nobody taking the flow over is the same
-// executor's still: the epoch alone fences, so that a slow executor slows
-// down rather than fails. As the first statement of a local step's
-// transaction it also locks the flow's row until that transaction ends,
-// so that no one takes the flow over while the step's writes are open.
+// FlowLeaseSteps is FlowLease that also records what @steps holds (see
+// below): a local step's record, as its transaction commits alone, a
+// call's result with nothing else to send. It affects no row, and records
+// nothing, when the executor no longer holds the flow (see FlowLease).
 //
 // A flow's steps are recorded in its row (idem_flow.steps, migration
 // 00008), in the write of that row that each statement of the executor
@@ -489,9 +518,12 @@ type FlowLeaseParams struct {
 // the other system was made, x, its lookups (Reconcile) and l, what the
 // last found; c, when the step was done. A step without a is a local
 // one. Times are microseconds since 1970 (UTC); the byte 0x01 in @steps
-// stands for the statement's own now(), which the server writes in.
-func (q *Queries) FlowLease(ctx context.Context, arg FlowLeaseParams) (int64, error) {
-	result, err := q.db.Exec(ctx, flowLease,
+// stands for the statement's own now(), which the server writes in. (No
+// CASE: Citus refuses a function that is not immutable, now() here, in a
+// CASE or COALESCE of an UPDATE of a distributed table; a NULL @steps
+// merges '{}', which changes nothing.)
+func (q *Queries) FlowLeaseSteps(ctx context.Context, arg FlowLeaseStepsParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowLeaseSteps,
 		arg.Lease,
 		arg.Step,
 		arg.Steps,
@@ -604,10 +636,8 @@ func (q *Queries) FlowPurgeExpiredCitus(ctx context.Context, maxRows int32) (int
 
 const flowRecordSteps = `-- name: FlowRecordSteps :execrows
 UPDATE idem_flow
-SET steps = CASE WHEN $1::text IS NULL THEN steps
-                 ELSE coalesce(steps, '{}'::jsonb)
-                      || replace($1::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-            END
+SET steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($1::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
 WHERE scope = $2::text
   AND key = $3::text
   AND epoch = $4::bigint
@@ -621,7 +651,7 @@ type FlowRecordStepsParams struct {
 	Epoch int64
 }
 
-// FlowRecordSteps records what @steps holds (see FlowLease) and nothing
+// FlowRecordSteps records what @steps holds (see FlowLeaseSteps) and nothing
 // else: a call's lookup that did not find it, an attempt that surely did
 // not reach the other system. It affects no row when the executor no
 // longer holds the flow.
@@ -644,10 +674,8 @@ UPDATE idem_flow
 SET leased_until = least(leased_until, statement_timestamp()),
     last_error = $1::text,
     step = coalesce($2::text, step),
-    steps = CASE WHEN $3::text IS NULL THEN steps
-             ELSE coalesce(steps, '{}'::jsonb)
-                  || replace($3::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-        END
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
 WHERE scope = $4::text
   AND key = $5::text
   AND epoch = $6::bigint
@@ -670,7 +698,7 @@ type FlowReleaseParams struct {
 // FlowRelease gives the lease up when the flow's function returned an
 // error or its context ended, so that a retry takes the flow over at once
 // instead of waiting for the lease to run out; the error is kept for
-// operators, what @steps holds recorded (see FlowLease), and @step, if
+// operators, what @steps holds recorded (see FlowLeaseSteps), and @step, if
 // any, noted as the step it is at (a local step's, which FlowLock did not
 // note). It affects no row when the executor no longer holds the flow
 // (see FlowLease).
@@ -919,7 +947,7 @@ type FlowStepsRow struct {
 }
 
 // FlowSteps reads the recorded steps of a running flow, in order, each as
-// its record in idem_flow.steps (see FlowLease), for the executor that
+// its record in idem_flow.steps (see FlowLeaseSteps), for the executor that
 // resumes it; for any other flow it reads nothing, so that a replay does
 // not pay for them. A step that a version before migration 00008 recorded
 // in idem_flow_step is read from there, as a record of the same fields,
@@ -950,10 +978,8 @@ SET state = 'attention',
     leased_until = NULL,
     last_error = $1::text,
     step = coalesce($2::text, step),
-    steps = CASE WHEN $3::text IS NULL THEN steps
-             ELSE coalesce(steps, '{}'::jsonb)
-                  || replace($3::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
-        END
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
 WHERE scope = $4::text
   AND key = $5::text
   AND epoch = $6::bigint

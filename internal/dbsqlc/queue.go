@@ -174,6 +174,15 @@ func QueueFlowLease(b *pgx.Batch, arg FlowLeaseParams, leased *bool) {
 	})
 }
 
+// QueueFlowLeaseSteps queues FlowLeaseSteps on b, as QueueFlowLease
+// does.
+func QueueFlowLeaseSteps(b *pgx.Batch, arg FlowLeaseStepsParams, leased *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowLeaseSteps(context.Background(), arg) }).Exec(func(tag pgconn.CommandTag) error {
+		*leased = tag.RowsAffected() == 1
+		return nil
+	})
+}
+
 // QueueFlowLock queues FlowLock on b; held is set when the batch's
 // results are read.
 func QueueFlowLock(b *pgx.Batch, arg FlowLockParams, held *bool) {
@@ -187,7 +196,7 @@ func QueueFlowLock(b *pgx.Batch, arg FlowLockParams, held *bool) {
 // leased set when the batch's results are read. No row is not an error.
 func QueueFlowCallIntent(b *pgx.Batch, arg FlowCallIntentParams, row *FlowCallIntentRow, leased *bool) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowCallIntent(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
-		return noRow(r.Scan(&row.FirstCalledAt, &row.Now), leased)
+		return noRow(r.Scan(&row.FirstCalledAt, &row.LeasedUntil), leased)
 	})
 }
 
