@@ -457,6 +457,9 @@ type flowRun struct {
 	// returns.
 	recorded   map[int32]stepRecord
 	unreadable error
+	// inline is the size of the steps the flow's row records, as far as
+	// the executor knows (see maxInlineSteps).
+	inline int
 	// next is the place of the function's next step; names are the steps
 	// it took.
 	next  int32
@@ -488,7 +491,7 @@ func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch i
 	r := &flowRun{db: db, k: k, flow: flow, keys: keys, epoch: epoch, input: input, o: o, obs: obs, names: make(map[string]bool)}
 	r.lease.init(o.lease)
 	r.lease.renewed(sent)
-	r.recorded, r.unreadable = recordedSteps(recorded)
+	r.recorded, r.inline, r.unreadable = recordedSteps(recorded)
 	return r
 }
 

@@ -231,6 +231,7 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 	r.lease.renewed(sent)
 	rec.FirstCalled = start.FirstCalledAt
 	r.recorded[seq] = rec
+	r.inlined(&rec)
 	// Past the provider's window: the first attempt that may have reached
 	// the other system is older than the window, by the server's clock at
 	// the intent (the lease it renewed, less the lease).
@@ -309,6 +310,7 @@ func recordCall[T any](ctx context.Context, r *flowRun, seq int32, name string, 
 		rec.LastReconcile = reconciled
 	}
 	r.result = &pendingStep{seq: seq, rec: rec}
+	r.inline += len(encoded)
 	if now {
 		if err := r.flush(ctx, nil); err != nil {
 			return zero, err

@@ -232,7 +232,11 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	}
 	var steps stepPatch
 	if open != nil {
-		steps.add(open.record.seq, &open.record.rec)
+		if open.record.row {
+			dbsqlc.QueueFlowStepRecord(b, open.record.rowParams(r.k))
+		} else {
+			steps.add(open.record.seq, &open.record.rec)
+		}
 		steps.at = open.name // FlowLock did not note it
 	}
 	if carried {

@@ -143,24 +143,59 @@ func (p *stepPatch) text() pgtype.Text {
 }
 
 // pendingStep is a step's record not yet sent: a local step's, or a
-// call's result.
+// call's result. row is set for a local step recorded as a row of
+// idem_flow_step instead (FlowStepRecord: see maxInlineSteps).
 type pendingStep struct {
 	seq int32
 	rec stepRecord
+	row bool
 }
 
-// recordedSteps decodes the records FlowSteps read.
-func recordedSteps(rows []dbsqlc.FlowStepsRow) (map[int32]stepRecord, error) {
+// maxInlineSteps bounds the JSON of the steps a flow's row records, as
+// far as its executor knows (what it read and wrote): past it, a local
+// step is recorded as a row of its own (FlowStepRecord), as idem did
+// before migration 00008, so that a flow of many steps, or of large
+// results, does not copy them all again at each write of its row (past
+// about 2 kB, in TOAST). Calls are always recorded in the row.
+const maxInlineSteps = 1024
+
+// rowParams are the arguments of FlowStepRecord for a local step recorded
+// as a row.
+func (p *pendingStep) rowParams(k keyRef) dbsqlc.FlowStepRecordParams {
+	return dbsqlc.FlowStepRecordParams{Scope: k.scope, Key: k.key, Seq: p.seq, Step: p.rec.Name,
+		Result: pgtype.Text{String: string(p.rec.Result), Valid: true}}
+}
+
+// inlined counts rec, written into the flow's row, against
+// maxInlineSteps.
+func (r *flowRun) inlined(rec *stepRecord) { r.inline += len(rec.appendJSON(nil)) }
+
+// spills reports whether a local step's record, rec, goes to a row of its
+// own rather than the flow's row (see maxInlineSteps), counting it if not.
+func (r *flowRun) spills(rec *stepRecord) bool {
+	n := len(rec.appendJSON(nil))
+	if r.inline+n > maxInlineSteps {
+		return true
+	}
+	r.inline += n
+	return false
+}
+
+// recordedSteps decodes the records FlowSteps read, and returns their
+// size, counted against maxInlineSteps.
+func recordedSteps(rows []dbsqlc.FlowStepsRow) (map[int32]stepRecord, int, error) {
 	recorded := make(map[int32]stepRecord, len(rows))
+	size := 0
 	for _, row := range rows {
+		size += len(row.Rec)
 		var rec stepRecord
 		if err := json.Unmarshal(row.Rec, &rec); err != nil {
-			return nil, fmt.Errorf("idem: flow: step %d's record: %w", row.Seq, err)
+			return nil, 0, fmt.Errorf("idem: flow: step %d's record: %w", row.Seq, err)
 		}
 		if !rec.done() {
 			rec.Result = nil // a call's, read from idem_flow_step: null
 		}
 		recorded[row.Seq] = rec
 	}
-	return recorded, nil
+	return recorded, size, nil
 }

@@ -191,6 +191,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		return zero, fmt.Errorf("result: %w", err)
 	}
 	record := pendingStep{seq: seq, rec: stepRecord{Name: name, Result: encoded, Completed: stampNow}}
+	record.row = r.spills(&record.rec)
 	if deferred {
 		value, err := decodedResult[T](r, encoded)
 		if err != nil {
@@ -205,13 +206,20 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	// step in the same write.
 	sent = time.Now()
 	var steps stepPatch
-	steps.add(record.seq, &record.rec)
+	if !record.row {
+		steps.add(record.seq, &record.rec)
+	}
 	if carries {
 		steps.add(r.result.seq, &r.result.rec)
 	}
 	lease.Steps = steps.text()
 	if !pipelined {
 		q := dbsqlc.New(tx)
+		if record.row {
+			if err := q.FlowStepRecord(ctx, record.rowParams(r.k)); err != nil {
+				return zero, translate("record step", err)
+			}
+		}
 		if _, err := q.FlowLeaseSteps(ctx, lease); err != nil {
 			return zero, translate("record step", err)
 		}
@@ -226,10 +234,19 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		return decodedResult[T](r, encoded)
 	}
 	b := &pgx.Batch{}
+	if record.row {
+		dbsqlc.QueueFlowStepRecord(b, record.rowParams(r.k))
+	}
 	dbsqlc.QueueFlowLeaseSteps(b, lease, &leased)
 	_ = dbsqlc.Queue(b).TxCommit(ctx)
 	results := tx.SendBatch(ctx, b)
-	_, recordErr := results.Exec() // FlowLeaseSteps: the row is held, it renews and records
+	var recordErr error
+	if record.row {
+		_, recordErr = results.Exec()
+	}
+	if _, err := results.Exec(); recordErr == nil { // FlowLeaseSteps: the row is held, it renews and records
+		recordErr = err
+	}
 	tag, commitErr := results.Exec()
 	closeErr := results.Close()
 	ended = conn.PgConn().TxStatus() == 'I'

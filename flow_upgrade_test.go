@@ -1,12 +1,17 @@
 package idem_test
 
 import (
+	"context"
+	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 // oldSteps moves the steps that the flows of scope recorded in their rows
@@ -75,5 +80,67 @@ func TestFlowRecordedBeforeTheUpgradeResumes(t *testing.T) {
 	}
 	if s := after.Steps[2]; s.Name != "record" || s.Kind != "local" || s.State != "done" || s.CompletedAt.IsZero() {
 		t.Fatalf("record: %+v", s)
+	}
+}
+
+// A flow whose row already records many steps, or large ones, records its
+// further local steps as rows of their own (as older versions did), so
+// that each write of its row does not copy them all: a resumed run reads
+// both, in order, and runs none of the recorded steps again.
+func TestFlowOfLargeStepsRecordsTheRestAsRows(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var ran atomic.Int64
+	fail := atomic.Bool{}
+	fail.Store(true)
+	large := strings.Repeat("x", 600)
+	flow := idem.MustNewFlow(testdb.Name("large"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		var got []string
+		for _, name := range []string{"a", "b", "c"} {
+			v, err := idem.Local(s, name, func(ctx context.Context, tx pgx.Tx) (string, error) {
+				ran.Add(1)
+				return name + large, nil
+			})
+			if err != nil {
+				return "", err
+			}
+			got = append(got, v[:1])
+		}
+		id, err := idem.Call(s, "charge", func(ctx context.Context, providerKey string) (string, error) {
+			if fail.Load() {
+				return "", errors.New("connection reset by peer")
+			}
+			id, _, err := p.charge(ctx, providerKey, in.Amount)
+			return id, err
+		})
+		if err != nil {
+			return "", err
+		}
+		return strings.Join(got, "") + " " + id, nil
+	})
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); err == nil {
+		t.Fatal("the first run succeeded")
+	}
+	var inRow, rows int
+	err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_flow f, jsonb_object_keys(f.steps) WHERE f.scope = $1),
+		(SELECT count(*) FROM idem_flow_step WHERE scope = $1)`, scope).Scan(&inRow, &rows)
+	if err != nil || inRow != 2 || rows != 2 {
+		t.Fatalf("%d steps in the flow's row, %d rows, %v; want a and the call in the row, b and c as rows", inRow, rows, err)
+	}
+	fail.Store(false)
+	res, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500})
+	if err != nil || res.Value != "abc ch_1" || ran.Load() != 3 {
+		t.Fatalf("the retry: %+v, %v, %d local steps ran; want abc ch_1, 3", res, err, ran.Load())
+	}
+	info, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || len(info.Steps) != 4 {
+		t.Fatalf("inspect: %+v, %v", info, err)
+	}
+	for i, want := range []string{"a", "b", "c", "charge"} {
+		if s := info.Steps[i]; s.Name != want || s.State != "done" {
+			t.Fatalf("step %d: %+v, want %s done", i, s, want)
+		}
+	}
+	if s := info.Steps[3]; s.Attempts != 2 || s.Kind != "call" {
+		t.Fatalf("the call: %+v; want 2 attempts", s)
 	}
 }

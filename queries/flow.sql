@@ -250,6 +250,18 @@ WHERE scope = @scope::text
   AND epoch = @epoch::bigint
   AND state = 'running';
 
+-- name: FlowStepRecord :exec
+-- FlowStepRecord records a local step's result as a row of its own, in
+-- the transaction of its writes, which holds the flow's row (FlowLock):
+-- both commit together or not at all. Only a flow whose row already
+-- records many steps, or large ones, records a local step this way
+-- (maxInlineSteps in flow_records.go), so that each write of the flow's
+-- row does not copy ever more; the step's row is read as the steps of
+-- older versions are (FlowSteps).
+INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, result, attempts, completed_at)
+VALUES (@scope::text, @key::text, @seq::int, @step::text, 'local', 'done',
+        sqlc.narg(result)::text::jsonb, 1, now());
+
 -- name: FlowCallIntent :one
 -- FlowCallIntent records the intent of a call before the other system is
 -- called, renewing the lease: @steps holds the call's record, 'calling',

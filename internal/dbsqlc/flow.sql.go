@@ -907,6 +907,38 @@ func (q *Queries) FlowStats(ctx context.Context) (FlowStatsRow, error) {
 	return i, err
 }
 
+const flowStepRecord = `-- name: FlowStepRecord :exec
+INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, result, attempts, completed_at)
+VALUES ($1::text, $2::text, $3::int, $4::text, 'local', 'done',
+        $5::text::jsonb, 1, now())
+`
+
+type FlowStepRecordParams struct {
+	Scope  string
+	Key    string
+	Seq    int32
+	Step   string
+	Result pgtype.Text
+}
+
+// FlowStepRecord records a local step's result as a row of its own, in
+// the transaction of its writes, which holds the flow's row (FlowLock):
+// both commit together or not at all. Only a flow whose row already
+// records many steps, or large ones, records a local step this way
+// (maxInlineSteps in flow_records.go), so that each write of the flow's
+// row does not copy ever more; the step's row is read as the steps of
+// older versions are (FlowSteps).
+func (q *Queries) FlowStepRecord(ctx context.Context, arg FlowStepRecordParams) error {
+	_, err := q.db.Exec(ctx, flowStepRecord,
+		arg.Scope,
+		arg.Key,
+		arg.Seq,
+		arg.Step,
+		arg.Result,
+	)
+	return err
+}
+
 const flowSteps = `-- name: FlowSteps :many
 SELECT seq::int AS seq, rec::jsonb AS rec
 FROM (

@@ -183,6 +183,11 @@ func QueueFlowLeaseSteps(b *pgx.Batch, arg FlowLeaseStepsParams, leased *bool) {
 	})
 }
 
+// QueueFlowStepRecord queues FlowStepRecord on b.
+func QueueFlowStepRecord(b *pgx.Batch, arg FlowStepRecordParams) {
+	queueCall(b, func(q *Queries) { _ = q.FlowStepRecord(context.Background(), arg) })
+}
+
 // QueueFlowLock queues FlowLock on b; held is set when the batch's
 // results are read.
 func QueueFlowLock(b *pgx.Batch, arg FlowLockParams, held *bool) {
