@@ -179,8 +179,8 @@ func ProviderKeyFromContext(ctx context.Context) (string, bool) {
 	return key, ok
 }
 
-// The outcomes of a call's lookup, as a call's record (its last_reconcile) and an
-// Observer's idem.outcome spell them.
+// The outcomes of a call's lookup, as a call's record (its last
+// reconcile) and an Observer's idem.outcome spell them.
 const (
 	reconcileFound    = "found"
 	reconcileNotFound = "not_found"
@@ -292,10 +292,11 @@ type lookedUp[T any] struct {
 }
 
 // recordCall records the call's result, value, which a lookup found when
-// reconciled says so, and returns it as a resumed run would get it. A value that cannot be stored stops the flow. The record
-// is sent with the flow's next statement (flowRun.flush), in its
-// transaction; an AtMostOnce call's (now) commits at once, since losing
-// it to a crash would stop the flow.
+// reconciled says so, and returns it as a resumed run would get it. A
+// value that cannot be stored stops the flow. The record is sent with the
+// flow's next statement (flowRun.flush), in its transaction and its write
+// of the flow's row; an AtMostOnce call's (now) commits at once, since
+// losing it to a crash would stop the flow.
 func recordCall[T any](ctx context.Context, r *flowRun, seq int32, name string, value T, reconciled string, now bool) (T, error) {
 	var zero T
 	encoded, err := encodeResponse(value, r.k.scope, r.o)

@@ -21,9 +21,13 @@ import (
 // record not yet sent (openStep), until the flow's next step begins or
 // its function returns: the record then commits with what comes next (a
 // call's intent, the flow's answer, the lease given up) in one round trip.
-// A call's result is kept (flowRun.result) until the next statement the
-// flow sends: the next local step's BEGIN, the next call's intent, the
-// answer, in the same transaction. So local–call–local commits twice.
+// A call's result is kept (flowRun.result) until the next write of the
+// flow's row: the next local step's (as its transaction commits: that
+// step's BEGIN only locks the row, FlowLock), the next call's intent, the
+// answer, in the same transaction. So local–call–local commits twice, and
+// writes the flow's row three times: every record goes into the write of
+// the row that the statement it travels with makes anyway (see
+// flow_records.go).
 //
 // What does not change: no call is made with a transaction open or a
 // connection held (its intent commits first, with whatever was pending);
@@ -124,7 +128,7 @@ type openStep struct {
 	lease   dbsqlc.FlowLeaseStepsParams
 	// carries is set when the transaction also records the call's result
 	// (flowRun.result), with the step's record; starts when it wrote the
-	// flow's row (flowRun.start).
+	// flow's row (flowRun.start) as it began.
 	carries, starts bool
 	// timer commits the transaction alone when the next step is late
 	// (commitIdle).
@@ -197,10 +201,11 @@ func (r *flowRun) flushOpen(ctx context.Context) error {
 // result) is recorded in the flow's row by the statement queue queues
 // that writes that row, which gets it as steps (and may add its own
 // records), so that the row is written once; with nothing queued, by
-// FlowLeaseSteps, which renews the lease too. The queued statements must check
-// the executor's epoch themselves, and report what they found themselves.
-// It reports ErrLeaseLost when FlowLeaseSteps found the flow no longer the
-// executor's. When a step's
+// FlowLeaseSteps, which renews the lease too. (A local step's record
+// that goes to a row of its own, FlowStepRecord, is queued first.) The
+// queued statements must check the executor's epoch themselves, and
+// report what they found themselves. It reports ErrLeaseLost when
+// FlowLeaseSteps found the flow no longer the executor's. When a step's
 // transaction that committed alone (commitIdle) failed, it returns that
 // error and sends nothing.
 func (r *flowRun) flush(ctx context.Context, queue func(b *pgx.Batch, steps *stepPatch)) error {
