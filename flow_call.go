@@ -213,13 +213,25 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 			rec.FirstCalled = stampNow
 		}
 	}
+	// A flow not started yet is started by its row carrying the intent.
 	var start dbsqlc.FlowCallIntentRow
 	var leased bool
+	var patch *stepPatch
 	err := r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
 		steps.add(seq, &rec)
+		if patch = steps; steps.starting {
+			steps.carry(name)
+			return
+		}
 		dbsqlc.QueueFlowCallIntent(b, dbsqlc.FlowCallIntentParams{Lease: pgtime.Interval(r.o.lease), Step: name,
 			Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq}, &start, &leased)
 	})
+	if err == nil && patch != nil && patch.carried {
+		// The intent's stamp is the transaction's now(), which is also
+		// the row's created_at.
+		start.LeasedUntil, leased = patch.start.heldRow.LeasedUntil, patch.start.written
+		start.FirstCalledAt = patch.start.heldRow.CreatedAt.Time.UnixMicro()
+	}
 	switch {
 	case errors.Is(err, ErrLeaseLost):
 		return zero, err

@@ -49,7 +49,15 @@ import (
 // finds the lock taken and looks again, under its wait budget, as it does
 // for a flow that another executor holds; it never waits for the
 // uncommitted row. A run whose first statement finds the flow taken
-// (errTaken) commits nothing, and looks at the flow again (Flow.Run).
+// (errTaken) commits nothing, and looks at the flow again (Flow.Run). A
+// first local step whose transaction stays open takes the lock as it
+// begins (FlowStartLock), and writes the row only as it commits
+// (FlowStartHeld), carrying the step's record and the first call's
+// intent, so that the row is written once; the row statement that
+// carries a first call's intent without a local step before it is
+// FlowStart itself. A row committed by another executor between the
+// lock's snapshot and the lock fails FlowStartHeld (a unique violation),
+// and the step's writes with it: errTaken.
 
 // errTaken is what a run that was to start its flow gets when another
 // executor was starting it, or had started it, since the claim: the run
@@ -61,6 +69,9 @@ var errTaken = errors.New("idem: another executor is starting the flow, or start
 type starting struct {
 	row     dbsqlc.FlowStartRow
 	written bool
+	// held is set for FlowStartHeld, whose row is heldRow.
+	held    bool
+	heldRow dbsqlc.FlowStartHeldRow
 }
 
 // queueStart queues the flow's row (FlowStart), at step (none when
@@ -77,6 +88,51 @@ func (r *flowRun) queueStart(b *pgx.Batch, step string) *starting {
 	return st
 }
 
+// queueStartHeld queues the flow's row (FlowStartHeld), at step, with
+// the records steps holds, in the transaction that FlowStartLock began,
+// which read the namespace of its provider keys (r.keys).
+func (r *flowRun) queueStartHeld(b *pgx.Batch, step string, steps pgtype.Text) *starting {
+	st := &starting{held: true}
+	p := r.start
+	dbsqlc.QueueFlowStartHeld(b, dbsqlc.FlowStartHeldParams{Scope: p.Scope, Key: p.Key, FlowName: p.FlowName,
+		Fingerprint: p.Fingerprint, Input: p.Input, ProviderNamespace: r.keys.namespace, Epoch: p.Epoch, Lease: p.Lease,
+		Step: pgtype.Text{String: step, Valid: step != ""}, Retention: p.Retention, Steps: steps}, &st.heldRow, &st.written)
+	return st
+}
+
+// startLock is FlowStartLock queued on a batch (queueStartLock), and what
+// the batch found.
+type startLock struct {
+	namespace pgtype.UUID
+	locked    bool
+}
+
+// queueStartLock queues FlowStartLock on b: the first local step of a
+// flow not started yet, whose transaction stays open (see runLocal), takes
+// the flow's advisory lock, and writes the row only as it commits
+// (FlowStartHeld), with the step's record and what comes next.
+func (r *flowRun) queueStartLock(b *pgx.Batch) *startLock {
+	lk := &startLock{}
+	dbsqlc.QueueFlowStartLock(b, dbsqlc.FlowStartLockParams{Scope: r.start.Scope, Key: r.start.Key, LockID: r.start.LockID},
+		&lk.namespace, &lk.locked)
+	return lk
+}
+
+// lockStarted judges what FlowStartLock found, err being its batch's
+// error: errTaken, noted on the run, when it did not get the lock, or the
+// key has a flow.
+func (r *flowRun) lockStarted(lk *startLock, err error) error {
+	switch {
+	case err != nil:
+		return err
+	case !lk.locked:
+		r.taken = errTaken
+		return errTaken
+	}
+	r.keys = providerKeys{namespace: lk.namespace}
+	return nil
+}
+
 // started judges what the batch that carried the flow's row (st, nil for
 // none) found, err being the batch's error: errTaken, noted on the run,
 // when the row was not written, or was there already (a unique violation
@@ -87,6 +143,9 @@ func (r *flowRun) started(st *starting, err error) error {
 	}
 	var pgErr *pgconn.PgError
 	switch {
+	case err == nil && st.written && st.held:
+		r.keys = providerKeys{namespace: st.heldRow.ProviderNamespace, operation: st.heldRow.Operation}
+		return nil
 	case err == nil && st.written:
 		r.keys = providerKeys{namespace: st.row.ProviderNamespace, operation: st.row.Operation}
 		return nil
@@ -127,8 +186,9 @@ type openStep struct {
 	record  pendingStep
 	lease   dbsqlc.FlowLeaseStepsParams
 	// carries is set when the transaction also records the call's result
-	// (flowRun.result), with the step's record; starts when it wrote the
-	// flow's row (flowRun.start) as it began.
+	// (flowRun.result), with the step's record; starts when it took the
+	// flow's lock as it began (FlowStartLock), and writes the flow's row
+	// (flowRun.start) as it commits (FlowStartHeld).
 	carries, starts bool
 	// timer commits the transaction alone when the next step is late
 	// (commitIdle).
@@ -229,13 +289,16 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	}
 	b := &pgx.Batch{}
 	carried := r.result != nil && (open == nil || open.carries)
-	// A flow not started yet is started by what is queued (never with a
-	// step's transaction open: that one wrote the row as it began).
+	// A flow not started yet is started by what is queued, or in the open
+	// step's transaction, which began by taking the flow's lock
+	// (FlowStartLock) and writes the row as it commits (FlowStartHeld).
+	held := open != nil && open.starts
 	var st *starting
 	if open == nil && queue != nil {
 		st = r.queueStart(b, "")
 	}
 	var steps stepPatch
+	steps.starting = held
 	if open != nil {
 		if open.record.row {
 			dbsqlc.QueueFlowStepRecord(b, open.record.rowParams(r.k))
@@ -248,9 +311,13 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 		steps.add(r.result.seq, &r.result.rec)
 	}
 	leased := true
+	first := b.Len()
 	switch {
 	case queue != nil:
 		queue(b, &steps)
+	case held:
+		// The row, written now, records the step and leases the flow.
+		steps.carry(open.name)
 	case open != nil:
 		// Nothing after the record renews the lease: the record does,
 		// for the steps after this one.
@@ -260,6 +327,19 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	case carried:
 		dbsqlc.QueueFlowLeaseSteps(b, dbsqlc.FlowLeaseStepsParams{Lease: pgtime.Interval(r.o.lease), Step: r.result.rec.Name,
 			Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &leased)
+	}
+	if held {
+		// The row first, before the statements that write it again.
+		if steps.carried {
+			st = r.queueStartHeld(b, steps.step, steps.text())
+		} else {
+			st = r.queueStartHeld(b, steps.at, pgtype.Text{})
+		}
+		q := b.QueuedQueries
+		last := q[len(q)-1]
+		copy(q[first+1:], q[first:len(q)-1])
+		q[first] = last
+		steps.start = st
 	}
 	if b.Len() == 0 {
 		return nil
@@ -292,11 +372,13 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 		commit = tag
 		return nil
 	})
-	err := open.tx.SendBatch(ctx, b).Close()
+	err := r.started(st, open.tx.SendBatch(ctx, b).Close())
 	if open.conn.PgConn().TxStatus() != 'I' {
 		rollback(ctx, open.tx)
 	}
 	switch {
+	case errors.Is(err, errTaken):
+		return err
 	case err != nil:
 		return translate(fmt.Sprintf("commit step %q", open.name), err)
 	case commit.String() != "COMMIT":

@@ -116,7 +116,19 @@ type stepPatch struct {
 	// note the step the flow is at (FlowRelease, FlowStop): FlowLock,
 	// which began the step, did not.
 	at string
+	// starting is set when the flow's row is still to be written, by the
+	// open step's transaction that carries the patch (FlowStartHeld): a
+	// statement that would only write the row again, with the records,
+	// lets the row carry them instead (carry), at step. start is then
+	// what that row's statement found.
+	starting, carried bool
+	step              string
+	start             *starting
 }
+
+// carry lets the flow's row, still to be written, carry the records, at
+// step (see stepPatch.starting).
+func (p *stepPatch) carry(step string) { p.carried, p.step = true, step }
 
 // atText is at as those statements take it: NULL when empty.
 func (p *stepPatch) atText() pgtype.Text { return pgtype.Text{String: p.at, Valid: p.at != ""} }

@@ -127,6 +127,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	var tx pgx.Tx
 	var leased bool
 	var st *starting
+	var lk *startLock
 	carries := r.result != nil
 	sent := time.Now()
 	switch {
@@ -140,8 +141,14 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		// still to record. A flow not started yet is started here
 		// instead, leased (a call's result is never pending then: its
 		// intent started the flow).
-		if st = r.queueStart(b, name); st == nil {
-			dbsqlc.QueueFlowLock(b, lock, &leased)
+		switch {
+		case deferred && r.start != nil:
+			// The flow's row is written once, as the transaction commits.
+			lk = r.queueStartLock(b)
+		default:
+			if st = r.queueStart(b, name); st == nil {
+				dbsqlc.QueueFlowLock(b, lock, &leased)
+			}
 		}
 		results := conn.SendBatch(ctx, b)
 		tx = results.Tx()
@@ -161,6 +168,10 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		}
 	}
 	if err = r.started(st, err); st != nil {
+		leased = err == nil
+	}
+	if lk != nil {
+		err = r.lockStarted(lk, err)
 		leased = err == nil
 	}
 	ended := false
@@ -197,7 +208,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		if err != nil {
 			return zero, err
 		}
-		r.keepOpen(&openStep{name: name, conn: conn, release: release, tx: tx, record: record, lease: lease, carries: carries, starts: st != nil})
+		r.keepOpen(&openStep{name: name, conn: conn, release: release, tx: tx, record: record, lease: lease, carries: carries, starts: lk != nil})
 		ended, kept = true, true
 		return value, nil
 	}

@@ -144,3 +144,48 @@ func TestFlowOfLargeStepsRecordsTheRestAsRows(t *testing.T) {
 		t.Fatalf("the call: %+v; want 2 attempts", s)
 	}
 }
+
+// A new flow's first local step, whose transaction stays open, takes the
+// flow's lock as it begins and writes the flow's row only as it commits
+// (FlowStartHeld). A row that another executor committed meanwhile (here
+// written by hand, between the lock's snapshot and the commit) fails that
+// write, and the step's writes with it: the run looks at the flow again,
+// takes it over once its lease has run out, and runs the step again, so
+// that its writes commit once, with the flow's row.
+func TestFlowFirstStepWhoseRowWasTakenCommitsNothing(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var ran atomic.Int64
+	name := testdb.Name("taken")
+	flow := idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		_, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			if ran.Add(1) == 1 {
+				// Another executor's row, committed, its lease run out.
+				_, err := pool.Exec(ctx, `INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace,
+					epoch, leased_until, runs, retention)
+					VALUES ($1, 'k', $2, $3, 'running', '{"amount":2500}', (SELECT id FROM idem_installation), 7,
+					now() - interval '1 second', 1, interval '1 day')`, s.Scope(), name, fpCharge)
+				if err != nil {
+					return 0, err
+				}
+			}
+			var id int64
+			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
+				s.Scope(), s.Key(), in.Amount).Scan(&id)
+			return id, err
+		})
+		if err != nil {
+			return "", err
+		}
+		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {
+			id, _, err := p.charge(ctx, key, in.Amount)
+			return id, err
+		})
+	})
+	res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+	if err != nil || res.Value != "ch_1" {
+		t.Fatalf("%+v, %v", res, err)
+	}
+	if n := ran.Load(); n != 2 || countPayments(t, pool, scope) != 1 || p.applied != 1 {
+		t.Fatalf("the step ran %d times, %d payments, %d charges; want 2, 1, 1", n, countPayments(t, pool, scope), p.applied)
+	}
+}

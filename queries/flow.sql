@@ -37,6 +37,47 @@ WHERE NOT EXISTS (
   AND pg_try_advisory_xact_lock(@lock_id::bigint)
 RETURNING provider_namespace, operation;
 
+-- name: FlowStartLock :one
+-- FlowStartLock begins the first local step of a flow that no one has
+-- started, on a connection that keeps its transaction open until the
+-- flow's next statement (see flow_pending.go): it takes the flow's
+-- advisory lock as FlowStart does, and for the same reasons, and returns
+-- the installation's id, but writes nothing. The row is written once, by
+-- FlowStartHeld in the same transaction, with the step's record and what
+-- travels with it (the first call's intent), as the transaction commits.
+-- It returns no row when another transaction holds the lock, or a flow
+-- holds the key: the caller runs nothing and looks at the flow again, as
+-- a duplicate.
+SELECT (SELECT id FROM idem_installation)::uuid AS provider_namespace
+WHERE NOT EXISTS (
+    SELECT FROM idem_flow
+    WHERE scope = @scope::text
+      AND key = @key::text
+)
+  AND pg_try_advisory_xact_lock(@lock_id::bigint);
+
+-- name: FlowStartHeld :one
+-- FlowStartHeld is FlowStart in a transaction that FlowStartLock began,
+-- which holds the flow's advisory lock, with the installation's id that
+-- it read (@provider_namespace), and what @steps holds (see
+-- FlowLeaseSteps): the step's record, and the intent of the call after
+-- it, if that is what the row travels with, so that the row is written
+-- once. A plain INSERT, which fails with a unique violation
+-- (idem_flow_pkey), and with it the transaction, the step's writes
+-- included, when a row committed between FlowStartLock's snapshot and
+-- its lock: a step's writes never commit without their flow. It returns
+-- created_at, the transaction's now(): when the call's first attempt was
+-- made, for an intent it carries (the stamp its record got), as
+-- FlowCallIntent returns it. (No subquery, which Citus refuses in an
+-- INSERT's VALUES.)
+INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, step, runs, retention,
+                       steps)
+VALUES (@scope::text, @key::text, @flow_name::text, @fingerprint::bytea, 'running',
+        sqlc.arg(input)::text::jsonb, @provider_namespace::uuid, @epoch::bigint,
+        clock_timestamp() + @lease::interval, sqlc.narg(step)::text, 1, @retention::interval,
+        replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb)
+RETURNING provider_namespace, operation, created_at, leased_until;
+
 -- name: FlowRestart :one
 -- FlowRestart starts again, as a new operation, a finished flow whose
 -- retention has passed: its row taken over, its steps deleted, and a new

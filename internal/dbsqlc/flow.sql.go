@@ -873,6 +873,107 @@ func (q *Queries) FlowStart(ctx context.Context, arg FlowStartParams) (FlowStart
 	return i, err
 }
 
+const flowStartHeld = `-- name: FlowStartHeld :one
+INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, step, runs, retention,
+                       steps)
+VALUES ($1::text, $2::text, $3::text, $4::bytea, 'running',
+        $5::text::jsonb, $6::uuid, $7::bigint,
+        clock_timestamp() + $8::interval, $9::text, 1, $10::interval,
+        replace(coalesce($11::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb)
+RETURNING provider_namespace, operation, created_at, leased_until
+`
+
+type FlowStartHeldParams struct {
+	Scope             string
+	Key               string
+	FlowName          string
+	Fingerprint       []byte
+	Input             string
+	ProviderNamespace pgtype.UUID
+	Epoch             int64
+	Lease             pgtype.Interval
+	Step              pgtype.Text
+	Retention         pgtype.Interval
+	Steps             pgtype.Text
+}
+
+type FlowStartHeldRow struct {
+	ProviderNamespace pgtype.UUID
+	Operation         pgtype.Int8
+	CreatedAt         pgtype.Timestamptz
+	LeasedUntil       pgtype.Timestamptz
+}
+
+// FlowStartHeld is FlowStart in a transaction that FlowStartLock began,
+// which holds the flow's advisory lock, with the installation's id that
+// it read (@provider_namespace), and what @steps holds (see
+// FlowLeaseSteps): the step's record, and the intent of the call after
+// it, if that is what the row travels with, so that the row is written
+// once. A plain INSERT, which fails with a unique violation
+// (idem_flow_pkey), and with it the transaction, the step's writes
+// included, when a row committed between FlowStartLock's snapshot and
+// its lock: a step's writes never commit without their flow. It returns
+// created_at, the transaction's now(): when the call's first attempt was
+// made, for an intent it carries (the stamp its record got), as
+// FlowCallIntent returns it. (No subquery, which Citus refuses in an
+// INSERT's VALUES.)
+func (q *Queries) FlowStartHeld(ctx context.Context, arg FlowStartHeldParams) (FlowStartHeldRow, error) {
+	row := q.db.QueryRow(ctx, flowStartHeld,
+		arg.Scope,
+		arg.Key,
+		arg.FlowName,
+		arg.Fingerprint,
+		arg.Input,
+		arg.ProviderNamespace,
+		arg.Epoch,
+		arg.Lease,
+		arg.Step,
+		arg.Retention,
+		arg.Steps,
+	)
+	var i FlowStartHeldRow
+	err := row.Scan(
+		&i.ProviderNamespace,
+		&i.Operation,
+		&i.CreatedAt,
+		&i.LeasedUntil,
+	)
+	return i, err
+}
+
+const flowStartLock = `-- name: FlowStartLock :one
+SELECT (SELECT id FROM idem_installation)::uuid AS provider_namespace
+WHERE NOT EXISTS (
+    SELECT FROM idem_flow
+    WHERE scope = $1::text
+      AND key = $2::text
+)
+  AND pg_try_advisory_xact_lock($3::bigint)
+`
+
+type FlowStartLockParams struct {
+	Scope  string
+	Key    string
+	LockID int64
+}
+
+// FlowStartLock begins the first local step of a flow that no one has
+// started, on a connection that keeps its transaction open until the
+// flow's next statement (see flow_pending.go): it takes the flow's
+// advisory lock as FlowStart does, and for the same reasons, and returns
+// the installation's id, but writes nothing. The row is written once, by
+// FlowStartHeld in the same transaction, with the step's record and what
+// travels with it (the first call's intent), as the transaction commits.
+// It returns no row when another transaction holds the lock, or a flow
+// holds the key: the caller runs nothing and looks at the flow again, as
+// a duplicate.
+func (q *Queries) FlowStartLock(ctx context.Context, arg FlowStartLockParams) (pgtype.UUID, error) {
+	row := q.db.QueryRow(ctx, flowStartLock, arg.Scope, arg.Key, arg.LockID)
+	var provider_namespace pgtype.UUID
+	err := row.Scan(&provider_namespace)
+	return provider_namespace, err
+}
+
 const flowStats = `-- name: FlowStats :one
 SELECT count(*) FILTER (WHERE state = 'running' AND leased_until > now()) AS running,
        count(*) FILTER (WHERE state = 'running' AND leased_until <= now()) AS abandoned,

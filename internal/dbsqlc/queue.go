@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // Queue returns Queries that queue their statements on b instead of
@@ -118,6 +119,21 @@ func noRow(err error, found *bool) error {
 func QueueFlowStart(b *pgx.Batch, arg FlowStartParams, row *FlowStartRow, started *bool) {
 	queueCall(b, func(q *Queries) { _, _ = q.FlowStart(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), started)
+	})
+}
+
+// QueueFlowStartHeld queues FlowStartHeld on b, as QueueFlowStart does.
+func QueueFlowStartHeld(b *pgx.Batch, arg FlowStartHeldParams, row *FlowStartHeldRow, started *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowStartHeld(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation, &row.CreatedAt, &row.LeasedUntil), started)
+	})
+}
+
+// QueueFlowStartLock queues FlowStartLock on b; namespace is filled in and
+// locked set when the batch's results are read. No row is not an error.
+func QueueFlowStartLock(b *pgx.Batch, arg FlowStartLockParams, namespace *pgtype.UUID, locked *bool) {
+	queueCall(b, func(q *Queries) { _, _ = q.FlowStartLock(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return noRow(r.Scan(namespace), locked)
 	})
 }
 
