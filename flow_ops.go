@@ -110,7 +110,7 @@ func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInf
 		for _, s := range steps {
 			step := FlowStep{Name: s.Name, Kind: s.Kind, State: s.State, Attempts: int(s.Attempts), Result: s.Result,
 				FirstCalledAt: timeOf(s.FirstCalledAt), CompletedAt: timeOf(s.CompletedAt),
-				Reconciles: int(s.Reconciles), LastReconcile: s.LastReconcile.String}
+				Reconciles: int(s.Reconciles), LastReconcile: s.LastReconcile}
 			if s.Kind == stepCall {
 				step.ProviderKey = providerKeys{namespace: f.ProviderNamespace, operation: f.Operation}.of(k.scope, k.key, s.Name)
 			}

@@ -218,9 +218,7 @@ func TestPurgeDeletesExpiredFlowsAndLeavesTheRestAlone(t *testing.T) {
 		expires_at = CASE WHEN state = 'done' THEN now() - interval '1 day' END WHERE scope = $1`, scope); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, `UPDATE idem_flow_step SET first_called_at = now() - interval '30 days' WHERE scope = $1`, scope); err != nil {
-		t.Fatal(err)
-	}
+	ageCalls(t, pool, scope, "", 30*24*time.Hour)
 	if _, err := flow.Run(ctx, pool, scope, "attention", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrFlowStopped) {
 		t.Fatalf("past the window: %v, want ErrFlowStopped", err)
 	}
@@ -234,8 +232,8 @@ func TestPurgeDeletesExpiredFlowsAndLeavesTheRestAlone(t *testing.T) {
 		t.Fatalf("Purge = %d, %v; want the 2 finished flows", deleted, err)
 	}
 	var left []string
-	rows, err := pool.Query(ctx, `SELECT f.key || ':' || count(s.seq) FROM idem_flow f
-		LEFT JOIN idem_flow_step s ON s.scope = f.scope AND s.key = f.key WHERE f.scope = $1 GROUP BY f.key ORDER BY f.key`, scope)
+	rows, err := pool.Query(ctx, `SELECT f.key || ':' || (SELECT count(*) FROM jsonb_object_keys(coalesce(f.steps, '{}')))
+		FROM idem_flow f WHERE f.scope = $1 ORDER BY f.key`, scope)
 	if err != nil {
 		t.Fatal(err)
 	}

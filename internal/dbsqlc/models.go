@@ -34,6 +34,7 @@ type IdemFlow struct {
 	CompletedAt       pgtype.Timestamptz
 	ExpiresAt         pgtype.Timestamptz
 	ProviderNamespace pgtype.UUID
+	Steps             []byte
 }
 
 type IdemFlowStep struct {
