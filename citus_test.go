@@ -117,7 +117,7 @@ func TestCitus(t *testing.T) {
 		}
 		want := map[string]string{
 			"entity_version": "distributed scope", "idem_flow": "distributed scope",
-			"idem_flow_step": "distributed scope", "idempotency_key": "distributed scope",
+			"idem_flow_step_row": "distributed scope", "idempotency_key": "distributed scope",
 			"payment": "distributed scope", "idem_installation": "reference <none>",
 		}
 		if len(got) != len(want) {
@@ -1070,7 +1070,7 @@ func citusPurge(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 		FROM idempotency_key WHERE scope LIKE $1`, prefix+"-%").Scan(&live, &expired); err != nil {
 		t.Fatal(err)
 	}
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step s
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step_row s
 		LEFT JOIN idem_flow f ON f.scope = s.scope AND f.key = s.key WHERE f.key IS NULL`).Scan(&steps); err != nil {
 		t.Fatal(err)
 	}

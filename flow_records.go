@@ -156,7 +156,7 @@ func (p *stepPatch) text() pgtype.Text {
 
 // pendingStep is a step's record not yet sent: a local step's, or a
 // call's result. row is set for a local step recorded as a row of
-// idem_flow_step instead (FlowStepRecord: see maxInlineSteps).
+// idem_flow_step_row instead (FlowStepRecord: see maxInlineSteps).
 type pendingStep struct {
 	seq int32
 	rec stepRecord
@@ -219,7 +219,7 @@ func recordedSteps(rows []dbsqlc.FlowStepsRow) (map[int32]stepRecord, int, error
 			return nil, 0, fmt.Errorf("idem: flow: step %d's record: %w", row.Seq, err)
 		}
 		if !rec.done() {
-			rec.Result = nil // a call's, read from idem_flow_step: null
+			rec.Result = nil // a call's, read from idem_flow_step_row: null
 		}
 		recorded[row.Seq] = rec
 	}

@@ -15,14 +15,15 @@ import (
 )
 
 // oldSteps moves the steps that the flows of scope recorded in their rows
-// to idem_flow_step, as the versions before migration 00008 recorded them
+// to idem_flow_step_row, as the versions before migration 00008 recorded them
+// (in idem_flow_step, which 00008 renamed)
 // (the statement is that migration's Down): a flow in flight across the
 // upgrade.
 func oldSteps(t *testing.T, pool *pgxpool.Pool, scope string) {
 	t.Helper()
 	_, err := pool.Exec(t.Context(), `
 		WITH moved AS (
-		    INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, result, attempts, first_called_at, completed_at,
+		    INSERT INTO idem_flow_step_row (scope, key, seq, name, kind, state, result, attempts, first_called_at, completed_at,
 		                                reconciles, last_reconcile)
 		    SELECT f.scope, f.key, s.key::int, s.value->>'n',
 		           CASE WHEN s.value ? 'a' THEN 'call' ELSE 'local' END,
@@ -40,7 +41,7 @@ func oldSteps(t *testing.T, pool *pgxpool.Pool, scope string) {
 }
 
 // A flow that an older version left with a local step done and a call
-// whose intent it recorded (in idem_flow_step) resumes after the upgrade:
+// whose intent it recorded (in idem_flow_step_row) resumes after the upgrade:
 // the local step's recorded result is replayed, not run again, and the
 // call is made again with the same provider key, its attempts counted on
 // from the older version's; InspectFlow shows the steps of both.
@@ -122,7 +123,7 @@ func TestFlowOfLargeStepsRecordsTheRestAsRows(t *testing.T) {
 	}
 	var inRow, rows int
 	err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_flow f, jsonb_object_keys(f.steps) WHERE f.scope = $1),
-		(SELECT count(*) FROM idem_flow_step WHERE scope = $1)`, scope).Scan(&inRow, &rows)
+		(SELECT count(*) FROM idem_flow_step_row WHERE scope = $1)`, scope).Scan(&inRow, &rows)
 	if err != nil || inRow != 2 || rows != 2 {
 		t.Fatalf("%d steps in the flow's row, %d rows, %v; want a and the call in the row, b and c as rows", inRow, rows, err)
 	}

@@ -31,7 +31,7 @@ func (s *Steps) Scope() string { return s.run.k.scope }
 // Key returns the key of the flow's operation.
 func (s *Steps) Key() string { return s.run.k.key }
 
-// The kinds of steps, as idem_flow_step.kind spells them.
+// The kinds of steps, as idem_flow_step_row.kind spells them.
 const (
 	stepLocal = "local"
 	stepCall  = "call"

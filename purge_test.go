@@ -248,7 +248,7 @@ func TestPurgeDeletesExpiredFlowsAndLeavesTheRestAlone(t *testing.T) {
 		t.Fatalf("flows left with their steps: %v, want attention:2 running:2", left)
 	}
 	var orphans int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step s WHERE NOT EXISTS
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step_row s WHERE NOT EXISTS
 		(SELECT FROM idem_flow f WHERE f.scope = s.scope AND f.key = s.key)`).Scan(&orphans); err != nil || orphans != 0 {
 		t.Fatalf("%d steps left without their flow, %v", orphans, err)
 	}

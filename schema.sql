@@ -274,9 +274,15 @@ ALTER TABLE idem_flow_step
 -- whose transaction writes the flow's row anyway (its lease, its lock),
 -- records its result in that same write, and a call's intent and result
 -- ride on the flow's row the same way: no row, and no primary-key entry,
--- per step. Steps recorded before this migration stay in idem_flow_step,
--- and are read from there as before; a step recorded in both (a call
--- whose intent an older version recorded, resumed by this one) is the
--- one in steps. A nullable column without a default: adding it rewrites
--- nothing.
+-- per step. Steps recorded before this migration stay as rows, and are
+-- read from there as before; a step recorded in both (a call whose intent
+-- an older version recorded, resumed by this one) is the one in steps. A
+-- nullable column without a default: adding it rewrites nothing.
 ALTER TABLE idem_flow ADD COLUMN steps jsonb;
+-- The steps' rows are renamed, so that an executor of an older version,
+-- still running during a rolling deploy, fails every flow statement it
+-- sends ("relation idem_flow_step does not exist": each one reads or
+-- writes that table, its claim too) instead of taking over a flow this
+-- version runs, finding none of its steps, and running them again. Its
+-- Run and Do are unaffected (docs/migrations.md, "Rolling deploys").
+ALTER TABLE idem_flow_step RENAME TO idem_flow_step_row;

@@ -118,7 +118,7 @@ restarted AS (
     RETURNING f.provider_namespace, f.operation
 ),
 cleared AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING restarted
     WHERE s.scope = @scope::text
       AND s.key = @key::text
@@ -182,7 +182,7 @@ WHERE scope = @scope::text
 -- its record in idem_flow.steps (see FlowLeaseSteps), for the executor that
 -- resumes it; for any other flow it reads nothing, so that a replay does
 -- not pay for them. A step that a version before migration 00008 recorded
--- in idem_flow_step is read from there, as a record of the same fields,
+-- in idem_flow_step_row is read from there, as a record of the same fields,
 -- unless the flow's row records it too (a call resumed since).
 SELECT seq::int AS seq, rec::jsonb AS rec
 FROM (
@@ -202,7 +202,7 @@ FROM (
                'c', (extract(epoch FROM s.completed_at) * 1000000)::bigint,
                'x', s.reconciles,
                'l', s.last_reconcile)
-    FROM idem_flow_step AS s
+    FROM idem_flow_step_row AS s
     JOIN idem_flow AS f ON f.scope = s.scope AND f.key = s.key
     WHERE s.scope = @scope::text
       AND s.key = @key::text
@@ -299,7 +299,7 @@ WHERE scope = @scope::text
 -- (maxInlineSteps in flow_records.go), so that each write of the flow's
 -- row does not copy ever more; the step's row is read as the steps of
 -- older versions are (FlowSteps).
-INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, result, attempts, completed_at)
+INSERT INTO idem_flow_step_row (scope, key, seq, name, kind, state, result, attempts, completed_at)
 VALUES (@scope::text, @key::text, @seq::int, @step::text, 'local', 'done',
         sqlc.narg(result)::text::jsonb, 1, now());
 
@@ -461,7 +461,7 @@ WITH purged AS (
     RETURNING scope, key
 ),
 steps AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING purged
     WHERE s.scope = purged.scope
       AND s.key = purged.key
@@ -485,7 +485,7 @@ WITH purged AS (
     RETURNING f.scope, f.key
 ),
 steps AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING purged
     WHERE s.scope = purged.scope
       AND s.key = purged.key
@@ -505,7 +505,7 @@ WHERE scope = @scope::text
 -- name: FlowInspectSteps :many
 -- FlowInspectSteps reads one flow's steps, for operators: those its row
 -- records (see FlowLeaseSteps), and those a version before migration 00008
--- recorded in idem_flow_step that its row does not.
+-- recorded in idem_flow_step_row that its row does not.
 SELECT seq::int AS seq, name::text AS name, kind::text AS kind, state::text AS state, result::jsonb AS result,
        attempts::int AS attempts, first_called_at::timestamptz AS first_called_at,
        completed_at::timestamptz AS completed_at, reconciles::int AS reconciles, coalesce(last_reconcile, '')::text AS last_reconcile
@@ -523,7 +523,7 @@ FROM (
     UNION ALL
     SELECT s.seq, s.name, s.kind, s.state, s.result, s.attempts, s.first_called_at, s.completed_at,
            s.reconciles, s.last_reconcile
-    FROM idem_flow_step AS s
+    FROM idem_flow_step_row AS s
     WHERE s.scope = @scope::text
       AND s.key = @key::text
       AND NOT EXISTS (

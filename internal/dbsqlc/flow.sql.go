@@ -374,7 +374,7 @@ FROM (
     UNION ALL
     SELECT s.seq, s.name, s.kind, s.state, s.result, s.attempts, s.first_called_at, s.completed_at,
            s.reconciles, s.last_reconcile
-    FROM idem_flow_step AS s
+    FROM idem_flow_step_row AS s
     WHERE s.scope = $1::text
       AND s.key = $2::text
       AND NOT EXISTS (
@@ -407,7 +407,7 @@ type FlowInspectStepsRow struct {
 
 // FlowInspectSteps reads one flow's steps, for operators: those its row
 // records (see FlowLeaseSteps), and those a version before migration 00008
-// recorded in idem_flow_step that its row does not.
+// recorded in idem_flow_step_row that its row does not.
 func (q *Queries) FlowInspectSteps(ctx context.Context, arg FlowInspectStepsParams) ([]FlowInspectStepsRow, error) {
 	rows, err := q.db.Query(ctx, flowInspectSteps, arg.Scope, arg.Key)
 	if err != nil {
@@ -583,7 +583,7 @@ WITH purged AS (
     RETURNING scope, key
 ),
 steps AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING purged
     WHERE s.scope = purged.scope
       AND s.key = purged.key
@@ -616,7 +616,7 @@ WITH purged AS (
     RETURNING f.scope, f.key
 ),
 steps AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING purged
     WHERE s.scope = purged.scope
       AND s.key = purged.key
@@ -751,7 +751,7 @@ restarted AS (
     RETURNING f.provider_namespace, f.operation
 ),
 cleared AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING restarted
     WHERE s.scope = $1::text
       AND s.key = $2::text
@@ -1009,7 +1009,7 @@ func (q *Queries) FlowStats(ctx context.Context) (FlowStatsRow, error) {
 }
 
 const flowStepRecord = `-- name: FlowStepRecord :exec
-INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, result, attempts, completed_at)
+INSERT INTO idem_flow_step_row (scope, key, seq, name, kind, state, result, attempts, completed_at)
 VALUES ($1::text, $2::text, $3::int, $4::text, 'local', 'done',
         $5::text::jsonb, 1, now())
 `
@@ -1059,7 +1059,7 @@ FROM (
                'c', (extract(epoch FROM s.completed_at) * 1000000)::bigint,
                'x', s.reconciles,
                'l', s.last_reconcile)
-    FROM idem_flow_step AS s
+    FROM idem_flow_step_row AS s
     JOIN idem_flow AS f ON f.scope = s.scope AND f.key = s.key
     WHERE s.scope = $1::text
       AND s.key = $2::text
@@ -1083,7 +1083,7 @@ type FlowStepsRow struct {
 // its record in idem_flow.steps (see FlowLeaseSteps), for the executor that
 // resumes it; for any other flow it reads nothing, so that a replay does
 // not pay for them. A step that a version before migration 00008 recorded
-// in idem_flow_step is read from there, as a record of the same fields,
+// in idem_flow_step_row is read from there, as a record of the same fields,
 // unless the flow's row records it too (a call resumed since).
 func (q *Queries) FlowSteps(ctx context.Context, arg FlowStepsParams) ([]FlowStepsRow, error) {
 	rows, err := q.db.Query(ctx, flowSteps, arg.Scope, arg.Key)

@@ -37,7 +37,7 @@ type IdemFlow struct {
 	Steps             []byte
 }
 
-type IdemFlowStep struct {
+type IdemFlowStepRow struct {
 	Scope         string
 	Key           string
 	Seq           int32
