@@ -423,8 +423,14 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 	// the last call's result.
 	var n int64
 	err = r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
-		dbsqlc.QueueFlowComplete(b, dbsqlc.FlowCompleteParams{Output: pgtype.Text{String: string(output), Valid: true},
-			Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
+		answer := pgtype.Text{String: string(output), Valid: true}
+		if steps.empty() {
+			dbsqlc.QueueFlowCompleteBare(b, dbsqlc.FlowCompleteBareParams{Output: answer, Scope: r.k.scope, Key: r.k.key,
+				Epoch: r.epoch}, &n)
+			return
+		}
+		dbsqlc.QueueFlowComplete(b, dbsqlc.FlowCompleteParams{Output: answer, Steps: steps.text(), Scope: r.k.scope,
+			Key: r.k.key, Epoch: r.epoch}, &n)
 	})
 	switch {
 	case errors.Is(err, ErrLeaseLost):
@@ -469,8 +475,10 @@ type flowRun struct {
 	recorded   map[int32]stepRecord
 	unreadable error
 	// inline is the size of the steps the flow's row records, as far as
-	// the executor knows (see maxInlineSteps).
-	inline int
+	// the executor knows; spilled is set once a step went to a row of its
+	// own, after which every new step does (see maxInlineSteps).
+	inline  int
+	spilled bool
 	// next is the place of the function's next step; names are the steps
 	// it took (see took).
 	next  int32
@@ -545,7 +553,7 @@ func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch i
 	}
 	r.lease.init(o.lease)
 	r.lease.renewed(sent)
-	r.recorded, r.inline, r.unreadable = recordedSteps(recorded)
+	r.recorded, r.inline, r.spilled, r.unreadable = recordedSteps(recorded)
 	return r
 }
 

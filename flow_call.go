@@ -227,19 +227,45 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 	var leased bool
 	var patch *stepPatch
 	err := r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
-		steps.add(seq, &rec)
 		if patch = steps; steps.starting {
+			// The flow's row, written now, carries the intent.
+			steps.add(seq, &rec)
+			r.inline += len(rec.appendJSON(nil))
 			steps.carry(name)
+			return
+		}
+		// A record that goes to a row of its own (see maxInlineSteps)
+		// returns when the call's first attempt was made; FlowLeaseUntil
+		// renews the lease when nothing goes to the flow's row.
+		row := r.inRow(seq, &rec)
+		steps.put(seq, &rec, row) // over its row if it has one (rec.inRow)
+		rec.inRow = row
+		r.queueStepRows(b, steps)
+		if rec.inRow && steps.empty() {
+			dbsqlc.QueueFlowLeaseUntil(b, dbsqlc.FlowLeaseUntilParams{Lease: pgtime.Interval(r.o.lease), Step: name,
+				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &start.LeasedUntil, &leased)
 			return
 		}
 		dbsqlc.QueueFlowCallIntent(b, dbsqlc.FlowCallIntentParams{Lease: pgtime.Interval(r.o.lease), Step: name,
 			Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq}, &start, &leased)
 	})
-	if err == nil && patch != nil && patch.carried {
+	switch {
+	case err != nil || patch == nil:
+	case patch.carried:
 		// The intent's stamp is the transaction's now(), which is also
 		// the row's created_at.
 		start.LeasedUntil, leased = patch.start.heldRow.LeasedUntil, patch.start.written
 		start.FirstCalledAt = patch.start.heldRow.CreatedAt.Time.UnixMicro()
+	case rec.inRow:
+		// The intent's row says when the first attempt was made; without
+		// it, the executor no longer holds the flow.
+		found := false
+		for _, w := range patch.written {
+			if w.Seq == seq {
+				start.FirstCalledAt, found = w.FirstCalledAt, true
+			}
+		}
+		leased = leased && found
 	}
 	switch {
 	case errors.Is(err, ErrLeaseLost):
@@ -252,7 +278,6 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 	r.lease.renewed(sent)
 	rec.FirstCalled = start.FirstCalledAt
 	r.setRecorded(seq, rec)
-	r.inlined(&rec)
 	// Past the provider's window: the first attempt that may have reached
 	// the other system is older than the window, by the server's clock at
 	// the intent (the lease it renewed, less the lease).
@@ -335,7 +360,9 @@ func recordCall[T any](ctx context.Context, r *flowRun, seq int32, name string, 
 	// ended: its store is free.
 	r.resultStore = pendingStep{seq: seq, rec: rec}
 	r.result = &r.resultStore
-	r.inline += len(encoded)
+	if !rec.inRow {
+		r.inline += len(encoded)
+	}
 	if now {
 		if err := r.flush(ctx, nil); err != nil {
 			return zero, err
@@ -363,6 +390,13 @@ func (r *flowRun) recordSteps(ctx context.Context, seq int32, rec *stepRecord) b
 	steps.add(seq, rec)
 	var n int64
 	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
+		if rec.inRow {
+			// A step recorded as a row of its own (see maxInlineSteps).
+			written, err := q.FlowStepRowsUpdate(ctx, dbsqlc.FlowStepRowsUpdateParams{Steps: steps.text().String,
+				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
+			n = int64(len(written))
+			return err
+		}
 		n, err = q.FlowRecordSteps(ctx, dbsqlc.FlowRecordStepsParams{Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
 		return err
 	})

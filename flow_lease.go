@@ -296,6 +296,11 @@ func (r *flowRun) release(ctx context.Context, why string) (held bool) {
 	// call's result.
 	var n int64
 	err := r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
+		if steps.empty() {
+			dbsqlc.QueueFlowReleaseBare(b, dbsqlc.FlowReleaseBareParams{LastError: sealText(why, r.k.scope, r.o),
+				Step: steps.atText(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
+			return
+		}
 		dbsqlc.QueueFlowRelease(b, dbsqlc.FlowReleaseParams{LastError: sealText(why, r.k.scope, r.o),
 			Step: steps.atText(), Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 	})
@@ -311,6 +316,11 @@ func (r *flowRun) release(ctx context.Context, why string) (held bool) {
 func (r *flowRun) stop(ctx context.Context, why string) error {
 	var n int64
 	err := r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
+		if steps.empty() {
+			dbsqlc.QueueFlowStopBare(b, dbsqlc.FlowStopBareParams{LastError: sealText(why, r.k.scope, r.o), Step: steps.atText(),
+				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
+			return
+		}
 		dbsqlc.QueueFlowStop(b, dbsqlc.FlowStopParams{LastError: sealText(why, r.k.scope, r.o), Step: steps.atText(), Steps: steps.text(),
 			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 	})

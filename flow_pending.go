@@ -25,10 +25,12 @@ import (
 // A call's result is kept (flowRun.result) until the next write of the
 // flow's row: the next local step's (as its transaction commits: that
 // step's BEGIN only locks the row, FlowLock), the next call's intent, the
-// answer, in the same transaction. So local–call–local commits twice, and
-// writes the flow's row three times: every record goes into the write of
-// the row that the statement it travels with makes anyway (see
-// flow_records.go).
+// answer, in the same transaction. So local–call–local commits twice,
+// writes the flow's row twice (an insert as its first step commits,
+// FlowStartHeld; an update with the answer) and locks it once (its second
+// step's BEGIN): every record goes into the write of the row that the
+// statement it travels with makes anyway, or, past maxInlineSteps, into a
+// row of its own (see flow_records.go).
 //
 // What does not change: no call is made with a transaction open or a
 // connection held (its intent commits first, with whatever was pending);
@@ -311,8 +313,11 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 		steps.at = open.name // FlowLock did not note it
 	}
 	if carried {
-		steps.add(r.result.seq, &r.result.rec)
+		steps.put(r.result.seq, &r.result.rec, r.result.rec.inRow)
 	}
+	// The records that go to rows of their own, before the statement
+	// that writes the flow's row (which may end the flow).
+	r.queueStepRows(b, &steps)
 	first := b.Len()
 	switch {
 	case queue != nil:
@@ -323,12 +328,10 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	case open != nil:
 		// Nothing after the record renews the lease: the record does,
 		// for the steps after this one.
-		lease := open.lease
-		lease.Steps = steps.text()
-		dbsqlc.QueueFlowLeaseSteps(b, lease, leased)
+		queueLease(b, open.lease, &steps, leased)
 	case carried:
-		dbsqlc.QueueFlowLeaseSteps(b, dbsqlc.FlowLeaseStepsParams{Lease: pgtime.Interval(r.o.lease), Step: r.result.rec.Name,
-			Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, leased)
+		queueLease(b, dbsqlc.FlowLeaseStepsParams{Lease: pgtime.Interval(r.o.lease), Step: r.result.rec.Name,
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &steps, leased)
 	}
 	if held {
 		// The row first, before the statements that write it again.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strconv"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
@@ -36,6 +37,9 @@ type stepRecord struct {
 	// found.
 	Reconciles    int32  `json:"x,omitempty"`
 	LastReconcile string `json:"l,omitempty"`
+	// inRow is set for a step recorded as a row of its own
+	// (idem_flow_step_row), where its further records go too.
+	inRow bool
 }
 
 // The states of a call without a result, as a step's record spells them.
@@ -124,6 +128,12 @@ type stepPatch struct {
 	starting, carried bool
 	step              string
 	start             *starting
+	// rows are the records that go to rows of their own, as b without its
+	// closing brace: of steps without a row yet (FlowStepRows), and over
+	// their rows (updates, FlowStepRowsUpdate); written is what those
+	// wrote.
+	rows, updates []byte
+	written       []dbsqlc.FlowStepRowsRow
 }
 
 // carry lets the flow's row, still to be written, carry the records, at
@@ -133,17 +143,61 @@ func (p *stepPatch) carry(step string) { p.carried, p.step = true, step }
 // atText is at as those statements take it: NULL when empty.
 func (p *stepPatch) atText() pgtype.Text { return pgtype.Text{String: p.at, Valid: p.at != ""} }
 
-// add adds the record of the step at seq.
-func (p *stepPatch) add(seq int32, rec *stepRecord) {
-	if len(p.b) == 0 {
-		p.b = append(p.b, '{')
-	} else {
-		p.b = append(p.b, ',')
+// add adds the record of the step at seq, for the flow's row.
+func (p *stepPatch) add(seq int32, rec *stepRecord) { p.b = appendRecord(p.b, seq, rec) }
+
+// put adds the record of the step at seq: for a row of its own when row
+// is set (FlowStepRows, see maxInlineSteps), else for the flow's row.
+// A record goes over the step's row when the step has one (rec.inRow, as
+// recorded before).
+func (p *stepPatch) put(seq int32, rec *stepRecord, row bool) {
+	switch {
+	case row && rec.inRow:
+		p.updates = appendRecord(p.updates, seq, rec)
+	case row:
+		p.rows = appendRecord(p.rows, seq, rec)
+	default:
+		p.add(seq, rec)
 	}
-	p.b = append(p.b, '"')
-	p.b = strconv.AppendInt(p.b, int64(seq), 10)
-	p.b = append(p.b, `":`...)
-	p.b = rec.appendJSON(p.b)
+}
+
+// appendRecord appends to b, a JSON object being written, the record of
+// the step at seq.
+func appendRecord(b []byte, seq int32, rec *stepRecord) []byte {
+	if len(b) == 0 {
+		b = append(b, '{')
+	} else {
+		b = append(b, ',')
+	}
+	b = append(b, '"')
+	b = strconv.AppendInt(b, int64(seq), 10)
+	b = append(b, `":`...)
+	return rec.appendJSON(b)
+}
+
+// empty reports whether the patch holds no record for the flow's row: the
+// statement that writes the row then leaves its steps as they are (the
+// Bare statements, FlowLease), rather than write them again.
+func (p *stepPatch) empty() bool { return len(p.b) == 0 }
+
+// queueStepRows queues on b, before the statement that writes the flow's
+// row, FlowStepRows and FlowStepRowsUpdate for the records that go to rows
+// of their own, if any, and returns how many statements it queued. It
+// empties them: what it queued is sent.
+func (r *flowRun) queueStepRows(b *pgx.Batch, p *stepPatch) int {
+	n := 0
+	if len(p.rows) > 0 {
+		dbsqlc.QueueFlowStepRows(b, dbsqlc.FlowStepRowsParams{Steps: string(p.rows) + "}", Scope: r.k.scope, Key: r.k.key,
+			Epoch: r.epoch}, &p.written)
+		n++
+	}
+	if len(p.updates) > 0 {
+		dbsqlc.QueueFlowStepRowsUpdate(b, dbsqlc.FlowStepRowsUpdateParams{Steps: string(p.updates) + "}", Scope: r.k.scope,
+			Key: r.k.key, Epoch: r.epoch}, &p.written)
+		n++
+	}
+	p.rows, p.updates = p.rows[:0], p.updates[:0]
+	return n
 }
 
 // text is the patch as the statements take it: NULL when empty.
@@ -164,12 +218,16 @@ type pendingStep struct {
 }
 
 // maxInlineSteps bounds the JSON of the steps a flow's row records, as
-// far as its executor knows (what it read and wrote): past it, a local
-// step is recorded as a row of its own (FlowStepRecord), as idem did
-// before migration 00008, so that a flow of many steps, or of large
-// results, does not copy them all again at each write of its row (past
-// about 2 kB, in TOAST). Calls are always recorded in the row.
-const maxInlineSteps = 1024
+// far as its executor knows (what it read and wrote, in bytes): a new
+// step whose record would take it past the bound is recorded as a row of
+// its own (FlowStepRecord for a local step, FlowStepRows for a call), as
+// idem did before migration 00008, and so are its further records (a
+// call's result after its intent). So once a flow's row records that
+// much, or a large result, every further step goes to rows, and the
+// flow's row, whose later writes leave its steps as they are (FlowLease,
+// the Bare statements), is not copied again and again: the WAL of a long
+// flow grows with its steps, not with their square.
+const maxInlineSteps = 256
 
 // rowParams are the arguments of FlowStepRecord for a local step recorded
 // as a row.
@@ -178,15 +236,19 @@ func (p *pendingStep) rowParams(k keyRef) dbsqlc.FlowStepRecordParams {
 		Result: pgtype.Text{String: string(p.rec.Result), Valid: true}}
 }
 
-// inlined counts rec, written into the flow's row, against
-// maxInlineSteps.
-func (r *flowRun) inlined(rec *stepRecord) { r.inline += len(rec.appendJSON(nil)) }
-
-// spills reports whether a local step's record, rec, goes to a row of its
-// own rather than the flow's row (see maxInlineSteps), counting it if not.
-func (r *flowRun) spills(rec *stepRecord) bool {
+// inRow reports whether a record of the step at seq, rec, goes to a row
+// of its own (see maxInlineSteps): where the step's earlier records went;
+// for a new step, when the flow's row would record more than
+// maxInlineSteps with it, or an earlier step went to a row (r.spilled): the
+// flow's row then records no new step again. A record for the flow's row
+// is counted.
+func (r *flowRun) inRow(seq int32, rec *stepRecord) bool {
+	if earlier, ok := r.recorded[seq]; ok && earlier.inRow {
+		return true
+	}
 	n := len(rec.appendJSON(nil))
-	if r.inline+n > maxInlineSteps {
+	if _, ok := r.recorded[seq]; !ok && (r.spilled || r.inline+n > maxInlineSteps) {
+		r.spilled = true
 		return true
 	}
 	r.inline += n
@@ -203,25 +265,46 @@ func (r *flowRun) setRecorded(seq int32, rec stepRecord) {
 	r.recorded[seq] = rec
 }
 
-// recordedSteps decodes the records FlowSteps read, and returns their
-// size, counted against maxInlineSteps; the map is nil when there are
+// recordedSteps decodes the records FlowSteps read, and returns the size
+// of those in the flow's row, counted against maxInlineSteps, and whether
+// new steps go to rows (flowRun.spilled); the map is nil when there are
 // none.
-func recordedSteps(rows []dbsqlc.FlowStepsRow) (map[int32]stepRecord, int, error) {
+func recordedSteps(rows []dbsqlc.FlowStepsRow) (recorded map[int32]stepRecord, size int, spilled bool, err error) {
 	if len(rows) == 0 {
-		return nil, 0, nil
+		return nil, 0, false, nil
 	}
-	recorded := make(map[int32]stepRecord, len(rows))
-	size := 0
+	recorded = make(map[int32]stepRecord, len(rows))
 	for _, row := range rows {
-		size += len(row.Rec)
+		if !row.InRow {
+			size += len(row.Rec)
+		}
 		var rec stepRecord
 		if err := json.Unmarshal(row.Rec, &rec); err != nil {
-			return nil, 0, fmt.Errorf("idem: flow: step %d's record: %w", row.Seq, err)
+			return nil, 0, false, fmt.Errorf("idem: flow: step %d's record: %w", row.Seq, err)
 		}
 		if !rec.done() {
 			rec.Result = nil // a call's, read from idem_flow_step_row: null
 		}
+		rec.inRow = row.InRow
 		recorded[row.Seq] = rec
+		spilled = spilled || row.InRow
 	}
-	return recorded, size, nil
+	return recorded, size, spilled || size > maxInlineSteps, nil
+}
+
+// queueLease queues lease on b: FlowLeaseSteps with the records of steps
+// for the flow's row, or FlowLease when there are none, which leaves the
+// flow's steps as they are.
+func queueLease(b *pgx.Batch, lease dbsqlc.FlowLeaseStepsParams, steps *stepPatch, leased *bool) {
+	if steps.empty() {
+		dbsqlc.QueueFlowLease(b, bareLease(lease), leased)
+		return
+	}
+	lease.Steps = steps.text()
+	dbsqlc.QueueFlowLeaseSteps(b, lease, leased)
+}
+
+// bareLease is lease without records: FlowLease's.
+func bareLease(lease dbsqlc.FlowLeaseStepsParams) dbsqlc.FlowLeaseParams {
+	return dbsqlc.FlowLeaseParams{Lease: lease.Lease, Step: lease.Step, Scope: lease.Scope, Key: lease.Key, Epoch: lease.Epoch}
 }

@@ -15,10 +15,9 @@ import (
 )
 
 // oldSteps moves the steps that the flows of scope recorded in their rows
-// to idem_flow_step_row, as the versions before migration 00008 recorded them
-// (in idem_flow_step, which 00008 renamed)
-// (the statement is that migration's Down): a flow in flight across the
-// upgrade.
+// to idem_flow_step_row, as the versions before migration 00008 recorded
+// them (in idem_flow_step, which 00008 renamed; the statement is that
+// migration's Down): a flow in flight across the upgrade.
 func oldSteps(t *testing.T, pool *pgxpool.Pool, scope string) {
 	t.Helper()
 	_, err := pool.Exec(t.Context(), `
@@ -84,10 +83,13 @@ func TestFlowRecordedBeforeTheUpgradeResumes(t *testing.T) {
 	}
 }
 
-// A flow whose row already records many steps, or large ones, records its
-// further local steps as rows of their own (as older versions did), so
-// that each write of its row does not copy them all: a resumed run reads
-// both, in order, and runs none of the recorded steps again.
+// A flow whose row records a large result, or many steps, records its
+// further steps, local steps and calls, as rows of their own (as older
+// versions did), and writes its row without its records from then on, so
+// that no write of the row copies them again: the flow's row keeps the
+// first, small step; the large steps and the call are rows, the call's
+// row written again as it is resumed. A resumed run reads both, in
+// order, and runs none of the recorded steps again.
 func TestFlowOfLargeStepsRecordsTheRestAsRows(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	var ran atomic.Int64
@@ -99,6 +101,9 @@ func TestFlowOfLargeStepsRecordsTheRestAsRows(t *testing.T) {
 		for _, name := range []string{"a", "b", "c"} {
 			v, err := idem.Local(s, name, func(ctx context.Context, tx pgx.Tx) (string, error) {
 				ran.Add(1)
+				if name == "a" {
+					return name, nil
+				}
 				return name + large, nil
 			})
 			if err != nil {
@@ -118,19 +123,34 @@ func TestFlowOfLargeStepsRecordsTheRestAsRows(t *testing.T) {
 		}
 		return strings.Join(got, "") + " " + id, nil
 	})
+	placed := func() (inRow, rows string, steps []byte) {
+		t.Helper()
+		err := pool.QueryRow(ctx, `SELECT (SELECT coalesce(string_agg(k, ',' ORDER BY k), '') FROM idem_flow f, jsonb_object_keys(f.steps) k
+		        WHERE f.scope = $1),
+		    (SELECT coalesce(string_agg(seq::text || ':' || state || ':' || attempts, ',' ORDER BY seq), '')
+		        FROM idem_flow_step_row WHERE scope = $1),
+		    (SELECT steps::text::bytea FROM idem_flow WHERE scope = $1)`, scope).Scan(&inRow, &rows, &steps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return inRow, rows, steps
+	}
 	if _, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); err == nil {
 		t.Fatal("the first run succeeded")
 	}
-	var inRow, rows int
-	err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_flow f, jsonb_object_keys(f.steps) WHERE f.scope = $1),
-		(SELECT count(*) FROM idem_flow_step_row WHERE scope = $1)`, scope).Scan(&inRow, &rows)
-	if err != nil || inRow != 2 || rows != 2 {
-		t.Fatalf("%d steps in the flow's row, %d rows, %v; want a and the call in the row, b and c as rows", inRow, rows, err)
+	inRow, rows, before := placed()
+	if inRow != "0" || rows != "1:done:1,2:done:1,3:calling:1" {
+		t.Fatalf("in the flow's row: steps %q; as rows: %q; want a in the row, b, c and the call's intent as rows", inRow, rows)
 	}
 	fail.Store(false)
 	res, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500})
 	if err != nil || res.Value != "abc ch_1" || ran.Load() != 3 {
 		t.Fatalf("the retry: %+v, %v, %d local steps ran; want abc ch_1, 3", res, err, ran.Load())
+	}
+	inRow, rows, after := placed()
+	if inRow != "0" || rows != "1:done:1,2:done:1,3:done:2" || string(after) != string(before) {
+		t.Fatalf("after the retry: in the flow's row %q (%s, was %s); as rows %q; want the row's records unchanged, the call done as a row",
+			inRow, after, before, rows)
 	}
 	info, err := idem.InspectFlow(ctx, pool, scope, "k")
 	if err != nil || len(info.Steps) != 4 {
@@ -141,7 +161,7 @@ func TestFlowOfLargeStepsRecordsTheRestAsRows(t *testing.T) {
 			t.Fatalf("step %d: %+v, want %s done", i, s, want)
 		}
 	}
-	if s := info.Steps[3]; s.Attempts != 2 || s.Kind != "call" {
+	if s := info.Steps[3]; s.Attempts != 2 || s.Kind != "call" || s.FirstCalledAt.IsZero() {
 		t.Fatalf("the call: %+v; want 2 attempts", s)
 	}
 }

@@ -204,7 +204,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		return zero, fmt.Errorf("result: %w", err)
 	}
 	record := pendingStep{seq: seq, rec: stepRecord{Name: name, Result: encoded, Completed: stampNow}}
-	record.row = r.spills(&record.rec)
+	record.row = r.inRow(seq, &record.rec)
 	if deferred {
 		value, err := decodedResult[T](r, encoded)
 		if err != nil {
@@ -223,7 +223,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		steps.add(record.seq, &record.rec)
 	}
 	if carries {
-		steps.add(r.result.seq, &r.result.rec)
+		steps.put(r.result.seq, &r.result.rec, r.result.rec.inRow)
 	}
 	lease.Steps = steps.text()
 	if !pipelined {
@@ -233,7 +233,19 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 				return zero, translate("record step", err)
 			}
 		}
-		if _, err := q.FlowLeaseSteps(ctx, lease); err != nil {
+		if len(steps.updates) > 0 {
+			if _, err := q.FlowStepRowsUpdate(ctx, dbsqlc.FlowStepRowsUpdateParams{Steps: string(steps.updates) + "}",
+				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}); err != nil {
+				return zero, translate("record step", err)
+			}
+		}
+		var err error
+		if steps.empty() {
+			_, err = q.FlowLease(ctx, bareLease(lease))
+		} else {
+			_, err = q.FlowLeaseSteps(ctx, lease)
+		}
+		if err != nil {
 			return zero, translate("record step", err)
 		}
 		ended = true
@@ -250,12 +262,18 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	if record.row {
 		dbsqlc.QueueFlowStepRecord(b, record.rowParams(r.k))
 	}
-	dbsqlc.QueueFlowLeaseSteps(b, lease, leased)
+	rowStatements := r.queueStepRows(b, &steps)
+	queueLease(b, lease, &steps, leased)
 	dbsqlc.QueueTxCommit(b)
 	results := tx.SendBatch(ctx, b)
 	var recordErr error
 	if record.row {
 		_, recordErr = results.Exec()
+	}
+	for range rowStatements {
+		if _, err := results.Exec(); recordErr == nil {
+			recordErr = err
+		}
 	}
 	if _, err := results.Exec(); recordErr == nil { // FlowLeaseSteps: the row is held, it renews and records
 		recordErr = err

@@ -183,10 +183,12 @@ WHERE scope = @scope::text
 -- resumes it; for any other flow it reads nothing, so that a replay does
 -- not pay for them. A step that a version before migration 00008 recorded
 -- in idem_flow_step_row is read from there, as a record of the same fields,
--- unless the flow's row records it too (a call resumed since).
-SELECT seq::int AS seq, rec::jsonb AS rec
+-- unless the flow's row records it too (a call resumed since); so is one
+-- that this version recorded as a row (FlowStepRecord, FlowStepRows):
+-- in_row says which, for the step's further records to go there too.
+SELECT seq::int AS seq, rec::jsonb AS rec, in_row::boolean AS in_row
 FROM (
-    SELECT s.key::int AS seq, s.value AS rec
+    SELECT s.key::int AS seq, s.value AS rec, false AS in_row
     FROM idem_flow AS f, jsonb_each(f.steps) AS s(key, value)
     WHERE f.scope = @scope::text
       AND f.key = @key::text
@@ -201,7 +203,7 @@ FROM (
                'f', (extract(epoch FROM s.first_called_at) * 1000000)::bigint,
                'c', (extract(epoch FROM s.completed_at) * 1000000)::bigint,
                'x', s.reconciles,
-               'l', s.last_reconcile)
+               'l', s.last_reconcile), true
     FROM idem_flow_step_row AS s
     JOIN idem_flow AS f ON f.scope = s.scope AND f.key = s.key
     WHERE s.scope = @scope::text
@@ -267,7 +269,8 @@ WHERE scope = @scope::text
 -- over while the step's writes are open; it affects (selects) no row when
 -- the executor no longer holds the flow (see FlowLease). It renews
 -- nothing and writes no new version of the row (only the lock): the
--- step's one write of the row, FlowLease or the flow's next statement,
+-- step's one write of the row, FlowLeaseSteps (FlowLease when its record
+-- is a row of its own, FlowStepRecord) or the flow's next statement,
 -- renews the lease and records the step (and a call's result still to
 -- record) once the step's function has returned.
 SELECT
@@ -296,12 +299,78 @@ WHERE scope = @scope::text
 -- the transaction of its writes, which holds the flow's row (FlowLock):
 -- both commit together or not at all. Only a flow whose row already
 -- records many steps, or large ones, records a local step this way
--- (maxInlineSteps in flow_records.go), so that each write of the flow's
--- row does not copy ever more; the step's row is read as the steps of
--- older versions are (FlowSteps).
+-- (maxInlineSteps in flow_records.go), and then every further step, its
+-- calls too (FlowStepRows): the flow's row is written without its
+-- records from then on, so that no write of it copies them again. The
+-- step's row is read as the steps of older versions are (FlowSteps).
 INSERT INTO idem_flow_step_row (scope, key, seq, name, kind, state, result, attempts, completed_at)
 VALUES (@scope::text, @key::text, @seq::int, @step::text, 'local', 'done',
         sqlc.narg(result)::text::jsonb, 1, now());
+
+-- name: FlowLeaseUntil :one
+-- FlowLeaseUntil is FlowLease that returns the lease it renewed (no row
+-- when the executor no longer holds the flow): a call's intent recorded
+-- as a row (FlowStepRows), which FlowCallIntent would return.
+UPDATE idem_flow
+SET leased_until = statement_timestamp() + @lease::interval,
+    step = @step::text
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running'
+RETURNING leased_until;
+
+-- name: FlowStepRows :many
+-- FlowStepRows records what @steps holds (see FlowLeaseSteps), steps not
+-- recorded yet, as rows of idem_flow_step_row, instead of in the flow's row:
+-- the records of a flow whose row already records many steps, or large
+-- ones (maxInlineSteps in flow_records.go), so that no write of
+-- the flow's row copies them again. It is fenced as the statements that
+-- write the flow's row are: it records nothing when the executor no
+-- longer holds the flow (see FlowLease), and is sent before the
+-- statement of the same transaction that ends the flow. It returns each
+-- record's place and when its call's first attempt was made (f: the
+-- statement's now() where @steps stands it in), which FlowCallIntent
+-- returns for a call recorded in the flow's row.
+INSERT INTO idem_flow_step_row AS t (scope, key, seq, name, kind, state, result, attempts, first_called_at, completed_at,
+                                     reconciles, last_reconcile)
+SELECT f.scope, f.key, r.key::int, r.value->>'n',
+       CASE WHEN r.value ? 'a' THEN 'call' ELSE 'local' END,
+       coalesce(r.value->>'s', 'done'), r.value->'r', coalesce((r.value->>'a')::int, 1),
+       timestamptz 'epoch' + (r.value->>'f')::bigint * interval '1 microsecond',
+       timestamptz 'epoch' + (r.value->>'c')::bigint * interval '1 microsecond',
+       coalesce((r.value->>'x')::int, 0), r.value->>'l'
+FROM idem_flow AS f,
+     jsonb_each(replace(@steps::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb) AS r(key, value)
+WHERE f.scope = @scope::text
+  AND f.key = @key::text
+  AND f.epoch = @epoch::bigint
+  AND f.state = 'running'
+RETURNING t.seq, coalesce((extract(epoch FROM t.first_called_at) * 1000000)::bigint, 0)::bigint AS first_called_at;
+
+-- name: FlowStepRowsUpdate :many
+-- FlowStepRowsUpdate is FlowStepRows for steps already recorded as rows
+-- (a call's result after its intent, a call resumed): it writes each
+-- record whole over its row.
+UPDATE idem_flow_step_row AS t
+SET name = r.value->>'n',
+    state = coalesce(r.value->>'s', 'done'),
+    result = r.value->'r',
+    attempts = coalesce((r.value->>'a')::int, 1),
+    first_called_at = timestamptz 'epoch' + (r.value->>'f')::bigint * interval '1 microsecond',
+    completed_at = timestamptz 'epoch' + (r.value->>'c')::bigint * interval '1 microsecond',
+    reconciles = coalesce((r.value->>'x')::int, 0),
+    last_reconcile = r.value->>'l'
+FROM idem_flow AS f,
+     jsonb_each(replace(@steps::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb) AS r(key, value)
+WHERE t.scope = @scope::text
+  AND t.key = @key::text
+  AND t.seq = r.key::int
+  AND f.scope = @scope::text
+  AND f.key = @key::text
+  AND f.epoch = @epoch::bigint
+  AND f.state = 'running'
+RETURNING t.seq, coalesce((extract(epoch FROM t.first_called_at) * 1000000)::bigint, 0)::bigint AS first_called_at;
 
 -- name: FlowCallIntent :one
 -- FlowCallIntent records the intent of a call before the other system is
@@ -312,9 +381,10 @@ VALUES (@scope::text, @key::text, @seq::int, @step::text, 'local', 'done',
 -- call, or one whose earlier attempts surely did not reach the other
 -- system), and the lease it renewed, which ends @lease after the
 -- statement's time: a call resumed past the provider's window is one
--- whose first attempt is older than that time minus the window. (Citus
--- refuses a function that is not immutable in RETURNING, now() among
--- them.)
+-- whose first attempt is older than that time minus the window (0 when
+-- the call's record went to a row of its own: FlowStepRows returns it).
+-- (Citus refuses a function that is not immutable in RETURNING, now()
+-- among them.)
 UPDATE idem_flow
 SET leased_until = statement_timestamp() + @lease::interval,
     step = @step::text,
@@ -324,7 +394,7 @@ WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
   AND state = 'running'
-RETURNING (steps -> (@seq::int)::text ->> 'f')::bigint AS first_called_at, leased_until;
+RETURNING coalesce((steps -> (@seq::int)::text ->> 'f')::bigint, 0)::bigint AS first_called_at, leased_until;
 
 -- name: FlowComplete :execrows
 -- FlowComplete records the flow's answer, with what @steps holds (see
@@ -336,6 +406,22 @@ SET state = 'done',
     output = sqlc.narg(output)::text::jsonb,
     steps = coalesce(steps, '{}'::jsonb)
         || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb,
+    leased_until = NULL,
+    step = NULL,
+    last_error = NULL,
+    completed_at = now(),
+    expires_at = to_timestamp((extract(epoch FROM now()) + extract(epoch FROM retention))::float8)
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running';
+
+-- name: FlowCompleteBare :execrows
+-- FlowCompleteBare is FlowComplete with nothing to record in the flow's
+-- row, which it leaves as it is: its steps are not written again.
+UPDATE idem_flow
+SET state = 'done',
+    output = sqlc.narg(output)::text::jsonb,
     leased_until = NULL,
     step = NULL,
     last_error = NULL,
@@ -370,6 +456,18 @@ WHERE scope = @scope::text
   AND epoch = @epoch::bigint
   AND state = 'running';
 
+-- name: FlowReleaseBare :execrows
+-- FlowReleaseBare is FlowRelease with nothing to record in the flow's
+-- row, which it leaves as it is: its steps are not written again.
+UPDATE idem_flow
+SET leased_until = least(leased_until, statement_timestamp()),
+    last_error = @last_error::text,
+    step = coalesce(sqlc.narg(step)::text, step)
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running';
+
 -- name: FlowStop :execrows
 -- FlowStop stops a running flow that needs a person's decision (a call
 -- past the provider's window, a result that cannot be stored), so that
@@ -383,6 +481,19 @@ SET state = 'attention',
     step = coalesce(sqlc.narg(step)::text, step),
     steps = coalesce(steps, '{}'::jsonb)
         || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running';
+
+-- name: FlowStopBare :execrows
+-- FlowStopBare is FlowStop with nothing to record in the flow's row,
+-- which it leaves as it is: its steps are not written again.
+UPDATE idem_flow
+SET state = 'attention',
+    leased_until = NULL,
+    last_error = @last_error::text,
+    step = coalesce(sqlc.narg(step)::text, step)
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint

@@ -123,7 +123,7 @@ WHERE scope = $4::text
   AND key = $5::text
   AND epoch = $6::bigint
   AND state = 'running'
-RETURNING (steps -> ($7::int)::text ->> 'f')::bigint AS first_called_at, leased_until
+RETURNING coalesce((steps -> ($7::int)::text ->> 'f')::bigint, 0)::bigint AS first_called_at, leased_until
 `
 
 type FlowCallIntentParams struct {
@@ -149,9 +149,10 @@ type FlowCallIntentRow struct {
 // call, or one whose earlier attempts surely did not reach the other
 // system), and the lease it renewed, which ends @lease after the
 // statement's time: a call resumed past the provider's window is one
-// whose first attempt is older than that time minus the window. (Citus
-// refuses a function that is not immutable in RETURNING, now() among
-// them.)
+// whose first attempt is older than that time minus the window (0 when
+// the call's record went to a row of its own: FlowStepRows returns it).
+// (Citus refuses a function that is not immutable in RETURNING, now()
+// among them.)
 func (q *Queries) FlowCallIntent(ctx context.Context, arg FlowCallIntentParams) (FlowCallIntentRow, error) {
 	row := q.db.QueryRow(ctx, flowCallIntent,
 		arg.Lease,
@@ -200,6 +201,43 @@ func (q *Queries) FlowComplete(ctx context.Context, arg FlowCompleteParams) (int
 	result, err := q.db.Exec(ctx, flowComplete,
 		arg.Output,
 		arg.Steps,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const flowCompleteBare = `-- name: FlowCompleteBare :execrows
+UPDATE idem_flow
+SET state = 'done',
+    output = $1::text::jsonb,
+    leased_until = NULL,
+    step = NULL,
+    last_error = NULL,
+    completed_at = now(),
+    expires_at = to_timestamp((extract(epoch FROM now()) + extract(epoch FROM retention))::float8)
+WHERE scope = $2::text
+  AND key = $3::text
+  AND epoch = $4::bigint
+  AND state = 'running'
+`
+
+type FlowCompleteBareParams struct {
+	Output pgtype.Text
+	Scope  string
+	Key    string
+	Epoch  int64
+}
+
+// FlowCompleteBare is FlowComplete with nothing to record in the flow's
+// row, which it leaves as it is: its steps are not written again.
+func (q *Queries) FlowCompleteBare(ctx context.Context, arg FlowCompleteBareParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowCompleteBare,
+		arg.Output,
 		arg.Scope,
 		arg.Key,
 		arg.Epoch,
@@ -537,6 +575,41 @@ func (q *Queries) FlowLeaseSteps(ctx context.Context, arg FlowLeaseStepsParams) 
 	return result.RowsAffected(), nil
 }
 
+const flowLeaseUntil = `-- name: FlowLeaseUntil :one
+UPDATE idem_flow
+SET leased_until = statement_timestamp() + $1::interval,
+    step = $2::text
+WHERE scope = $3::text
+  AND key = $4::text
+  AND epoch = $5::bigint
+  AND state = 'running'
+RETURNING leased_until
+`
+
+type FlowLeaseUntilParams struct {
+	Lease pgtype.Interval
+	Step  string
+	Scope string
+	Key   string
+	Epoch int64
+}
+
+// FlowLeaseUntil is FlowLease that returns the lease it renewed (no row
+// when the executor no longer holds the flow): a call's intent recorded
+// as a row (FlowStepRows), which FlowCallIntent would return.
+func (q *Queries) FlowLeaseUntil(ctx context.Context, arg FlowLeaseUntilParams) (pgtype.Timestamptz, error) {
+	row := q.db.QueryRow(ctx, flowLeaseUntil,
+		arg.Lease,
+		arg.Step,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	var leased_until pgtype.Timestamptz
+	err := row.Scan(&leased_until)
+	return leased_until, err
+}
+
 const flowLock = `-- name: FlowLock :execrows
 SELECT
 FROM idem_flow
@@ -558,7 +631,8 @@ type FlowLockParams struct {
 // over while the step's writes are open; it affects (selects) no row when
 // the executor no longer holds the flow (see FlowLease). It renews
 // nothing and writes no new version of the row (only the lock): the
-// step's one write of the row, FlowLease or the flow's next statement,
+// step's one write of the row, FlowLeaseSteps (FlowLease when its record
+// is a row of its own, FlowStepRecord) or the flow's next statement,
 // renews the lease and records the step (and a call's result still to
 // record) once the step's function has returned.
 func (q *Queries) FlowLock(ctx context.Context, arg FlowLockParams) (int64, error) {
@@ -707,6 +781,41 @@ func (q *Queries) FlowRelease(ctx context.Context, arg FlowReleaseParams) (int64
 		arg.LastError,
 		arg.Step,
 		arg.Steps,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const flowReleaseBare = `-- name: FlowReleaseBare :execrows
+UPDATE idem_flow
+SET leased_until = least(leased_until, statement_timestamp()),
+    last_error = $1::text,
+    step = coalesce($2::text, step)
+WHERE scope = $3::text
+  AND key = $4::text
+  AND epoch = $5::bigint
+  AND state = 'running'
+`
+
+type FlowReleaseBareParams struct {
+	LastError string
+	Step      pgtype.Text
+	Scope     string
+	Key       string
+	Epoch     int64
+}
+
+// FlowReleaseBare is FlowRelease with nothing to record in the flow's
+// row, which it leaves as it is: its steps are not written again.
+func (q *Queries) FlowReleaseBare(ctx context.Context, arg FlowReleaseBareParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowReleaseBare,
+		arg.LastError,
+		arg.Step,
 		arg.Scope,
 		arg.Key,
 		arg.Epoch,
@@ -1026,9 +1135,10 @@ type FlowStepRecordParams struct {
 // the transaction of its writes, which holds the flow's row (FlowLock):
 // both commit together or not at all. Only a flow whose row already
 // records many steps, or large ones, records a local step this way
-// (maxInlineSteps in flow_records.go), so that each write of the flow's
-// row does not copy ever more; the step's row is read as the steps of
-// older versions are (FlowSteps).
+// (maxInlineSteps in flow_records.go), and then every further step, its
+// calls too (FlowStepRows): the flow's row is written without its
+// records from then on, so that no write of it copies them again. The
+// step's row is read as the steps of older versions are (FlowSteps).
 func (q *Queries) FlowStepRecord(ctx context.Context, arg FlowStepRecordParams) error {
 	_, err := q.db.Exec(ctx, flowStepRecord,
 		arg.Scope,
@@ -1040,10 +1150,138 @@ func (q *Queries) FlowStepRecord(ctx context.Context, arg FlowStepRecordParams) 
 	return err
 }
 
+const flowStepRows = `-- name: FlowStepRows :many
+INSERT INTO idem_flow_step_row AS t (scope, key, seq, name, kind, state, result, attempts, first_called_at, completed_at,
+                                     reconciles, last_reconcile)
+SELECT f.scope, f.key, r.key::int, r.value->>'n',
+       CASE WHEN r.value ? 'a' THEN 'call' ELSE 'local' END,
+       coalesce(r.value->>'s', 'done'), r.value->'r', coalesce((r.value->>'a')::int, 1),
+       timestamptz 'epoch' + (r.value->>'f')::bigint * interval '1 microsecond',
+       timestamptz 'epoch' + (r.value->>'c')::bigint * interval '1 microsecond',
+       coalesce((r.value->>'x')::int, 0), r.value->>'l'
+FROM idem_flow AS f,
+     jsonb_each(replace($1::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb) AS r(key, value)
+WHERE f.scope = $2::text
+  AND f.key = $3::text
+  AND f.epoch = $4::bigint
+  AND f.state = 'running'
+RETURNING t.seq, coalesce((extract(epoch FROM t.first_called_at) * 1000000)::bigint, 0)::bigint AS first_called_at
+`
+
+type FlowStepRowsParams struct {
+	Steps string
+	Scope string
+	Key   string
+	Epoch int64
+}
+
+type FlowStepRowsRow struct {
+	Seq           int32
+	FirstCalledAt int64
+}
+
+// FlowStepRows records what @steps holds (see FlowLeaseSteps), steps not
+// recorded yet, as rows of idem_flow_step_row, instead of in the flow's row:
+// the records of a flow whose row already records many steps, or large
+// ones (maxInlineSteps in flow_records.go), so that no write of
+// the flow's row copies them again. It is fenced as the statements that
+// write the flow's row are: it records nothing when the executor no
+// longer holds the flow (see FlowLease), and is sent before the
+// statement of the same transaction that ends the flow. It returns each
+// record's place and when its call's first attempt was made (f: the
+// statement's now() where @steps stands it in), which FlowCallIntent
+// returns for a call recorded in the flow's row.
+func (q *Queries) FlowStepRows(ctx context.Context, arg FlowStepRowsParams) ([]FlowStepRowsRow, error) {
+	rows, err := q.db.Query(ctx, flowStepRows,
+		arg.Steps,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FlowStepRowsRow
+	for rows.Next() {
+		var i FlowStepRowsRow
+		if err := rows.Scan(&i.Seq, &i.FirstCalledAt); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const flowStepRowsUpdate = `-- name: FlowStepRowsUpdate :many
+UPDATE idem_flow_step_row AS t
+SET name = r.value->>'n',
+    state = coalesce(r.value->>'s', 'done'),
+    result = r.value->'r',
+    attempts = coalesce((r.value->>'a')::int, 1),
+    first_called_at = timestamptz 'epoch' + (r.value->>'f')::bigint * interval '1 microsecond',
+    completed_at = timestamptz 'epoch' + (r.value->>'c')::bigint * interval '1 microsecond',
+    reconciles = coalesce((r.value->>'x')::int, 0),
+    last_reconcile = r.value->>'l'
+FROM idem_flow AS f,
+     jsonb_each(replace($4::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb) AS r(key, value)
+WHERE t.scope = $1::text
+  AND t.key = $2::text
+  AND t.seq = r.key::int
+  AND f.scope = $1::text
+  AND f.key = $2::text
+  AND f.epoch = $3::bigint
+  AND f.state = 'running'
+RETURNING t.seq, coalesce((extract(epoch FROM t.first_called_at) * 1000000)::bigint, 0)::bigint AS first_called_at
+`
+
+type FlowStepRowsUpdateParams struct {
+	Scope string
+	Key   string
+	Epoch int64
+	Steps string
+}
+
+type FlowStepRowsUpdateRow struct {
+	Seq           int32
+	FirstCalledAt int64
+}
+
+// FlowStepRowsUpdate is FlowStepRows for steps already recorded as rows
+// (a call's result after its intent, a call resumed): it writes each
+// record whole over its row.
+func (q *Queries) FlowStepRowsUpdate(ctx context.Context, arg FlowStepRowsUpdateParams) ([]FlowStepRowsUpdateRow, error) {
+	rows, err := q.db.Query(ctx, flowStepRowsUpdate,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+		arg.Steps,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FlowStepRowsUpdateRow
+	for rows.Next() {
+		var i FlowStepRowsUpdateRow
+		if err := rows.Scan(&i.Seq, &i.FirstCalledAt); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const flowSteps = `-- name: FlowSteps :many
-SELECT seq::int AS seq, rec::jsonb AS rec
+SELECT seq::int AS seq, rec::jsonb AS rec, in_row::boolean AS in_row
 FROM (
-    SELECT s.key::int AS seq, s.value AS rec
+    SELECT s.key::int AS seq, s.value AS rec, false AS in_row
     FROM idem_flow AS f, jsonb_each(f.steps) AS s(key, value)
     WHERE f.scope = $1::text
       AND f.key = $2::text
@@ -1058,7 +1296,7 @@ FROM (
                'f', (extract(epoch FROM s.first_called_at) * 1000000)::bigint,
                'c', (extract(epoch FROM s.completed_at) * 1000000)::bigint,
                'x', s.reconciles,
-               'l', s.last_reconcile)
+               'l', s.last_reconcile), true
     FROM idem_flow_step_row AS s
     JOIN idem_flow AS f ON f.scope = s.scope AND f.key = s.key
     WHERE s.scope = $1::text
@@ -1075,8 +1313,9 @@ type FlowStepsParams struct {
 }
 
 type FlowStepsRow struct {
-	Seq int32
-	Rec []byte
+	Seq   int32
+	Rec   []byte
+	InRow bool
 }
 
 // FlowSteps reads the recorded steps of a running flow, in order, each as
@@ -1084,7 +1323,9 @@ type FlowStepsRow struct {
 // resumes it; for any other flow it reads nothing, so that a replay does
 // not pay for them. A step that a version before migration 00008 recorded
 // in idem_flow_step_row is read from there, as a record of the same fields,
-// unless the flow's row records it too (a call resumed since).
+// unless the flow's row records it too (a call resumed since); so is one
+// that this version recorded as a row (FlowStepRecord, FlowStepRows):
+// in_row says which, for the step's further records to go there too.
 func (q *Queries) FlowSteps(ctx context.Context, arg FlowStepsParams) ([]FlowStepsRow, error) {
 	rows, err := q.db.Query(ctx, flowSteps, arg.Scope, arg.Key)
 	if err != nil {
@@ -1094,7 +1335,7 @@ func (q *Queries) FlowSteps(ctx context.Context, arg FlowStepsParams) ([]FlowSte
 	var items []FlowStepsRow
 	for rows.Next() {
 		var i FlowStepsRow
-		if err := rows.Scan(&i.Seq, &i.Rec); err != nil {
+		if err := rows.Scan(&i.Seq, &i.Rec, &i.InRow); err != nil {
 			return nil, err
 		}
 		items = append(items, i)
@@ -1138,6 +1379,42 @@ func (q *Queries) FlowStop(ctx context.Context, arg FlowStopParams) (int64, erro
 		arg.LastError,
 		arg.Step,
 		arg.Steps,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const flowStopBare = `-- name: FlowStopBare :execrows
+UPDATE idem_flow
+SET state = 'attention',
+    leased_until = NULL,
+    last_error = $1::text,
+    step = coalesce($2::text, step)
+WHERE scope = $3::text
+  AND key = $4::text
+  AND epoch = $5::bigint
+  AND state = 'running'
+`
+
+type FlowStopBareParams struct {
+	LastError string
+	Step      pgtype.Text
+	Scope     string
+	Key       string
+	Epoch     int64
+}
+
+// FlowStopBare is FlowStop with nothing to record in the flow's row,
+// which it leaves as it is: its steps are not written again.
+func (q *Queries) FlowStopBare(ctx context.Context, arg FlowStopBareParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowStopBare,
+		arg.LastError,
+		arg.Step,
 		arg.Scope,
 		arg.Key,
 		arg.Epoch,

@@ -233,7 +233,7 @@ func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
 		defer rows.Close()
 		for rows.Next() {
 			var s FlowStepsRow
-			if err := rows.Scan(&s.Seq, &s.Rec); err != nil {
+			if err := rows.Scan(&s.Seq, &s.Rec, &s.InRow); err != nil {
 				return err
 			}
 			*steps = append(*steps, s)
@@ -311,6 +311,68 @@ func QueueFlowRelease(b *pgx.Batch, arg FlowReleaseParams, n *int64) {
 func QueueFlowStop(b *pgx.Batch, arg FlowStopParams, n *int64) {
 	q := &withArgs[FlowStopParams]{arg: arg}
 	queueRows(b.Queue(flowStop, q.set(&q.arg.LastError, &q.arg.Step, &q.arg.Steps, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
+}
+
+// QueueFlowCompleteBare queues FlowCompleteBare on b, as
+// QueueFlowComplete does.
+func QueueFlowCompleteBare(b *pgx.Batch, arg FlowCompleteBareParams, n *int64) {
+	q := &withArgs[FlowCompleteBareParams]{arg: arg}
+	queueRows(b.Queue(flowCompleteBare, q.set(&q.arg.Output, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
+}
+
+// QueueFlowReleaseBare queues FlowReleaseBare on b, as QueueFlowRelease
+// does.
+func QueueFlowReleaseBare(b *pgx.Batch, arg FlowReleaseBareParams, n *int64) {
+	q := &withArgs[FlowReleaseBareParams]{arg: arg}
+	queueRows(b.Queue(flowReleaseBare, q.set(&q.arg.LastError, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
+}
+
+// QueueFlowStopBare queues FlowStopBare on b, as QueueFlowStop does.
+func QueueFlowStopBare(b *pgx.Batch, arg FlowStopBareParams, n *int64) {
+	q := &withArgs[FlowStopBareParams]{arg: arg}
+	queueRows(b.Queue(flowStopBare, q.set(&q.arg.LastError, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
+}
+
+// QueueFlowLeaseUntil queues FlowLeaseUntil on b: until is filled in and
+// leased set when the batch's results are read. No row is not an error.
+func QueueFlowLeaseUntil(b *pgx.Batch, arg FlowLeaseUntilParams, until *pgtype.Timestamptz, leased *bool) {
+	q := &withArgs[FlowLeaseUntilParams]{arg: arg}
+	b.Queue(flowLeaseUntil, q.set(&q.arg.Lease, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
+		return noRow(r.Scan(until), leased)
+	}
+}
+
+// QueueFlowStepRows queues FlowStepRows on b; rows are appended to
+// written when the batch's results are read.
+func QueueFlowStepRows(b *pgx.Batch, arg FlowStepRowsParams, written *[]FlowStepRowsRow) {
+	q := &withArgs[FlowStepRowsParams]{arg: arg}
+	b.Queue(flowStepRows, q.set(&q.arg.Steps, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...).Fn = scanStepRows(written)
+}
+
+// QueueFlowStepRowsUpdate queues FlowStepRowsUpdate on b, as
+// QueueFlowStepRows does.
+func QueueFlowStepRowsUpdate(b *pgx.Batch, arg FlowStepRowsUpdateParams, written *[]FlowStepRowsRow) {
+	q := &withArgs[FlowStepRowsUpdateParams]{arg: arg}
+	b.Queue(flowStepRowsUpdate, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Steps)...).Fn = scanStepRows(written)
+}
+
+// scanStepRows appends FlowStepRows's rows, or FlowStepRowsUpdate's, to
+// written.
+func scanStepRows(written *[]FlowStepRowsRow) func(br pgx.BatchResults) error {
+	return func(br pgx.BatchResults) error {
+		rows, _ := br.Query()
+		defer rows.Close()
+		for rows.Next() {
+			var w FlowStepRowsRow
+			if err := rows.Scan(&w.Seq, &w.FirstCalledAt); err != nil {
+				return err
+			}
+			*written = append(*written, w)
+		}
+		rows.Close()
+		return rows.Err()
+	}
 }
 
 // queueRows sets n to the rows qq affected when the batch's results are

@@ -19,7 +19,7 @@ func TestQueuedScansMatchTheGeneratedRows(t *testing.T) {
 		row     any
 		scanned int
 	}{{KeyLockRow{}, 5}, {KeyGetRow{}, 5}, {KeyClaimWaitRow{}, 2},
-		{FlowAdoptRow{}, 3}, {FlowGetRow{}, 8}, {FlowStepsRow{}, 2}, {FlowCallIntentRow{}, 2},
+		{FlowAdoptRow{}, 3}, {FlowGetRow{}, 8}, {FlowStepsRow{}, 3}, {FlowStepRowsRow{}, 2}, {FlowStepRowsUpdateRow{}, 2}, {FlowCallIntentRow{}, 2},
 		{FlowStartRow{}, 2}, {FlowStartHeldRow{}, 4}, {FlowRestartRow{}, 2}, {FlowTakeOverRow{}, 3}} {
 		if n := reflect.TypeOf(c.row).NumField(); n != c.scanned {
 			t.Errorf("%T has %d columns; queue.go scans %d", c.row, n, c.scanned)
@@ -50,6 +50,8 @@ func TestQueuedArgumentsMatchTheGeneratedMethods(t *testing.T) {
 		row5      FlowStartHeldRow
 		row6      FlowCallIntentRow
 		namespace pgtype.UUID
+		until     pgtype.Timestamptz
+		written   []FlowStepRowsRow
 		steps     []FlowStepsRow
 		ok        bool
 		n         int64
@@ -96,6 +98,30 @@ func TestQueuedArgumentsMatchTheGeneratedMethods(t *testing.T) {
 		{"FlowCallIntent", &FlowCallIntentParams{},
 			func(b *pgx.Batch, arg any) { QueueFlowCallIntent(b, *arg.(*FlowCallIntentParams), &row6, &ok) },
 			func(q *Queries, arg any) { _, _ = q.FlowCallIntent(context.Background(), *arg.(*FlowCallIntentParams)) }},
+		{"FlowCompleteBare", &FlowCompleteBareParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowCompleteBare(b, *arg.(*FlowCompleteBareParams), &n) },
+			func(q *Queries, arg any) {
+				_, _ = q.FlowCompleteBare(context.Background(), *arg.(*FlowCompleteBareParams))
+			}},
+		{"FlowReleaseBare", &FlowReleaseBareParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowReleaseBare(b, *arg.(*FlowReleaseBareParams), &n) },
+			func(q *Queries, arg any) {
+				_, _ = q.FlowReleaseBare(context.Background(), *arg.(*FlowReleaseBareParams))
+			}},
+		{"FlowStopBare", &FlowStopBareParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowStopBare(b, *arg.(*FlowStopBareParams), &n) },
+			func(q *Queries, arg any) { _, _ = q.FlowStopBare(context.Background(), *arg.(*FlowStopBareParams)) }},
+		{"FlowLeaseUntil", &FlowLeaseUntilParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowLeaseUntil(b, *arg.(*FlowLeaseUntilParams), &until, &ok) },
+			func(q *Queries, arg any) { _, _ = q.FlowLeaseUntil(context.Background(), *arg.(*FlowLeaseUntilParams)) }},
+		{"FlowStepRows", &FlowStepRowsParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowStepRows(b, *arg.(*FlowStepRowsParams), &written) },
+			func(q *Queries, arg any) { _, _ = q.FlowStepRows(context.Background(), *arg.(*FlowStepRowsParams)) }},
+		{"FlowStepRowsUpdate", &FlowStepRowsUpdateParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowStepRowsUpdate(b, *arg.(*FlowStepRowsUpdateParams), &written) },
+			func(q *Queries, arg any) {
+				_, _ = q.FlowStepRowsUpdate(context.Background(), *arg.(*FlowStepRowsUpdateParams))
+			}},
 		{"FlowComplete", &FlowCompleteParams{},
 			func(b *pgx.Batch, arg any) { QueueFlowComplete(b, *arg.(*FlowCompleteParams), &n) },
 			func(q *Queries, arg any) { _, _ = q.FlowComplete(context.Background(), *arg.(*FlowCompleteParams)) }},
