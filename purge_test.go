@@ -227,12 +227,23 @@ func TestPurgeDeletesExpiredFlowsAndLeavesTheRestAlone(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// The steps as rows of their own, as a version before migration 00008
+	// wrote them, and as a flow past maxInlineSteps writes them: Purge
+	// deletes those of the flows it deletes.
+	oldSteps(t, pool, scope)
+	var finishedRows int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step_row WHERE scope = $1 AND key IN ('done', 'ended')`,
+		scope).Scan(&finishedRows); err != nil || finishedRows != 6 {
+		t.Fatalf("the finished flows' steps as rows: %d, %v; want 6", finishedRows, err)
+	}
+
 	deleted, err := idem.Purge(ctx, pool, 1)
 	if err != nil || deleted != 2 {
 		t.Fatalf("Purge = %d, %v; want the 2 finished flows", deleted, err)
 	}
 	var left []string
 	rows, err := pool.Query(ctx, `SELECT f.key || ':' || (SELECT count(*) FROM jsonb_object_keys(coalesce(f.steps, '{}')))
+		+ (SELECT count(*) FROM idem_flow_step_row s WHERE s.scope = f.scope AND s.key = f.key)
 		FROM idem_flow f WHERE f.scope = $1 ORDER BY f.key`, scope)
 	if err != nil {
 		t.Fatal(err)
@@ -247,9 +258,12 @@ func TestPurgeDeletesExpiredFlowsAndLeavesTheRestAlone(t *testing.T) {
 	if strings.Join(left, " ") != "attention:2 running:2" {
 		t.Fatalf("flows left with their steps: %v, want attention:2 running:2", left)
 	}
-	var orphans int
+	var orphans, kept int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step_row s WHERE NOT EXISTS
 		(SELECT FROM idem_flow f WHERE f.scope = s.scope AND f.key = s.key)`).Scan(&orphans); err != nil || orphans != 0 {
 		t.Fatalf("%d steps left without their flow, %v", orphans, err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step_row WHERE scope = $1`, scope).Scan(&kept); err != nil || kept != 4 {
+		t.Fatalf("%d steps' rows left, %v; want the 4 of the flows left", kept, err)
 	}
 }
