@@ -479,6 +479,10 @@ type flowRun struct {
 	// own, after which every new step does (see maxInlineSteps).
 	inline  int
 	spilled bool
+	// scratch is room to measure a record in (inRow), and patch for the
+	// records a write of the flow's row carries (flushLocked's stepPatch),
+	// reused from one write to the next.
+	scratch, patch []byte
 	// next is the place of the function's next step; names are the steps
 	// it took (see took).
 	next  int32

@@ -230,7 +230,8 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 		if patch = steps; steps.starting {
 			// The flow's row, written now, carries the intent.
 			steps.add(seq, &rec)
-			r.inline += len(rec.appendJSON(nil))
+			r.scratch = rec.appendJSON(r.scratch[:0])
+			r.inline += len(r.scratch)
 			steps.carry(name)
 			return
 		}

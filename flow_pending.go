@@ -303,6 +303,8 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 		st = r.queueStart(b, "")
 	}
 	var steps stepPatch
+	steps.b = r.patch[:0]
+	defer func() { r.patch = steps.b[:0] }()
 	steps.starting = held
 	if open != nil {
 		if open.record.row {

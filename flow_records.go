@@ -103,8 +103,22 @@ func appendStamp(b []byte, field string, t int64) []byte {
 }
 
 // appendJSONString appends s as a JSON string. Step names and lookup
-// outcomes are valid UTF-8 (ident.Check, sealText).
+// outcomes are valid UTF-8 (ident.Check, sealText). Printable ASCII
+// without a quote or backslash, as step names mostly are, is appended as
+// it is (encoding/json would allocate).
 func appendJSONString(b []byte, s string) []byte {
+	plain := true
+	for i := range len(s) {
+		if c := s[i]; c < 0x20 || c >= 0x7f || c == '"' || c == '\\' {
+			plain = false
+			break
+		}
+	}
+	if plain {
+		b = append(b, '"')
+		b = append(b, s...)
+		return append(b, '"')
+	}
 	q, err := json.Marshal(s)
 	if err != nil { // a string always marshals
 		panic(err)
@@ -246,7 +260,8 @@ func (r *flowRun) inRow(seq int32, rec *stepRecord) bool {
 	if earlier, ok := r.recorded[seq]; ok && earlier.inRow {
 		return true
 	}
-	n := len(rec.appendJSON(nil))
+	r.scratch = rec.appendJSON(r.scratch[:0])
+	n := len(r.scratch)
 	if _, ok := r.recorded[seq]; !ok && (r.spilled || r.inline+n > maxInlineSteps) {
 		r.spilled = true
 		return true
