@@ -1222,8 +1222,8 @@ SET name = r.value->>'n',
     state = coalesce(r.value->>'s', 'done'),
     result = r.value->'r',
     attempts = coalesce((r.value->>'a')::int, 1),
-    first_called_at = timestamptz 'epoch' + (r.value->>'f')::bigint * interval '1 microsecond',
-    completed_at = timestamptz 'epoch' + (r.value->>'c')::bigint * interval '1 microsecond',
+    first_called_at = to_timestamp((r.value->>'f')::bigint / 1000000.0),
+    completed_at = to_timestamp((r.value->>'c')::bigint / 1000000.0),
     reconciles = coalesce((r.value->>'x')::int, 0),
     last_reconcile = r.value->>'l'
 FROM idem_flow AS f,
@@ -1235,7 +1235,7 @@ WHERE t.scope = $1::text
   AND f.key = $2::text
   AND f.epoch = $3::bigint
   AND f.state = 'running'
-RETURNING t.seq, coalesce((extract(epoch FROM t.first_called_at) * 1000000)::bigint, 0)::bigint AS first_called_at
+RETURNING t.seq, coalesce((r.value->>'f')::bigint, 0)::bigint AS first_called_at
 `
 
 type FlowStepRowsUpdateParams struct {
@@ -1252,7 +1252,10 @@ type FlowStepRowsUpdateRow struct {
 
 // FlowStepRowsUpdate is FlowStepRows for steps already recorded as rows
 // (a call's result after its intent, a call resumed): it writes each
-// record whole over its row.
+// record whole over its row. (Citus refuses a function that is not
+// immutable, timestamptz + interval or extract from one, with a column in
+// an UPDATE: to_timestamp is immutable, and exact to the microsecond for
+// these times.)
 func (q *Queries) FlowStepRowsUpdate(ctx context.Context, arg FlowStepRowsUpdateParams) ([]FlowStepRowsUpdateRow, error) {
 	rows, err := q.db.Query(ctx, flowStepRowsUpdate,
 		arg.Scope,
