@@ -17,7 +17,8 @@ import (
 // (see FlowLeaseSteps in queries/flow.sql for the fields). Only the executor
 // that holds the flow writes them, so it knows each record, and writes it
 // whole; a step's times are the server's, written in by the statement
-// (stampNow).
+// (stampNow). Past maxInlineSteps, the records go to rows of their own
+// instead, the same records (FlowStepRows).
 
 // stepRecord is a step's record, as idem_flow.steps holds it.
 type stepRecord struct {
