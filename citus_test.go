@@ -117,7 +117,7 @@ func TestCitus(t *testing.T) {
 		}
 		want := map[string]string{
 			"entity_version": "distributed scope", "idem_flow": "distributed scope",
-			"idem_flow_step": "distributed scope", "idempotency_key": "distributed scope",
+			"idem_flow_step_row": "distributed scope", "idempotency_key": "distributed scope",
 			"payment": "distributed scope", "idem_installation": "reference <none>",
 		}
 		if len(got) != len(want) {
@@ -457,6 +457,38 @@ func citusFlows(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	}
 	if info, _ := idem.InspectFlow(ctx, pool, scope, "f3"); info.State != "ended" {
 		t.Fatalf("after EndFlow: %+v", info)
+	}
+	// A flow whose row records a large result records its further steps
+	// as rows of their own (FlowStepRecord, FlowStepRows, and
+	// FlowStepRowsUpdate as its call is resumed).
+	large := strings.Repeat("y", 400)
+	long := idem.MustNewFlow("citus-long", func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
+		if _, err := idem.Call(s, "large", func(ctx context.Context, providerKey string) (string, error) {
+			return large, nil
+		}); err != nil {
+			return "", err
+		}
+		if _, err := idem.Local(s, "after", func(ctx context.Context, tx pgx.Tx) (int, error) { return 1, nil }); err != nil {
+			return "", err
+		}
+		return idem.Call(s, "last", func(ctx context.Context, providerKey string) (string, error) {
+			if fail.Load() {
+				return "", errors.New("provider down")
+			}
+			return "ch-" + providerKey[:8], nil
+		})
+	})
+	if _, err := long.Run(ctx, pool, scope, "long", fpA, 400); err == nil {
+		t.Fatal("the long flow succeeded with its provider down")
+	}
+	fail.Store(false)
+	if res, err := long.Run(ctx, pool, scope, "long", fpA, 400); err != nil || !strings.HasPrefix(res.Value, "ch-") {
+		t.Fatalf("the long flow, resumed: %+v, %v", res, err)
+	}
+	var rows string
+	if err := pool.QueryRow(ctx, `SELECT string_agg(seq || ':' || state || ':' || attempts, ',' ORDER BY seq)
+		FROM idem_flow_step_row WHERE scope = $1 AND key = 'long'`, scope).Scan(&rows); err != nil || rows != "1:done:1,2:done:2" {
+		t.Fatalf("the long flow's steps as rows: %q, %v; want the local step and the call, resumed", rows, err)
 	}
 }
 
@@ -1070,7 +1102,7 @@ func citusPurge(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 		FROM idempotency_key WHERE scope LIKE $1`, prefix+"-%").Scan(&live, &expired); err != nil {
 		t.Fatal(err)
 	}
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step s
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step_row s
 		LEFT JOIN idem_flow f ON f.scope = s.scope AND f.key = s.key WHERE f.key IS NULL`).Scan(&steps); err != nil {
 		t.Fatal(err)
 	}

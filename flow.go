@@ -422,9 +422,15 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 	// The answer commits with what is pending: the last local step, or
 	// the last call's result.
 	var n int64
-	err = r.flush(ctx, func(b *pgx.Batch) {
-		dbsqlc.QueueFlowComplete(b, dbsqlc.FlowCompleteParams{Output: pgtype.Text{String: string(output), Valid: true},
-			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
+	err = r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
+		answer := pgtype.Text{String: string(output), Valid: true}
+		if steps.empty() {
+			dbsqlc.QueueFlowCompleteBare(b, dbsqlc.FlowCompleteBareParams{Output: answer, Scope: r.k.scope, Key: r.k.key,
+				Epoch: r.epoch}, &n)
+			return
+		}
+		dbsqlc.QueueFlowComplete(b, dbsqlc.FlowCompleteParams{Output: answer, Steps: steps.text(), Scope: r.k.scope,
+			Key: r.k.key, Epoch: r.epoch}, &n)
 	})
 	switch {
 	case errors.Is(err, ErrLeaseLost):
@@ -462,8 +468,21 @@ type flowRun struct {
 	// lease is what the executor knows of its lease (see flowLease).
 	lease flowLease
 	// recorded are the steps that earlier runs recorded, by place (a
-	// step whose function failed leaves its place empty).
-	recorded map[int32]dbsqlc.FlowStepsRow
+	// step whose function failed leaves its place empty), and the calls
+	// this run recorded, as recorded (see flow_records.go); unreadable is
+	// the error of records that could not be read, which every step
+	// returns.
+	recorded   map[int32]stepRecord
+	unreadable error
+	// inline is the size of the steps the flow's row records, as far as
+	// the executor knows; spilled is set once a step went to a row of its
+	// own, after which every new step does (see maxInlineSteps).
+	inline  int
+	spilled bool
+	// scratch is room to measure a record in (inRow), and patch for the
+	// records a write of the flow's row carries (flushLocked's stepPatch),
+	// reused from one write to the next.
+	scratch, patch []byte
 	// next is the place of the function's next step; names are the steps
 	// it took (see took).
 	next  int32
@@ -482,26 +501,26 @@ type flowRun struct {
 	mu     sync.Mutex
 	open   *openStep
 	failed error
-	result *dbsqlc.FlowCallDoneParams
+	result *pendingStep
 	start  *dbsqlc.FlowStartParams
 	taken  error
 	// flushBatch (flush's, under mu) and stepBatch (a local step's, in the
 	// function's goroutine) are reused from one round trip to the next,
 	// with the room for their statements (see newBatch).
 	flushBatch, stepBatch reusedBatch
-	// flushRecorded and commitTag are what flush's statements read
+	// flushLeased and commitTag are what flush's statements read
 	// (noteCommit the latter), idleTimeout TxIdleTimeout's argument, made
 	// from WithIdleTimeout.
-	flushRecorded int64
-	commitTag     pgconn.CommandTag
-	noteCommit    func(pgconn.CommandTag) error
-	idleTimeout   *dbsqlc.IdleTimeout
+	flushLeased bool
+	commitTag   pgconn.CommandTag
+	noteCommit  func(pgconn.CommandTag) error
+	idleTimeout *dbsqlc.IdleTimeout
 	// stepLeased is what a local step's renewal of the lease found;
 	// steps is what the function takes its steps with.
 	stepLeased bool
 	steps      Steps
 	// resultStore holds result, the call's result not recorded yet.
-	resultStore dbsqlc.FlowCallDoneParams
+	resultStore pendingStep
 }
 
 // reusedBatch is a batch reused from one round trip to the next, and room
@@ -529,9 +548,6 @@ func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch i
 	recorded []dbsqlc.FlowStepsRow, o *options, obs *flowObservation,
 ) *flowRun {
 	r := &flowRun{db: db, k: k, flow: flow, keys: keys, epoch: epoch, input: input, o: o, obs: obs}
-	if len(recorded) > 0 {
-		r.recorded = make(map[int32]dbsqlc.FlowStepsRow, len(recorded))
-	}
 	r.noteCommit = func(tag pgconn.CommandTag) error {
 		r.commitTag = tag
 		return nil
@@ -541,9 +557,7 @@ func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch i
 	}
 	r.lease.init(o.lease)
 	r.lease.renewed(sent)
-	for _, step := range recorded {
-		r.recorded[step.Seq] = step
-	}
+	r.recorded, r.inline, r.spilled, r.unreadable = recordedSteps(recorded)
 	return r
 }
 

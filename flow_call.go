@@ -75,7 +75,7 @@ func Call[T any](s *Steps, name string, fn func(ctx context.Context, providerKey
 		return zero, err
 	}
 	defer r.end()
-	if rec != nil && rec.State == stepDone {
+	if rec != nil && rec.done() {
 		return recordedResult[T](r, name, rec.Result)
 	}
 	value, err := runCall(s.ctx, r, seq, name, fn, co)
@@ -188,62 +188,110 @@ func ProviderKeyFromContext(ctx context.Context) (string, bool) {
 	return key, ok
 }
 
-// stepDone marks a step whose result is recorded.
-const stepDone = "done"
-
-// The outcomes of a call's lookup, as idem_flow_step.last_reconcile and an
-// Observer's idem.outcome spell them.
+// The outcomes of a call's lookup, as a call's record (its last
+// reconcile) and an Observer's idem.outcome spell them.
 const (
 	reconcileFound    = "found"
 	reconcileNotFound = "not_found"
 	reconcileFailed   = "failed"
 )
 
-// runCall records the call's intent (FlowCallStart), resolves an earlier
+// runCall records the call's intent (FlowCallIntent), resolves an earlier
 // attempt that may have reached the other system (a lookup, or a stop),
-// calls fn while the lease is kept, and records the result (FlowCallDone).
+// calls fn while the lease is kept, and records the result (recordCall).
 func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 	fn func(ctx context.Context, providerKey string) (T, error), co callOptions,
 ) (T, error) {
 	var zero T
 	sent := time.Now()
 	// The intent commits with what is pending (the local step before, or
-	// the call's before), in one round trip, and before the call.
-	// A call that no earlier run recorded (the flow's steps were read as
-	// it was claimed, and only this epoch writes steps since) inserts its
-	// row without ON CONFLICT (FlowCallStartNew), and is not resumed.
-	var start dbsqlc.FlowCallStartRow
-	var started dbsqlc.FlowCallStartNewRow
-	_, earlier := r.recorded[seq]
-	err := r.flush(ctx, func(b *pgx.Batch) {
-		if !earlier {
-			dbsqlc.QueueFlowCallStartNew(b, dbsqlc.FlowCallStartNewParams{Lease: pgtime.Interval(r.o.lease), Step: name,
-				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq}, &started)
+	// the call's before), in one round trip, and before the call: the
+	// call's record, 'calling', with its attempts counted. A call that an
+	// earlier run recorded keeps when its first attempt was made, unless
+	// every earlier attempt surely did not reach the other system
+	// ('unsent'): its window starts again. The flow's steps were read as
+	// the executor claimed it, and only its epoch writes them since.
+	rec := stepRecord{Name: name, State: stepCalling, Attempts: 1, FirstCalled: stampNow}
+	earlier, resumed := r.recorded[seq]
+	if resumed {
+		resumed = earlier.State == stepCalling
+		rec = earlier
+		rec.State = stepCalling
+		rec.Attempts++
+		if earlier.State == stepUnsent {
+			rec.FirstCalled = stampNow
+		}
+	}
+	// A flow not started yet is started by its row carrying the intent.
+	var start dbsqlc.FlowCallIntentRow
+	var leased bool
+	var patch *stepPatch
+	err := r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
+		if patch = steps; steps.starting {
+			// The flow's row, written now, carries the intent.
+			steps.add(seq, &rec)
+			r.scratch = rec.appendJSON(r.scratch[:0])
+			r.inline += len(r.scratch)
+			steps.carry(name)
 			return
 		}
-		dbsqlc.QueueFlowCallStart(b, dbsqlc.FlowCallStartParams{Lease: pgtime.Interval(r.o.lease), Step: name,
-			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq, CallWindow: pgtime.Interval(r.o.providerWindow)}, &start)
+		// A record that goes to a row of its own (see maxInlineSteps)
+		// returns when the call's first attempt was made; FlowLeaseUntil
+		// renews the lease when nothing goes to the flow's row.
+		row := r.inRow(seq, &rec)
+		steps.put(seq, &rec, row) // over its row if it has one (rec.inRow)
+		rec.inRow = row
+		r.queueStepRows(b, steps)
+		if rec.inRow && steps.empty() {
+			dbsqlc.QueueFlowLeaseUntil(b, dbsqlc.FlowLeaseUntilParams{Lease: pgtime.Interval(r.o.lease), Step: name,
+				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &start.LeasedUntil, &leased)
+			return
+		}
+		dbsqlc.QueueFlowCallIntent(b, dbsqlc.FlowCallIntentParams{Lease: pgtime.Interval(r.o.lease), Step: name,
+			Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq}, &start, &leased)
 	})
-	if !earlier {
-		start = dbsqlc.FlowCallStartRow{Leased: started.Leased, Attempts: started.Attempts}
+	switch {
+	case err != nil || patch == nil:
+	case patch.carried:
+		// The intent's stamp is the transaction's now(), which is also
+		// the row's created_at.
+		start.LeasedUntil, leased = patch.start.heldRow.LeasedUntil, patch.start.written
+		start.FirstCalledAt = patch.start.heldRow.CreatedAt.Time.UnixMicro()
+	case rec.inRow:
+		// The intent's row says when the first attempt was made; without
+		// it, the executor no longer holds the flow.
+		found := false
+		for _, w := range patch.written {
+			if w.Seq == seq {
+				start.FirstCalledAt, found = w.FirstCalledAt, true
+			}
+		}
+		leased = leased && found
 	}
 	switch {
 	case errors.Is(err, ErrLeaseLost):
 		return zero, err
 	case err != nil:
 		return zero, fmt.Errorf("record the call's intent: %w", err)
-	case !start.Leased, start.Attempts == 0:
+	case !leased:
 		return zero, r.lostError()
 	}
 	r.lease.renewed(sent)
+	rec.FirstCalled = start.FirstCalledAt
+	r.setRecorded(seq, rec)
+	// Past the provider's window: the first attempt that may have reached
+	// the other system is older than the window, by the server's clock at
+	// the intent (the lease it renewed, less the lease).
+	now := start.LeasedUntil.Time.UnixMicro() - r.o.lease.Microseconds()
+	pastWindow := resumed && start.FirstCalledAt <= now-r.o.providerWindow.Microseconds()
 	providerKey := r.keys.of(r.k.scope, r.k.key, name)
 
-	if start.Resumed {
+	if resumed {
 		// An earlier attempt may have reached the other system.
 		switch {
 		case co.reconcile != nil:
 			lookup := co.reconcile.(func(context.Context, string) (T, bool, error))
-			got, err := callKeepingLease(ctx, r, name, providerKey, int(start.Attempts), "idem.Reconcile",
+			got, err := callKeepingLease(ctx, r, name, providerKey, int(rec.Attempts), "idem.Reconcile",
 				func(ctx context.Context, key string) (lookedUp[T], error) {
 					v, found, err := lookup(ctx, key)
 					return lookedUp[T]{v, found}, err
@@ -254,7 +302,7 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 			case err != nil:
 				r.obs.reconciled(reconcileFailed)
 				r.noteReconcile(ctx, seq, reconcileFailed+": "+err.Error())
-				if start.PastWindow {
+				if pastWindow {
 					return zero, errors.Join(err, r.stop(ctx, fmt.Sprintf("step %q: the lookup of an attempt older than the provider window (%s) failed (%v): "+
 						"find out from the provider whether it was applied", name, r.o.providerWindow, err)))
 				}
@@ -268,15 +316,15 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 		case co.atMostOnce:
 			return zero, r.stop(ctx, fmt.Sprintf("step %q: the call is made at most once, and an earlier attempt may have reached "+
 				"the other system: find out whether it was applied", name))
-		case start.PastWindow:
+		case pastWindow:
 			return zero, r.stop(ctx, fmt.Sprintf("step %q: the call's first attempt is older than the provider window (%s), "+
 				"past which calling again with the same key could apply it twice: find out from the provider whether it was applied", name, r.o.providerWindow))
 		}
 	}
 
-	value, err := callKeepingLease(ctx, r, name, providerKey, int(start.Attempts), "idem.Call", fn)
+	value, err := callKeepingLease(ctx, r, name, providerKey, int(rec.Attempts), "idem.Call", fn)
 	if err != nil {
-		if errors.Is(err, ErrNotSent) && !start.Resumed {
+		if errors.Is(err, ErrNotSent) && !resumed {
 			r.noteUnsent(ctx, seq)
 		}
 		return zero, err
@@ -290,12 +338,12 @@ type lookedUp[T any] struct {
 	found bool
 }
 
-// recordCall records the call's result, value (FlowCallDone), which a
-// lookup found when reconciled says so, and returns it as a resumed run
-// would get it. A value that cannot be stored stops the flow. The record
-// is sent with the flow's next statement (flowRun.flush), in its
-// transaction; an AtMostOnce call's (now) commits at once, since losing
-// it to a crash would stop the flow.
+// recordCall records the call's result, value, which a lookup found when
+// reconciled says so, and returns it as a resumed run would get it. A
+// value that cannot be stored stops the flow. The record is sent with the
+// flow's next statement (flowRun.flush), in its transaction and its write
+// of the flow's row; an AtMostOnce call's (now) commits at once, since
+// losing it to a crash would stop the flow.
 func recordCall[T any](ctx context.Context, r *flowRun, seq int32, name string, value T, reconciled string, now bool) (T, error) {
 	var zero T
 	encoded, err := encodeResponse(value, r.k.scope, r.o)
@@ -303,12 +351,19 @@ func recordCall[T any](ctx context.Context, r *flowRun, seq int32, name string, 
 		return zero, errors.Join(err, r.stop(ctx, fmt.Sprintf("step %q: the call's result cannot be stored (%v); "+
 			"the other system applied the call, and calling it again would give the same result: settle it by hand", name, err)))
 	}
+	rec := r.recorded[seq]
+	rec.State, rec.Result, rec.Completed = "", encoded, stampNow
+	if reconciled != "" {
+		rec.Reconciles++
+		rec.LastReconcile = reconciled
+	}
 	// The result before this one has been recorded, or the run has
 	// ended: its store is free.
-	r.resultStore = dbsqlc.FlowCallDoneParams{Result: pgtype.Text{String: string(encoded), Valid: true},
-		Reconciled: pgtype.Text{String: reconciled, Valid: reconciled != ""},
-		Scope:      r.k.scope, Key: r.k.key, Seq: seq, Lease: pgtime.Interval(r.o.lease), Epoch: r.epoch}
+	r.resultStore = pendingStep{seq: seq, rec: rec}
 	r.result = &r.resultStore
+	if !rec.inRow {
+		r.inline += len(encoded)
+	}
 	if now {
 		if err := r.flush(ctx, nil); err != nil {
 			return zero, err
@@ -320,11 +375,33 @@ func recordCall[T any](ctx context.Context, r *flowRun, seq int32, name string, 
 // noteReconcile records a lookup that did not find the call, for
 // operators; it is best effort: a failure records nothing more.
 func (r *flowRun) noteReconcile(ctx context.Context, seq int32, outcome string) {
-	_ = onDB(ctx, r.db, func(q *dbsqlc.Queries) error {
-		_, err := q.FlowCallReconciled(ctx, dbsqlc.FlowCallReconciledParams{Outcome: sealText(outcome, r.k.scope, r.o),
-			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq})
+	rec := r.recorded[seq]
+	rec.Reconciles++
+	rec.LastReconcile = sealText(outcome, r.k.scope, r.o)
+	if r.recordSteps(ctx, seq, &rec) {
+		r.setRecorded(seq, rec)
+	}
+}
+
+// recordSteps writes the record of the step at seq (FlowRecordSteps),
+// and reports whether it did: not when the executor no longer holds the
+// flow, or the write failed.
+func (r *flowRun) recordSteps(ctx context.Context, seq int32, rec *stepRecord) bool {
+	var steps stepPatch
+	steps.add(seq, rec)
+	var n int64
+	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
+		if rec.inRow {
+			// A step recorded as a row of its own (see maxInlineSteps).
+			written, err := q.FlowStepRowsUpdate(ctx, dbsqlc.FlowStepRowsUpdateParams{Steps: steps.text().String,
+				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
+			n = int64(len(written))
+			return err
+		}
+		n, err = q.FlowRecordSteps(ctx, dbsqlc.FlowRecordStepsParams{Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
 		return err
 	})
+	return err == nil && n == 1
 }
 
 // noteUnsent records that the call's attempt surely did not reach the other
@@ -333,10 +410,14 @@ func (r *flowRun) noteReconcile(ctx context.Context, seq int32, outcome string) 
 func (r *flowRun) noteUnsent(ctx context.Context, seq int32) {
 	ctx, cancel := cleanupContext(ctx)
 	defer cancel()
-	_ = onDB(ctx, r.db, func(q *dbsqlc.Queries) error {
-		_, err := q.FlowCallUnsent(ctx, dbsqlc.FlowCallUnsentParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq})
-		return err
-	})
+	rec := r.recorded[seq]
+	if rec.State != stepCalling {
+		return
+	}
+	rec.State = stepUnsent
+	if r.recordSteps(ctx, seq, &rec) {
+		r.setRecorded(seq, rec)
+	}
 }
 
 // callKeepingLease calls fn with providerKey while the lease is kept (see

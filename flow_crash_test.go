@@ -54,6 +54,12 @@ const (
 	// crashAfterCallReturned: the call returned its result, which is
 	// recorded only with the flow's next statement (the answer here).
 	crashAfterCallReturned = "after-call-returned"
+	// crashAfterLastStep: in a flow with a local step after the call
+	// (lastStepSuffix), that step's function returned; its transaction,
+	// which began by locking the flow's row without writing it, is open,
+	// and the one write that records the call's result, the step's and
+	// the answer has not been sent.
+	crashAfterLastStep = "after-last-step"
 	// freezeAfterIntent: the call's intent is recorded and the call is
 	// about to be made (the start of its span).
 	freezeAfterIntent = "freeze-after-intent"
@@ -146,6 +152,10 @@ func reconcileOverHTTP(providerURL, ref string) idem.CallOption {
 // step: its first step is the call, whose intent carries the flow's row.
 const callFirstSuffix = "-call-first"
 
+// lastStepSuffix ends the name of a crash flow that takes a local step,
+// "settle", after its call: it adds 1 to the payment's amount.
+const lastStepSuffix = "-last-step"
+
 func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.FlowOption) *idem.Flow[chargeIn, chargeOut] {
 	kill := func(point string) {
 		switch {
@@ -214,6 +224,16 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.F
 			return chargeOut{}, err
 		}
 		kill(crashAfterCallReturned)
+		if strings.HasSuffix(name, lastStepSuffix) {
+			_, err := idem.Local(s, "settle", func(ctx context.Context, tx pgx.Tx) (struct{}, error) {
+				_, err := tx.Exec(ctx, `UPDATE payment SET amount_cents = amount_cents + 1 WHERE id = $1`, id)
+				return struct{}{}, err
+			})
+			if err != nil {
+				return chargeOut{}, err
+			}
+			kill(crashAfterLastStep)
+		}
 		return chargeOut{PaymentID: id, ChargeID: chargeID}, nil
 	}, append([]idem.FlowOption{idem.WithLease(crashLease)}, opts...)...)
 }
@@ -269,7 +289,9 @@ func (crashingTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.Tr
 }
 
 func (crashingTracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
-	if strings.HasPrefix(data.SQL, "-- name: FlowCallStart") {
+	// The intent travels with the flow's row, which a new flow's first
+	// step writes as it commits (FlowStartHeld), or alone.
+	if strings.HasPrefix(data.SQL, "-- name: FlowCallIntent") || strings.HasPrefix(data.SQL, "-- name: FlowStartHeld") {
 		self, _ := os.FindProcess(os.Getpid())
 		_ = self.Kill()
 		select {}
@@ -475,7 +497,8 @@ func TestFlowCrashDuringTheCommitOfTheLocalStepAndIntent(t *testing.T) {
 	// step writes) are all there, or none is.
 	var payments, steps int
 	err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM payment WHERE scope = $1),
-		(SELECT count(*) FROM idem_flow_step WHERE scope = $1 AND name = 'reserve')`, scope).Scan(&payments, &steps)
+		(SELECT count(*) FROM idem_flow f, jsonb_each(f.steps) s WHERE f.scope = $1 AND s.value->>'n' = 'reserve')`,
+		scope).Scan(&payments, &steps)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -503,6 +526,35 @@ func TestFlowCrashBeforeTheCallsResultIsRecordedCallsAgainWithTheSameKey(t *test
 	}
 	// Called again with the same provider key, applied once.
 	checkOneCharge(t, pool, scope, "k", p, 2)
+}
+
+// A local step after a call begins by locking the flow's row, without
+// writing it: the call's result is recorded with the step's own record and
+// the answer, in one write as the step's transaction commits. Killed
+// before that commit, the step's writes, the call's result and the answer
+// are all lost: the retry calls again with the same provider key (applied
+// once) and runs the step again, whose writes then commit once.
+func TestFlowCrashAfterTheLastLocalStepReturnedCallsAgainAndRunsTheStepOnce(t *testing.T) {
+	ctx, pool, scope, p, providerURL, crash := setupCrash(t)
+	name := testdb.Name("crash") + lastStepSuffix
+	crash(name, "k", crashAfterLastStep)
+	info, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || info.State != "running" || len(info.Steps) != 2 || info.Steps[1].State != "calling" {
+		t.Fatalf("before the retry: %+v, %v; want the call's intent recorded, not its result", info, err)
+	}
+	res, err := crashFlow(name, providerURL, "").Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
+	if err != nil || res.Replayed || res.Value.ChargeID != "ch_1" {
+		t.Fatalf("the retry: %+v, %v", res, err)
+	}
+	checkOneCharge(t, pool, scope, "k", p, 2)
+	var amount int64
+	if err := pool.QueryRow(ctx, `SELECT amount_cents FROM payment WHERE scope = $1`, scope).Scan(&amount); err != nil || amount != 2501 {
+		t.Fatalf("the payment's amount: %d, %v; want 2501, settled once", amount, err)
+	}
+	info, err = idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || info.State != "done" || len(info.Steps) != 3 || info.Steps[1].Attempts != 2 || info.Steps[2].State != "done" {
+		t.Fatalf("after the retry: %+v, %v", info, err)
+	}
 }
 
 // checkOneCharge checks that the provider applied one charge, seen calls

@@ -375,9 +375,14 @@ func TestFlowLocalStepsAtEveryIsolationLevelAndOnOneConnection(t *testing.T) {
 func TestFlowLocalStepLongerThanItsLeaseDoesNotFenceTheNextStep(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	flow := idem.MustNewFlow(testdb.Name("long-step"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		// A first step, whose transaction writes the flow's row as it
+		// commits, as the next one begins.
+		if _, err := idem.Local(s, "open", func(ctx context.Context, tx pgx.Tx) (int, error) { return 0, nil }); err != nil {
+			return "", err
+		}
 		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
-			// The step outlasts the lease (which, the flow's first, wrote
-			// the flow's row: only its own transaction sees it).
+			// The step, which holds the flow's row locked (without
+			// renewing its lease as it began), outlasts the lease.
 			leaseRanOut(t, ctx, tx, s.Scope(), s.Key())
 			return 1, nil
 		}); err != nil {

@@ -295,9 +295,14 @@ func (r *flowRun) release(ctx context.Context, why string) (held bool) {
 	// What is pending commits with it: a local step that returned, a
 	// call's result.
 	var n int64
-	err := r.flush(ctx, func(b *pgx.Batch) {
+	err := r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
+		if steps.empty() {
+			dbsqlc.QueueFlowReleaseBare(b, dbsqlc.FlowReleaseBareParams{LastError: sealText(why, r.k.scope, r.o),
+				Step: steps.atText(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
+			return
+		}
 		dbsqlc.QueueFlowRelease(b, dbsqlc.FlowReleaseParams{LastError: sealText(why, r.k.scope, r.o),
-			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
+			Step: steps.atText(), Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 	})
 	if errors.Is(err, ErrLeaseLost) || errors.Is(err, errTaken) {
 		return false // another executor's flow (errTaken: one that started it meanwhile)
@@ -310,8 +315,14 @@ func (r *flowRun) release(ctx context.Context, why string) (held bool) {
 // longer held it.
 func (r *flowRun) stop(ctx context.Context, why string) error {
 	var n int64
-	err := r.flush(ctx, func(b *pgx.Batch) {
-		dbsqlc.QueueFlowStop(b, dbsqlc.FlowStopParams{LastError: sealText(why, r.k.scope, r.o), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
+	err := r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
+		if steps.empty() {
+			dbsqlc.QueueFlowStopBare(b, dbsqlc.FlowStopBareParams{LastError: sealText(why, r.k.scope, r.o), Step: steps.atText(),
+				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
+			return
+		}
+		dbsqlc.QueueFlowStop(b, dbsqlc.FlowStopParams{LastError: sealText(why, r.k.scope, r.o), Step: steps.atText(), Steps: steps.text(),
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 	})
 	switch {
 	case errors.Is(err, ErrLeaseLost):

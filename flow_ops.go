@@ -23,7 +23,10 @@ type FlowInfo struct {
 	// person's decision: see [ErrFlowStopped]) or "ended" (by [EndFlow]).
 	State string
 	// Step is the step a running flow's executor is at, or was at when it
-	// stopped.
+	// stopped. It lags while a local step runs: the step's BEGIN only
+	// locks the flow's row, and the step is noted as its record is
+	// written, when its transaction commits: until then Step names the
+	// step before.
 	Step string
 	// Runs counts the runs that took the flow on: its first, and every
 	// takeover after an executor failed or vanished.
@@ -110,7 +113,7 @@ func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInf
 		for _, s := range steps {
 			step := FlowStep{Name: s.Name, Kind: s.Kind, State: s.State, Attempts: int(s.Attempts), Result: s.Result,
 				FirstCalledAt: timeOf(s.FirstCalledAt), CompletedAt: timeOf(s.CompletedAt),
-				Reconciles: int(s.Reconciles), LastReconcile: s.LastReconcile.String}
+				Reconciles: int(s.Reconciles), LastReconcile: s.LastReconcile}
 			if s.Kind == stepCall {
 				step.ProviderKey = providerKeys{namespace: f.ProviderNamespace, operation: f.Operation}.of(k.scope, k.key, s.Name)
 			}

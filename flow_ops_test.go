@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/pgidem/idem"
 )
@@ -93,10 +94,7 @@ func TestReadStatsCountsFlows(t *testing.T) {
 	}
 	abandon(t, ctx, pool, flow, p, scope, "abandoned")
 	abandon(t, ctx, pool, flow, p, scope, "attention")
-	if _, err := pool.Exec(ctx, `UPDATE idem_flow_step SET first_called_at = first_called_at - interval '2 days'
-		WHERE scope = $1 AND key = 'attention'`, scope); err != nil {
-		t.Fatal(err)
-	}
+	ageCalls(t, pool, scope, "attention", 48*time.Hour)
 	if _, err := flow.Run(ctx, pool, scope, "attention", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrFlowStopped) {
 		t.Fatalf("past the window: %v, want ErrFlowStopped", err)
 	}

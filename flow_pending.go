@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/pgtime"
 )
 
 // An executor commits as late as it safely can, so that a flow commits
@@ -21,9 +22,15 @@ import (
 // record not yet sent (openStep), until the flow's next step begins or
 // its function returns: the record then commits with what comes next (a
 // call's intent, the flow's answer, the lease given up) in one round trip.
-// A call's result is kept (flowRun.result) until the next statement the
-// flow sends: the next local step's BEGIN, the next call's intent, the
-// answer, in the same transaction. So local–call–local commits twice.
+// A call's result is kept (flowRun.result) until the next write of the
+// flow's row: the next local step's (as its transaction commits: that
+// step's BEGIN only locks the row, FlowLock), the next call's intent, the
+// answer, in the same transaction. So local–call–local commits twice,
+// writes the flow's row twice (an insert as its first step commits,
+// FlowStartHeld; an update with the answer) and locks it once (its second
+// step's BEGIN): every record goes into the write of the row that the
+// statement it travels with makes anyway, or, past maxInlineSteps, into a
+// row of its own (see flow_records.go).
 //
 // What does not change: no call is made with a transaction open or a
 // connection held (its intent commits first, with whatever was pending);
@@ -45,7 +52,15 @@ import (
 // finds the lock taken and looks again, under its wait budget, as it does
 // for a flow that another executor holds; it never waits for the
 // uncommitted row. A run whose first statement finds the flow taken
-// (errTaken) commits nothing, and looks at the flow again (Flow.Run).
+// (errTaken) commits nothing, and looks at the flow again (Flow.Run). A
+// first local step whose transaction stays open takes the lock as it
+// begins (FlowStartLock), and writes the row only as it commits
+// (FlowStartHeld), carrying the step's record and the first call's
+// intent, so that the row is written once; the row statement that
+// carries a first call's intent without a local step before it is
+// FlowStart itself. A row committed by another executor between the
+// lock's snapshot and the lock fails FlowStartHeld (a unique violation),
+// and the step's writes with it: errTaken.
 
 // errTaken is what a run that was to start its flow gets when another
 // executor was starting it, or had started it, since the claim: the run
@@ -57,6 +72,9 @@ var errTaken = errors.New("idem: another executor is starting the flow, or start
 type starting struct {
 	row     dbsqlc.FlowStartRow
 	written bool
+	// held is set for FlowStartHeld, whose row is heldRow.
+	held    bool
+	heldRow dbsqlc.FlowStartHeldRow
 }
 
 // queueStart queues the flow's row (FlowStart), at step (none when
@@ -73,6 +91,51 @@ func (r *flowRun) queueStart(b *pgx.Batch, step string) *starting {
 	return st
 }
 
+// queueStartHeld queues the flow's row (FlowStartHeld), at step, with
+// the records steps holds, in the transaction that FlowStartLock began,
+// which read the namespace of its provider keys (r.keys).
+func (r *flowRun) queueStartHeld(b *pgx.Batch, step string, steps pgtype.Text) *starting {
+	st := &starting{held: true}
+	p := r.start
+	dbsqlc.QueueFlowStartHeld(b, dbsqlc.FlowStartHeldParams{Scope: p.Scope, Key: p.Key, FlowName: p.FlowName,
+		Fingerprint: p.Fingerprint, Input: p.Input, ProviderNamespace: r.keys.namespace, Epoch: p.Epoch, Lease: p.Lease,
+		Step: pgtype.Text{String: step, Valid: step != ""}, Retention: p.Retention, Steps: steps}, &st.heldRow, &st.written)
+	return st
+}
+
+// startLock is FlowStartLock queued on a batch (queueStartLock), and what
+// the batch found.
+type startLock struct {
+	namespace pgtype.UUID
+	locked    bool
+}
+
+// queueStartLock queues FlowStartLock on b: the first local step of a
+// flow not started yet, whose transaction stays open (see runLocal), takes
+// the flow's advisory lock, and writes the row only as it commits
+// (FlowStartHeld), with the step's record and what comes next.
+func (r *flowRun) queueStartLock(b *pgx.Batch) *startLock {
+	lk := &startLock{}
+	dbsqlc.QueueFlowStartLock(b, dbsqlc.FlowStartLockParams{Scope: r.start.Scope, Key: r.start.Key, LockID: r.start.LockID},
+		&lk.namespace, &lk.locked)
+	return lk
+}
+
+// lockStarted judges what FlowStartLock found, err being its batch's
+// error: errTaken, noted on the run, when it did not get the lock, or the
+// key has a flow.
+func (r *flowRun) lockStarted(lk *startLock, err error) error {
+	switch {
+	case err != nil:
+		return err
+	case !lk.locked:
+		r.taken = errTaken
+		return errTaken
+	}
+	r.keys = providerKeys{namespace: lk.namespace}
+	return nil
+}
+
 // started judges what the batch that carried the flow's row (st, nil for
 // none) found, err being the batch's error: errTaken, noted on the run,
 // when the row was not written, or was there already (a unique violation
@@ -83,6 +146,9 @@ func (r *flowRun) started(st *starting, err error) error {
 	}
 	var pgErr *pgconn.PgError
 	switch {
+	case err == nil && st.written && st.held:
+		r.keys = providerKeys{namespace: st.heldRow.ProviderNamespace, operation: st.heldRow.Operation}
+		return nil
 	case err == nil && st.written:
 		r.keys = providerKeys{namespace: st.row.ProviderNamespace, operation: st.row.Operation}
 		return nil
@@ -120,11 +186,12 @@ type openStep struct {
 	conn   *pgx.Conn
 	pooled *pgxpool.Conn // given back once the step ends (releaseConn)
 	tx     pgx.Tx
-	record dbsqlc.FlowStepRecordParams
-	lease  dbsqlc.FlowLeaseParams
+	record pendingStep
+	lease  dbsqlc.FlowLeaseStepsParams
 	// carries is set when the transaction also records the call's result
-	// (flowRun.result), sent as it began; starts when it wrote the flow's
-	// row (flowRun.start).
+	// (flowRun.result), with the step's record; starts when it took the
+	// flow's lock as it began (FlowStartLock), and writes the flow's row
+	// (flowRun.start) as it commits (FlowStartHeld).
 	carries, starts bool
 	// timer commits the transaction alone when the next step is late
 	// (commitIdle).
@@ -191,15 +258,20 @@ func (r *flowRun) flushOpen(ctx context.Context) error {
 }
 
 // flush commits what is pending with the statements queue queues (nil for
-// none), in one round trip: on the open step's transaction, its record,
-// then the statements, then COMMIT; otherwise the call's result, if any,
-// then the statements, in one implicit transaction. The queued statements
-// must check the executor's epoch themselves. It reports ErrLeaseLost when
-// the pending call's result found the flow no longer the executor's; what
-// the queued statements found, they report themselves. When a step's
+// none), in one round trip: on the open step's transaction, the
+// statements, then COMMIT; otherwise the statements, in one implicit
+// transaction. What is pending (the open step's record, or the call's
+// result) is recorded in the flow's row by the statement queue queues
+// that writes that row, which gets it as steps (and may add its own
+// records), so that the row is written once; with nothing queued, by
+// FlowLeaseSteps, which renews the lease too. (A local step's record
+// that goes to a row of its own, FlowStepRecord, is queued first.) The
+// queued statements must check the executor's epoch themselves, and
+// report what they found themselves. It reports ErrLeaseLost when
+// FlowLeaseSteps found the flow no longer the executor's. When a step's
 // transaction that committed alone (commitIdle) failed, it returns that
 // error and sends nothing.
-func (r *flowRun) flush(ctx context.Context, queue func(b *pgx.Batch)) error {
+func (r *flowRun) flush(ctx context.Context, queue func(b *pgx.Batch, steps *stepPatch)) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if err := r.failed; err != nil {
@@ -209,7 +281,7 @@ func (r *flowRun) flush(ctx context.Context, queue func(b *pgx.Batch)) error {
 	return r.flushLocked(ctx, queue)
 }
 
-func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) error {
+func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, steps *stepPatch)) error {
 	open := r.open
 	r.open = nil
 	if open != nil {
@@ -219,29 +291,62 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 		return r.taken
 	}
 	b := r.flushBatch.newBatch()
-	recorded := &r.flushRecorded
-	*recorded = 0
+	leased := &r.flushLeased
+	*leased = true
 	carried := r.result != nil && (open == nil || open.carries)
-	// A flow not started yet is started by what is queued (never with a
-	// step's transaction open: that one wrote the row as it began).
+	// A flow not started yet is started by what is queued, or in the open
+	// step's transaction, which began by taking the flow's lock
+	// (FlowStartLock) and writes the row as it commits (FlowStartHeld).
+	held := open != nil && open.starts
 	var st *starting
 	if open == nil && queue != nil {
 		st = r.queueStart(b, "")
 	}
+	var steps stepPatch
+	steps.b = r.patch[:0]
+	defer func() { r.patch = steps.b[:0] }()
+	steps.starting = held
+	if open != nil {
+		if open.record.row {
+			dbsqlc.QueueFlowStepRecord(b, open.record.rowParams(r.k))
+		} else {
+			steps.add(open.record.seq, &open.record.rec)
+		}
+		steps.at = open.name // FlowLock did not note it
+	}
+	if carried {
+		steps.put(r.result.seq, &r.result.rec, r.result.rec.inRow)
+	}
+	// The records that go to rows of their own, before the statement
+	// that writes the flow's row (which may end the flow).
+	r.queueStepRows(b, &steps)
+	first := b.Len()
 	switch {
-	case open != nil && queue == nil:
+	case queue != nil:
+		queue(b, &steps)
+	case held:
+		// The row, written now, records the step and leases the flow.
+		steps.carry(open.name)
+	case open != nil:
 		// Nothing after the record renews the lease: the record does,
 		// for the steps after this one.
-		var leased bool
-		dbsqlc.QueueFlowLease(b, open.lease, &leased)
-		dbsqlc.QueueFlowStepRecord(b, open.record)
-	case open != nil:
-		dbsqlc.QueueFlowStepRecord(b, open.record)
+		queueLease(b, open.lease, &steps, leased)
 	case carried:
-		dbsqlc.QueueFlowCallDone(b, *r.result, recorded)
+		queueLease(b, dbsqlc.FlowLeaseStepsParams{Lease: pgtime.Interval(r.o.lease), Step: r.result.rec.Name,
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &steps, leased)
 	}
-	if queue != nil {
-		queue(b)
+	if held {
+		// The row first, before the statements that write it again.
+		if steps.carried {
+			st = r.queueStartHeld(b, steps.step, steps.text())
+		} else {
+			st = r.queueStartHeld(b, steps.at, pgtype.Text{})
+		}
+		q := b.QueuedQueries
+		last := q[len(q)-1]
+		copy(q[first+1:], q[first:len(q)-1])
+		q[first] = last
+		steps.start = st
 	}
 	if b.Len() == 0 {
 		return nil
@@ -258,8 +363,11 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 		}
 		if carried {
 			r.result = nil
-			if *recorded == 0 {
+			if !*leased {
 				return r.lostError()
+			}
+			if queue == nil {
+				r.lease.renewed(sent)
 			}
 		}
 		return nil
@@ -267,12 +375,14 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch)) err
 	defer releaseConn(open.pooled)
 	r.commitTag = pgconn.CommandTag{}
 	dbsqlc.QueueTxCommit(b).Exec(r.noteCommit)
-	err := sendOnConn(ctx, open.conn, open.tx, b)
+	err := r.started(st, sendOnConn(ctx, open.conn, open.tx, b))
 	commit := r.commitTag
 	if open.conn.PgConn().TxStatus() != 'I' {
 		rollback(ctx, open.tx)
 	}
 	switch {
+	case errors.Is(err, errTaken):
+		return err
 	case err != nil:
 		return translate(fmt.Sprintf("commit step %q", open.name), err)
 	case commit.String() != "COMMIT":

@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
@@ -32,7 +31,7 @@ func (s *Steps) Scope() string { return s.run.k.scope }
 // Key returns the key of the flow's operation.
 func (s *Steps) Key() string { return s.run.k.key }
 
-// The kinds of steps, as idem_flow_step.kind spells them.
+// The kinds of steps, as idem_flow_step_row.kind spells them.
 const (
 	stepLocal = "local"
 	stepCall  = "call"
@@ -90,16 +89,16 @@ func Local[T any](s *Steps, name string, fn func(ctx context.Context, tx pgx.Tx)
 	return value, nil
 }
 
-// runLocal is one attempt of a local step: BEGIN with the lease's renewal
-// (FlowLease), and the last call's result if it is not recorded yet, in
-// one round trip, then fn. On a connection it drives (a pool's, with
-// neither a BeginQuery nor a CommitQuery of the caller's, and an isolation
-// level below serializable, whose COMMIT can fail after the step has
-// returned), it leaves the transaction open with the step's record still
-// to send: the flow's next statement commits it (flowRun.flush).
-// Otherwise it renews the lease again, for the steps after this one, and
-// records the step (FlowStepRecord) with COMMIT, in one round trip where
-// it can; a BeginQuery or CommitQuery of the caller's (WithTxOptions) is
+// runLocal is one attempt of a local step: BEGIN with the flow's row
+// locked (FlowLock), in one round trip, then fn. On a connection it drives (a pool's,
+// with neither a BeginQuery nor a CommitQuery of the caller's, and an
+// isolation level below serializable, whose COMMIT can fail after the
+// step has returned), it leaves the transaction open with the step's
+// record still to send (and the last call's result, if it is not recorded
+// yet): the flow's next statement records them in the flow's row and
+// commits them (flowRun.flush). Otherwise it renews the lease, for the
+// steps after this one, recording them in the same write (FlowLeaseSteps),
+// with COMMIT, in one round trip where it can; a BeginQuery or CommitQuery of the caller's (WithTxOptions) is
 // run as given, through pgx, as Run runs it.
 func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	var zero T
@@ -126,29 +125,34 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 			return zero, err
 		}
 	}
-	lease := dbsqlc.FlowLeaseParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
+	lease := dbsqlc.FlowLeaseStepsParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
+	lock := dbsqlc.FlowLockParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	var tx pgx.Tx
 	leased := &r.stepLeased
 	*leased = false
 	var st *starting
+	var lk *startLock
 	carries := r.result != nil
-	recorded := int64(1)
 	sent := time.Now()
 	switch {
 	case pipelined:
 		b := r.stepBatch.newBatch()
 		queueBegin(b, conn, opts)
 		r.queueIdleTimeout(b)
-		// The lease first: it holds the flow's row, so that the call's
-		// result, recorded after it, need not write that row again. A
-		// flow not started yet is started here instead, leased.
-		if st = r.queueStart(b, name); st == nil {
-			dbsqlc.QueueFlowLease(b, lease, leased)
-		}
-		if carries {
-			res := r.result
-			dbsqlc.QueueFlowCallDoneHeld(b, dbsqlc.FlowCallDoneHeldParams{Result: res.Result, Reconciled: res.Reconciled,
-				Scope: res.Scope, Key: res.Key, Epoch: res.Epoch, Seq: res.Seq}, &recorded)
+		// The flow's row locked first (FlowLock), not written: the
+		// step's one write of it, once its function has returned, renews
+		// the lease and records the step, and the call's result that is
+		// still to record. A flow not started yet is started here
+		// instead, leased (a call's result is never pending then: its
+		// intent started the flow).
+		switch {
+		case deferred && r.start != nil:
+			// The flow's row is written once, as the transaction commits.
+			lk = r.queueStartLock(b)
+		default:
+			if st = r.queueStart(b, name); st == nil {
+				dbsqlc.QueueFlowLock(b, lock, leased)
+			}
 		}
 		tx, err = r.sendBegin(ctx, conn, b, opts)
 	default:
@@ -160,12 +164,16 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 			b := &pgx.Batch{}
 			r.queueIdleTimeout(b)
 			if st = r.queueStart(b, name); st == nil {
-				dbsqlc.QueueFlowLease(b, lease, leased)
+				dbsqlc.QueueFlowLock(b, lock, leased)
 			}
 			err = tx.SendBatch(ctx, b).Close()
 		}
 	}
 	if err = r.started(st, err); st != nil {
+		*leased = err == nil
+	}
+	if lk != nil {
+		err = r.lockStarted(lk, err)
 		*leased = err == nil
 	}
 	ended := false
@@ -178,12 +186,14 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	case errors.Is(err, errTaken):
 		return zero, err
 	case err != nil:
-		return zero, translate("begin, renewing the lease", err)
+		return zero, translate("begin, locking the flow", err)
 	}
-	if !*leased || recorded == 0 {
+	if !*leased {
 		return zero, r.lostError()
 	}
-	r.lease.renewed(sent)
+	if st != nil {
+		r.lease.renewed(sent) // FlowStart leased the flow; FlowLock renews nothing
+	}
 
 	value, err := fn(ctx, tx)
 	if err != nil {
@@ -193,26 +203,49 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	if err != nil {
 		return zero, fmt.Errorf("result: %w", err)
 	}
-	record := dbsqlc.FlowStepRecordParams{Scope: r.k.scope, Key: r.k.key, Seq: seq, Step: name,
-		Result: pgtype.Text{String: string(encoded), Valid: true}}
+	record := pendingStep{seq: seq, rec: stepRecord{Name: name, Result: encoded, Completed: stampNow}}
+	record.row = r.inRow(seq, &record.rec)
 	if deferred {
 		value, err := decodedResult[T](r, encoded)
 		if err != nil {
 			return zero, err
 		}
-		r.keepOpen(&openStep{name: name, conn: conn, pooled: pooled, tx: tx, record: record, lease: lease, carries: carries, starts: st != nil})
+		r.keepOpen(&openStep{name: name, conn: conn, pooled: pooled, tx: tx, record: record, lease: lease, carries: carries, starts: lk != nil})
 		ended, kept = true, true
 		return value, nil
 	}
 	// The flow's row is locked since the step began, so the renewal finds
-	// the lease as the step's first statement left it.
+	// the lease as the step's first statement left it; it records the
+	// step in the same write.
 	sent = time.Now()
+	var steps stepPatch
+	if !record.row {
+		steps.add(record.seq, &record.rec)
+	}
+	if carries {
+		steps.put(r.result.seq, &r.result.rec, r.result.rec.inRow)
+	}
+	lease.Steps = steps.text()
 	if !pipelined {
 		q := dbsqlc.New(tx)
-		if _, err := q.FlowLease(ctx, lease); err != nil {
-			return zero, translate("renew the lease", err)
+		if record.row {
+			if err := q.FlowStepRecord(ctx, record.rowParams(r.k)); err != nil {
+				return zero, translate("record step", err)
+			}
 		}
-		if err := q.FlowStepRecord(ctx, record); err != nil {
+		if len(steps.updates) > 0 {
+			if _, err := q.FlowStepRowsUpdate(ctx, dbsqlc.FlowStepRowsUpdateParams{Steps: string(steps.updates) + "}",
+				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}); err != nil {
+				return zero, translate("record step", err)
+			}
+		}
+		var err error
+		if steps.empty() {
+			_, err = q.FlowLease(ctx, bareLease(lease))
+		} else {
+			_, err = q.FlowLeaseSteps(ctx, lease)
+		}
+		if err != nil {
 			return zero, translate("record step", err)
 		}
 		ended = true
@@ -226,12 +259,25 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		return decodedResult[T](r, encoded)
 	}
 	b := r.stepBatch.newBatch()
-	dbsqlc.QueueFlowLease(b, lease, leased)
-	dbsqlc.QueueFlowStepRecord(b, record)
+	if record.row {
+		dbsqlc.QueueFlowStepRecord(b, record.rowParams(r.k))
+	}
+	rowStatements := r.queueStepRows(b, &steps)
+	queueLease(b, lease, &steps, leased)
 	dbsqlc.QueueTxCommit(b)
 	results := tx.SendBatch(ctx, b)
-	_, _ = results.Exec() // FlowLease: the row is held, it renews
-	_, recordErr := results.Exec()
+	var recordErr error
+	if record.row {
+		_, recordErr = results.Exec()
+	}
+	for range rowStatements {
+		if _, err := results.Exec(); recordErr == nil {
+			recordErr = err
+		}
+	}
+	if _, err := results.Exec(); recordErr == nil { // FlowLeaseSteps: the row is held, it renews and records
+		recordErr = err
+	}
 	tag, commitErr := results.Exec()
 	closeErr := results.Close()
 	ended = conn.PgConn().TxStatus() == 'I'
@@ -382,7 +428,7 @@ func decodedResult[T any](r *flowRun, encoded []byte) (T, error) {
 // the name, that no other step runs and the function has not returned, and
 // that the step is the one earlier runs recorded at its place, if any, and
 // returns its place and its record. end ends it.
-func (r *flowRun) begin(name, kind string) (int32, *dbsqlc.FlowStepsRow, error) {
+func (r *flowRun) begin(name, kind string) (int32, *stepRecord, error) {
 	if err := ident.Check(name); err != nil {
 		fn := map[string]string{stepLocal: "Local", stepCall: "Call"}[kind]
 		return 0, nil, &FieldError{Package: "idem", Field: fn, Problem: fmt.Sprintf("step name %q: %s", name, err)}
@@ -392,6 +438,9 @@ func (r *flowRun) begin(name, kind string) (int32, *dbsqlc.FlowStepsRow, error) 
 	}
 	if err := r.takenError(); err != nil {
 		return 0, nil, err // another executor's flow: nothing more runs
+	}
+	if r.unreadable != nil {
+		return 0, nil, r.unreadable
 	}
 	if !r.stepping.CompareAndSwap(false, true) {
 		return 0, nil, fmt.Errorf("idem: step %q: another step of the flow is running: steps run one at a time", name)
@@ -406,13 +455,12 @@ func (r *flowRun) begin(name, kind string) (int32, *dbsqlc.FlowStepsRow, error) 
 	switch {
 	case !ok:
 		return seq, nil, nil
-	case rec.Name != name || rec.Kind != kind:
+	case rec.Name != name || rec.kind() != kind:
 		r.stepping.Store(false)
 		return 0, nil, fmt.Errorf("%w: step %d is %s %q, the earlier run recorded %s %q", ErrFlowChanged,
-			seq, kindName(kind), name, kindName(rec.Kind), rec.Name)
-	case rec.State == stepDone:
-		done := rec
-		return seq, &done, nil
+			seq, kindName(kind), name, kindName(rec.kind()), rec.Name)
+	case rec.done():
+		return seq, &rec, nil
 	}
 	return seq, nil, nil
 }

@@ -297,10 +297,7 @@ func TestFlowPastTheProviderWindowNothingCallsAgain(t *testing.T) {
 		t.Fatal("the first run succeeded")
 	}
 	// A day later, past the provider's 24 hours.
-	if _, err := pool.Exec(ctx, `UPDATE idem_flow_step SET first_called_at = first_called_at - interval '25 hours'
-		WHERE scope = $1 AND key = 'k'`, scope); err != nil {
-		t.Fatal(err)
-	}
+	ageCalls(t, pool, scope, "k", 25*time.Hour)
 	for range 2 {
 		if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrFlowStopped) {
 			t.Fatalf("a retry past the window: %v, want ErrFlowStopped", err)
@@ -343,5 +340,21 @@ func TestFlowRunGivesItsLeaseUpWhenItsContextEnds(t *testing.T) {
 	// With an hour's lease and no wait, only a lease given up lets the retry in.
 	if res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); err != nil || res.Value.ChargeID != "ch_1" {
 		t.Fatalf("the retry: %+v, %v", res, err)
+	}
+}
+
+// ageCalls makes the calls that the flows of scope (of key, unless empty)
+// recorded look by long older, as if their first attempts had been made
+// by long earlier (past a provider's window).
+func ageCalls(t *testing.T, pool *pgxpool.Pool, scope, key string, by time.Duration) {
+	t.Helper()
+	_, err := pool.Exec(context.Background(), `UPDATE idem_flow AS f
+		SET steps = (SELECT jsonb_object_agg(s.key, CASE WHEN s.value ? 'f'
+		                 THEN jsonb_set(s.value, '{f}', to_jsonb((s.value->>'f')::bigint - $3::bigint))
+		                 ELSE s.value END)
+		             FROM jsonb_each(f.steps) AS s)
+		WHERE f.scope = $1 AND ($2 = '' OR f.key = $2) AND f.steps IS NOT NULL`, scope, key, by.Microseconds())
+	if err != nil {
+		t.Fatal(err)
 	}
 }

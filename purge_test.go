@@ -218,9 +218,7 @@ func TestPurgeDeletesExpiredFlowsAndLeavesTheRestAlone(t *testing.T) {
 		expires_at = CASE WHEN state = 'done' THEN now() - interval '1 day' END WHERE scope = $1`, scope); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, `UPDATE idem_flow_step SET first_called_at = now() - interval '30 days' WHERE scope = $1`, scope); err != nil {
-		t.Fatal(err)
-	}
+	ageCalls(t, pool, scope, "", 30*24*time.Hour)
 	if _, err := flow.Run(ctx, pool, scope, "attention", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrFlowStopped) {
 		t.Fatalf("past the window: %v, want ErrFlowStopped", err)
 	}
@@ -229,13 +227,24 @@ func TestPurgeDeletesExpiredFlowsAndLeavesTheRestAlone(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// The steps as rows of their own, as a version before migration 00008
+	// wrote them, and as a flow past maxInlineSteps writes them: Purge
+	// deletes those of the flows it deletes.
+	oldSteps(t, pool, scope)
+	var finishedRows int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step_row WHERE scope = $1 AND key IN ('done', 'ended')`,
+		scope).Scan(&finishedRows); err != nil || finishedRows != 6 {
+		t.Fatalf("the finished flows' steps as rows: %d, %v; want 6", finishedRows, err)
+	}
+
 	deleted, err := idem.Purge(ctx, pool, 1)
 	if err != nil || deleted != 2 {
 		t.Fatalf("Purge = %d, %v; want the 2 finished flows", deleted, err)
 	}
 	var left []string
-	rows, err := pool.Query(ctx, `SELECT f.key || ':' || count(s.seq) FROM idem_flow f
-		LEFT JOIN idem_flow_step s ON s.scope = f.scope AND s.key = f.key WHERE f.scope = $1 GROUP BY f.key ORDER BY f.key`, scope)
+	rows, err := pool.Query(ctx, `SELECT f.key || ':' || (SELECT count(*) FROM jsonb_object_keys(coalesce(f.steps, '{}')))
+		+ (SELECT count(*) FROM idem_flow_step_row s WHERE s.scope = f.scope AND s.key = f.key)
+		FROM idem_flow f WHERE f.scope = $1 ORDER BY f.key`, scope)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -249,9 +258,12 @@ func TestPurgeDeletesExpiredFlowsAndLeavesTheRestAlone(t *testing.T) {
 	if strings.Join(left, " ") != "attention:2 running:2" {
 		t.Fatalf("flows left with their steps: %v, want attention:2 running:2", left)
 	}
-	var orphans int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step s WHERE NOT EXISTS
+	var orphans, kept int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step_row s WHERE NOT EXISTS
 		(SELECT FROM idem_flow f WHERE f.scope = s.scope AND f.key = s.key)`).Scan(&orphans); err != nil || orphans != 0 {
 		t.Fatalf("%d steps left without their flow, %v", orphans, err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow_step_row WHERE scope = $1`, scope).Scan(&kept); err != nil || kept != 4 {
+		t.Fatalf("%d steps' rows left, %v; want the 4 of the flows left", kept, err)
 	}
 }

@@ -25,7 +25,7 @@ SELECT create_distributed_table('idempotency_key', 'scope');
 -- Advance's versions, flows and their steps, on the same shards.
 SELECT create_distributed_table('entity_version', 'scope', colocate_with => 'idempotency_key');
 SELECT create_distributed_table('idem_flow', 'scope', colocate_with => 'idempotency_key');
-SELECT create_distributed_table('idem_flow_step', 'scope', colocate_with => 'idempotency_key');
+SELECT create_distributed_table('idem_flow_step_row', 'scope', colocate_with => 'idempotency_key');
 
 -- The installation's id, which every flow's start reads: copied to every
 -- node, so that a statement on one shard can read it there.

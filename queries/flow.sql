@@ -37,6 +37,47 @@ WHERE NOT EXISTS (
   AND pg_try_advisory_xact_lock(@lock_id::bigint)
 RETURNING provider_namespace, operation;
 
+-- name: FlowStartLock :one
+-- FlowStartLock begins the first local step of a flow that no one has
+-- started, on a connection that keeps its transaction open until the
+-- flow's next statement (see flow_pending.go): it takes the flow's
+-- advisory lock as FlowStart does, and for the same reasons, and returns
+-- the installation's id, but writes nothing. The row is written once, by
+-- FlowStartHeld in the same transaction, with the step's record and what
+-- travels with it (the first call's intent), as the transaction commits.
+-- It returns no row when another transaction holds the lock, or a flow
+-- holds the key: the caller runs nothing and looks at the flow again, as
+-- a duplicate.
+SELECT (SELECT id FROM idem_installation)::uuid AS provider_namespace
+WHERE NOT EXISTS (
+    SELECT FROM idem_flow
+    WHERE scope = @scope::text
+      AND key = @key::text
+)
+  AND pg_try_advisory_xact_lock(@lock_id::bigint);
+
+-- name: FlowStartHeld :one
+-- FlowStartHeld is FlowStart in a transaction that FlowStartLock began,
+-- which holds the flow's advisory lock, with the installation's id that
+-- it read (@provider_namespace), and what @steps holds (see
+-- FlowLeaseSteps): the step's record, and the intent of the call after
+-- it, if that is what the row travels with, so that the row is written
+-- once. A plain INSERT, which fails with a unique violation
+-- (idem_flow_pkey), and with it the transaction, the step's writes
+-- included, when a row committed between FlowStartLock's snapshot and
+-- its lock: a step's writes never commit without their flow. It returns
+-- created_at, the transaction's now(): when the call's first attempt was
+-- made, for an intent it carries (the stamp its record got), as
+-- FlowCallIntent returns it. (No subquery, which Citus refuses in an
+-- INSERT's VALUES.)
+INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, step, runs, retention,
+                       steps)
+VALUES (@scope::text, @key::text, @flow_name::text, @fingerprint::bytea, 'running',
+        sqlc.arg(input)::text::jsonb, @provider_namespace::uuid, @epoch::bigint,
+        clock_timestamp() + @lease::interval, sqlc.narg(step)::text, 1, @retention::interval,
+        replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb)
+RETURNING provider_namespace, operation, created_at, leased_until;
+
 -- name: FlowRestart :one
 -- FlowRestart starts again, as a new operation, a finished flow whose
 -- retention has passed: its row taken over, its steps deleted, and a new
@@ -69,14 +110,15 @@ restarted AS (
         retention = @retention::interval,
         created_at = now(),
         completed_at = NULL,
-        expires_at = NULL
+        expires_at = NULL,
+        steps = NULL
     FROM expired
     WHERE f.scope = expired.scope
       AND f.key = expired.key
     RETURNING f.provider_namespace, f.operation
 ),
 cleared AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING restarted
     WHERE s.scope = @scope::text
       AND s.key = @key::text
@@ -136,16 +178,40 @@ WHERE scope = @scope::text
   AND key = @key::text;
 
 -- name: FlowSteps :many
--- FlowSteps reads the recorded steps of a running flow, in order, for the
--- executor that resumes it; for any other flow it reads nothing, so that a
--- replay does not pay for them.
-SELECT s.seq, s.name, s.kind, s.state, s.result
-FROM idem_flow_step AS s
-JOIN idem_flow AS f ON f.scope = s.scope AND f.key = s.key
-WHERE s.scope = @scope::text
-  AND s.key = @key::text
-  AND f.state = 'running'
-ORDER BY s.seq;
+-- FlowSteps reads the recorded steps of a running flow, in order, each as
+-- its record in idem_flow.steps (see FlowLeaseSteps), for the executor that
+-- resumes it; for any other flow it reads nothing, so that a replay does
+-- not pay for them. A step that a version before migration 00008 recorded
+-- in idem_flow_step_row is read from there, as a record of the same fields,
+-- unless the flow's row records it too (a call resumed since); so is one
+-- that this version recorded as a row (FlowStepRecord, FlowStepRows):
+-- in_row says which, for the step's further records to go there too.
+SELECT seq::int AS seq, rec::jsonb AS rec, in_row::boolean AS in_row
+FROM (
+    SELECT s.key::int AS seq, s.value AS rec, false AS in_row
+    FROM idem_flow AS f, jsonb_each(f.steps) AS s(key, value)
+    WHERE f.scope = @scope::text
+      AND f.key = @key::text
+      AND f.state = 'running'
+    UNION ALL
+    -- (An absent field is null here: a call's result while it has none.)
+    SELECT s.seq, jsonb_build_object(
+               'n', s.name,
+               's', CASE WHEN s.state = 'done' THEN NULL ELSE s.state END,
+               'r', s.result,
+               'a', CASE WHEN s.kind = 'call' THEN s.attempts END,
+               'f', (extract(epoch FROM s.first_called_at) * 1000000)::bigint,
+               'c', (extract(epoch FROM s.completed_at) * 1000000)::bigint,
+               'x', s.reconciles,
+               'l', s.last_reconcile), true
+    FROM idem_flow_step_row AS s
+    JOIN idem_flow AS f ON f.scope = s.scope AND f.key = s.key
+    WHERE s.scope = @scope::text
+      AND s.key = @key::text
+      AND f.state = 'running'
+      AND NOT coalesce(f.steps ? s.seq::text, false)
+) AS recorded
+ORDER BY seq;
 
 -- name: FlowLease :execrows
 -- FlowLease renews the executor's lease and notes the step it is at. It
@@ -153,9 +219,7 @@ ORDER BY s.seq;
 -- executor took it over (a new epoch), or an operator stopped it. A lease
 -- that ran out with nobody taking the flow over is the same executor's
 -- still: the epoch alone fences, so that a slow executor slows down
--- rather than fails. As the first statement of a local step's transaction
--- it also locks the flow's row until that transaction ends, so that no
--- one takes the flow over while the step's writes are open.
+-- rather than fails.
 UPDATE idem_flow
 SET leased_until = statement_timestamp() + @lease::interval,
     step = @step::text
@@ -164,171 +228,200 @@ WHERE scope = @scope::text
   AND epoch = @epoch::bigint
   AND state = 'running';
 
+-- name: FlowLeaseSteps :execrows
+-- FlowLeaseSteps is FlowLease that also records what @steps holds (see
+-- below): a local step's record, as its transaction commits alone, a
+-- call's result with nothing else to send. It affects no row, and records
+-- nothing, when the executor no longer holds the flow (see FlowLease).
+--
+-- A flow's steps are recorded in its row (idem_flow.steps, migration
+-- 00008), in the write of that row that each statement of the executor
+-- makes anyway: a local step's record with the statement after its writes
+-- (the next call's intent, the answer, the lease given up), before its
+-- transaction commits; a call's intent before the call; its result with
+-- the flow's next statement. So every step costs the flow's row one
+-- write, and that write is fenced by the epoch like the rest. @steps is
+-- a JSON object of the records to write, by place ("0", "1", ...), each
+-- one whole: the executor holds the flow and knows each record. A record
+-- has n, the step's name; s, the state of a call that has no result yet
+-- ('calling', 'unsent'), absent once done; r, the result (JSON); for a
+-- call, a, its attempts, f, when its first attempt that may have reached
+-- the other system was made, x, its lookups (Reconcile) and l, what the
+-- last found; c, when the step was done. A step without a is a local
+-- one. Times are microseconds since 1970 (UTC); the byte 0x01 in @steps
+-- stands for the statement's own now(), which the server writes in. (No
+-- CASE: Citus refuses a function that is not immutable, now() here, in a
+-- CASE or COALESCE of an UPDATE of a distributed table; a NULL @steps
+-- merges '{}', which changes nothing.)
+UPDATE idem_flow
+SET leased_until = statement_timestamp() + @lease::interval,
+    step = @step::text,
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running';
+
+-- name: FlowLock :execrows
+-- FlowLock locks the flow's row, as the first statement of a local step's
+-- transaction, until that transaction ends, so that no one takes the flow
+-- over while the step's writes are open; it affects (selects) no row when
+-- the executor no longer holds the flow (see FlowLease). It renews
+-- nothing and writes no new version of the row (only the lock): the
+-- step's one write of the row, FlowLeaseSteps (FlowLease when its record
+-- is a row of its own, FlowStepRecord) or the flow's next statement,
+-- renews the lease and records the step (and a call's result still to
+-- record) once the step's function has returned.
+SELECT
+FROM idem_flow
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running'
+FOR NO KEY UPDATE;
+
+-- name: FlowRecordSteps :execrows
+-- FlowRecordSteps records what @steps holds (see FlowLeaseSteps) and nothing
+-- else: a call's lookup that did not find it, an attempt that surely did
+-- not reach the other system. It affects no row when the executor no
+-- longer holds the flow.
+UPDATE idem_flow
+SET steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running';
+
 -- name: FlowStepRecord :exec
--- FlowStepRecord records a local step's result in the transaction of its
--- writes, which holds the flow's row (FlowLease): both commit together or
--- not at all.
-INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, result, attempts, completed_at)
+-- FlowStepRecord records a local step's result as a row of its own, in
+-- the transaction of its writes, which holds the flow's row (FlowLock):
+-- both commit together or not at all. Only a flow whose row already
+-- records many steps, or large ones, records a local step this way
+-- (maxInlineSteps in flow_records.go), and then every further step, its
+-- calls too (FlowStepRows): the flow's row is written without its
+-- records from then on, so that no write of it copies them again. The
+-- step's row is read as the steps of older versions are (FlowSteps).
+INSERT INTO idem_flow_step_row (scope, key, seq, name, kind, state, result, attempts, completed_at)
 VALUES (@scope::text, @key::text, @seq::int, @step::text, 'local', 'done',
         sqlc.narg(result)::text::jsonb, 1, now());
 
--- name: FlowCallStart :one
--- FlowCallStart records the intent of a call before the other system is
--- called, renewing the lease: the call's row is written 'calling', or, for
--- a call whose intent an earlier run recorded, its attempts counted again
--- (and, when every earlier attempt surely did not reach the other system,
--- 'unsent', its window started again). It returns leased, false when the
--- executor no longer holds the flow (see FlowLease); attempts, the call's
--- attempts with this one, 0 when the call has a result already; resumed,
--- true when an earlier attempt may have reached the other system (the
--- row was 'calling'); and past_window, true when such an attempt is older
--- than the provider's window (@call_window), past which the provider may
--- have forgotten the key, and calling again could apply the call twice.
-WITH leased AS (
-    UPDATE idem_flow
-    SET leased_until = statement_timestamp() + @lease::interval,
-        step = @step::text
-    WHERE scope = @scope::text
-      AND key = @key::text
-      AND epoch = @epoch::bigint
-      AND state = 'running'
-    RETURNING 1
-),
-earlier AS (
-    SELECT state, first_called_at
-    FROM idem_flow_step
-    WHERE scope = @scope::text
-      AND key = @key::text
-      AND seq = @seq::int
-),
-called AS (
-    INSERT INTO idem_flow_step AS s (scope, key, seq, name, kind, state, attempts, first_called_at)
-    SELECT @scope::text, @key::text, @seq::int, @step::text, 'call', 'calling', 1, now()
-    FROM leased
-    ON CONFLICT (scope, key, seq) DO UPDATE
-    SET attempts = s.attempts + 1,
-        state = 'calling',
-        first_called_at = CASE WHEN s.state = 'unsent' THEN excluded.first_called_at ELSE s.first_called_at END
-    WHERE s.state IN ('calling', 'unsent')
-    RETURNING s.attempts
-)
-SELECT EXISTS (SELECT FROM leased)::bool AS leased,
-       coalesce((SELECT attempts FROM called), 0)::int AS attempts,
-       coalesce((SELECT state = 'calling' FROM earlier), false)::bool AS resumed,
-       coalesce((SELECT state = 'calling' AND first_called_at <= now() - @call_window::interval FROM earlier), false)::bool AS past_window;
+-- name: FlowLeaseUntil :one
+-- FlowLeaseUntil is FlowLease that returns the lease it renewed (no row
+-- when the executor no longer holds the flow): a call's intent recorded
+-- as a row (FlowStepRows), which FlowCallIntent would return.
+UPDATE idem_flow
+SET leased_until = statement_timestamp() + @lease::interval,
+    step = @step::text
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running'
+RETURNING leased_until;
 
--- name: FlowCallStartNew :one
--- FlowCallStartNew is FlowCallStart for a call that no earlier run
--- recorded (the executor read the flow's steps as it claimed it, and only
--- its epoch writes steps since): a plain INSERT, without ON CONFLICT's
--- speculative insertion and its confirmation in the WAL. A row that is
--- there after all fails it with a unique violation, and nothing is called.
-WITH leased AS (
-    UPDATE idem_flow
-    SET leased_until = statement_timestamp() + @lease::interval,
-        step = @step::text
-    WHERE scope = @scope::text
-      AND key = @key::text
-      AND epoch = @epoch::bigint
-      AND state = 'running'
-    RETURNING 1
-),
-called AS (
-    INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, attempts, first_called_at)
-    SELECT @scope::text, @key::text, @seq::int, @step::text, 'call', 'calling', 1, now()
-    FROM leased
-    RETURNING attempts
-)
-SELECT EXISTS (SELECT FROM leased)::bool AS leased,
-       coalesce((SELECT attempts FROM called), 0)::int AS attempts;
-
--- name: FlowCallDone :execrows
--- FlowCallDone records a call's result once the other system answered, or
--- a lookup found it (@reconciled, 'found', counted with the call's
--- lookups), renewing the lease; it affects no row when the executor no
--- longer holds the flow (see FlowLease), and then records nothing.
-WITH leased AS (
-    UPDATE idem_flow
-    SET leased_until = statement_timestamp() + @lease::interval
-    WHERE scope = @scope::text
-      AND key = @key::text
-      AND epoch = @epoch::bigint
-      AND state = 'running'
-    RETURNING 1
-)
-UPDATE idem_flow_step AS s
-SET state = 'done',
-    result = sqlc.narg(result)::text::jsonb,
-    completed_at = now(),
-    reconciles = s.reconciles + CASE WHEN sqlc.narg(reconciled)::text IS NULL THEN 0 ELSE 1 END,
-    last_reconcile = coalesce(sqlc.narg(reconciled)::text, s.last_reconcile)
-FROM leased
-WHERE s.scope = @scope::text
-  AND s.key = @key::text
-  AND s.seq = @seq::int
-  AND s.state = 'calling';
-
--- name: FlowCallDoneHeld :execrows
--- FlowCallDoneHeld records a call's result as FlowCallDone does, in a
--- transaction whose FlowLease, sent before it, already renewed the lease
--- and holds the flow's row (a local step's): it renews nothing, so that
--- the flow's row is written once, not twice. It affects no row when the
--- executor no longer holds the flow.
-UPDATE idem_flow_step AS s
-SET state = 'done',
-    result = sqlc.narg(result)::text::jsonb,
-    completed_at = now(),
-    reconciles = s.reconciles + CASE WHEN sqlc.narg(reconciled)::text IS NULL THEN 0 ELSE 1 END,
-    last_reconcile = coalesce(sqlc.narg(reconciled)::text, s.last_reconcile)
-FROM idem_flow AS f
+-- name: FlowStepRows :many
+-- FlowStepRows records what @steps holds (see FlowLeaseSteps), steps not
+-- recorded yet, as rows of idem_flow_step_row, instead of in the flow's row:
+-- the records of a flow whose row already records many steps, or large
+-- ones (maxInlineSteps in flow_records.go), so that no write of
+-- the flow's row copies them again. It is fenced as the statements that
+-- write the flow's row are: it records nothing when the executor no
+-- longer holds the flow (see FlowLease), and is sent before the
+-- statement of the same transaction that ends the flow. It returns each
+-- record's place and when its call's first attempt was made (f: the
+-- statement's now() where @steps stands it in), which FlowCallIntent
+-- returns for a call recorded in the flow's row.
+INSERT INTO idem_flow_step_row AS t (scope, key, seq, name, kind, state, result, attempts, first_called_at, completed_at,
+                                     reconciles, last_reconcile)
+SELECT f.scope, f.key, r.key::int, r.value->>'n',
+       CASE WHEN r.value ? 'a' THEN 'call' ELSE 'local' END,
+       coalesce(r.value->>'s', 'done'), r.value->'r', coalesce((r.value->>'a')::int, 1),
+       timestamptz 'epoch' + (r.value->>'f')::bigint * interval '1 microsecond',
+       timestamptz 'epoch' + (r.value->>'c')::bigint * interval '1 microsecond',
+       coalesce((r.value->>'x')::int, 0), r.value->>'l'
+FROM idem_flow AS f,
+     jsonb_each(replace(@steps::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb) AS r(key, value)
 WHERE f.scope = @scope::text
   AND f.key = @key::text
   AND f.epoch = @epoch::bigint
   AND f.state = 'running'
-  AND s.scope = f.scope
-  AND s.key = f.key
-  AND s.seq = @seq::int
-  AND s.state = 'calling';
+RETURNING t.seq, coalesce((extract(epoch FROM t.first_called_at) * 1000000)::bigint, 0)::bigint AS first_called_at;
 
--- name: FlowCallReconciled :execrows
--- FlowCallReconciled counts a lookup made for a call found 'calling' that
--- did not find it (@outcome 'not_found', and the call is made again) or
--- failed (the outcome says how), for operators; it affects no row when
--- the executor no longer holds the flow.
-UPDATE idem_flow_step AS s
-SET reconciles = s.reconciles + 1,
-    last_reconcile = @outcome::text
-FROM idem_flow AS f
-WHERE f.scope = @scope::text
+-- name: FlowStepRowsUpdate :many
+-- FlowStepRowsUpdate is FlowStepRows for steps already recorded as rows
+-- (a call's result after its intent, a call resumed): it writes each
+-- record whole over its row. (Citus refuses a function that is not
+-- immutable, timestamptz + interval or extract from one, with a column in
+-- an UPDATE: to_timestamp is immutable, and exact to the microsecond for
+-- these times.)
+UPDATE idem_flow_step_row AS t
+SET name = r.value->>'n',
+    state = coalesce(r.value->>'s', 'done'),
+    result = r.value->'r',
+    attempts = coalesce((r.value->>'a')::int, 1),
+    first_called_at = to_timestamp((r.value->>'f')::bigint / 1000000.0),
+    completed_at = to_timestamp((r.value->>'c')::bigint / 1000000.0),
+    reconciles = coalesce((r.value->>'x')::int, 0),
+    last_reconcile = r.value->>'l'
+FROM idem_flow AS f,
+     jsonb_each(replace(@steps::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb) AS r(key, value)
+WHERE t.scope = @scope::text
+  AND t.key = @key::text
+  AND t.seq = r.key::int
+  AND f.scope = @scope::text
   AND f.key = @key::text
   AND f.epoch = @epoch::bigint
   AND f.state = 'running'
-  AND s.scope = f.scope
-  AND s.key = f.key
-  AND s.seq = @seq::int
-  AND s.state = 'calling';
+RETURNING t.seq, coalesce((r.value->>'f')::bigint, 0)::bigint AS first_called_at;
 
--- name: FlowCallUnsent :execrows
--- FlowCallUnsent records that a call's attempt surely did not reach the
--- other system (its function said so: a refused connection), when no
--- earlier attempt may have either: the call is then 'unsent', and the
--- next attempt is made whatever the provider's window or AtMostOnce say.
-UPDATE idem_flow_step AS s
-SET state = 'unsent'
-FROM idem_flow AS f
-WHERE f.scope = @scope::text
-  AND f.key = @key::text
-  AND f.epoch = @epoch::bigint
-  AND f.state = 'running'
-  AND s.scope = f.scope
-  AND s.key = f.key
-  AND s.seq = @seq::int
-  AND s.state = 'calling';
+-- name: FlowCallIntent :one
+-- FlowCallIntent records the intent of a call before the other system is
+-- called, renewing the lease: @steps holds the call's record, 'calling',
+-- its attempts counted (see FlowLeaseSteps), with what is pending before it.
+-- It returns, when the executor holds the flow (no row otherwise), when
+-- the call's first attempt was made (f: the transaction's now() for a new
+-- call, or one whose earlier attempts surely did not reach the other
+-- system), and the lease it renewed, which ends @lease after the
+-- statement's time: a call resumed past the provider's window is one
+-- whose first attempt is older than that time minus the window (0 when
+-- the call's record went to a row of its own: FlowStepRows returns it).
+-- (Citus refuses a function that is not immutable in RETURNING, now()
+-- among them.)
+UPDATE idem_flow
+SET leased_until = statement_timestamp() + @lease::interval,
+    step = @step::text,
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running'
+RETURNING coalesce((steps -> (@seq::int)::text ->> 'f')::bigint, 0)::bigint AS first_called_at, leased_until;
 
 -- name: FlowComplete :execrows
--- FlowComplete records the flow's answer: from now on retries replay it,
--- until its retention (counted from now) has passed. It affects no row
--- when the executor no longer holds the flow (see FlowLease).
+-- FlowComplete records the flow's answer, with what @steps holds (see
+-- FlowLeaseSteps): from now on retries replay it, until its retention
+-- (counted from now) has passed. It affects no row when the executor no longer
+-- holds the flow (see FlowLease).
+UPDATE idem_flow
+SET state = 'done',
+    output = sqlc.narg(output)::text::jsonb,
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb,
+    leased_until = NULL,
+    step = NULL,
+    last_error = NULL,
+    completed_at = now(),
+    expires_at = to_timestamp((extract(epoch FROM now()) + extract(epoch FROM retention))::float8)
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running';
+
+-- name: FlowCompleteBare :execrows
+-- FlowCompleteBare is FlowComplete with nothing to record in the flow's
+-- row, which it leaves as it is: its steps are not written again.
 UPDATE idem_flow
 SET state = 'done',
     output = sqlc.narg(output)::text::jsonb,
@@ -351,11 +444,28 @@ WHERE scope = @scope::text
 -- FlowRelease gives the lease up when the flow's function returned an
 -- error or its context ended, so that a retry takes the flow over at once
 -- instead of waiting for the lease to run out; the error is kept for
--- operators. It affects no row when the executor no longer holds the flow
+-- operators, what @steps holds recorded (see FlowLeaseSteps), and @step, if
+-- any, noted as the step it is at (a local step's, which FlowLock did not
+-- note). It affects no row when the executor no longer holds the flow
 -- (see FlowLease).
 UPDATE idem_flow
 SET leased_until = least(leased_until, statement_timestamp()),
-    last_error = @last_error::text
+    last_error = @last_error::text,
+    step = coalesce(sqlc.narg(step)::text, step),
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running';
+
+-- name: FlowReleaseBare :execrows
+-- FlowReleaseBare is FlowRelease with nothing to record in the flow's
+-- row, which it leaves as it is: its steps are not written again.
+UPDATE idem_flow
+SET leased_until = least(leased_until, statement_timestamp()),
+    last_error = @last_error::text,
+    step = coalesce(sqlc.narg(step)::text, step)
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
@@ -364,12 +474,29 @@ WHERE scope = @scope::text
 -- name: FlowStop :execrows
 -- FlowStop stops a running flow that needs a person's decision (a call
 -- past the provider's window, a result that cannot be stored), so that
--- nothing runs it again. It affects no row when the executor no longer
+-- nothing runs it again, recording what @steps holds and noting @step,
+-- as FlowRelease does. It affects no row when the executor no longer
 -- holds the flow (see FlowLease).
 UPDATE idem_flow
 SET state = 'attention',
     leased_until = NULL,
-    last_error = @last_error::text
+    last_error = @last_error::text,
+    step = coalesce(sqlc.narg(step)::text, step),
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce(sqlc.narg(steps)::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+WHERE scope = @scope::text
+  AND key = @key::text
+  AND epoch = @epoch::bigint
+  AND state = 'running';
+
+-- name: FlowStopBare :execrows
+-- FlowStopBare is FlowStop with nothing to record in the flow's row,
+-- which it leaves as it is: its steps are not written again.
+UPDATE idem_flow
+SET state = 'attention',
+    leased_until = NULL,
+    last_error = @last_error::text,
+    step = coalesce(sqlc.narg(step)::text, step)
 WHERE scope = @scope::text
   AND key = @key::text
   AND epoch = @epoch::bigint
@@ -448,7 +575,7 @@ WITH purged AS (
     RETURNING scope, key
 ),
 steps AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING purged
     WHERE s.scope = purged.scope
       AND s.key = purged.key
@@ -472,7 +599,7 @@ WITH purged AS (
     RETURNING f.scope, f.key
 ),
 steps AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING purged
     WHERE s.scope = purged.scope
       AND s.key = purged.key
@@ -490,11 +617,36 @@ WHERE scope = @scope::text
   AND key = @key::text;
 
 -- name: FlowInspectSteps :many
--- FlowInspectSteps reads one flow's steps, for operators.
-SELECT seq, name, kind, state, result, attempts, first_called_at, completed_at, reconciles, last_reconcile
-FROM idem_flow_step
-WHERE scope = @scope::text
-  AND key = @key::text
+-- FlowInspectSteps reads one flow's steps, for operators: those its row
+-- records (see FlowLeaseSteps), and those a version before migration 00008
+-- recorded in idem_flow_step_row that its row does not.
+SELECT seq::int AS seq, name::text AS name, kind::text AS kind, state::text AS state, result::jsonb AS result,
+       attempts::int AS attempts, first_called_at::timestamptz AS first_called_at,
+       completed_at::timestamptz AS completed_at, reconciles::int AS reconciles, coalesce(last_reconcile, '')::text AS last_reconcile
+FROM (
+    SELECT s.key::int AS seq, s.value->>'n' AS name,
+           CASE WHEN s.value ? 'a' THEN 'call' ELSE 'local' END AS kind,
+           coalesce(s.value->>'s', 'done') AS state, s.value->'r' AS result,
+           coalesce((s.value->>'a')::int, 1) AS attempts,
+           timestamptz 'epoch' + (s.value->>'f')::bigint * interval '1 microsecond' AS first_called_at,
+           timestamptz 'epoch' + (s.value->>'c')::bigint * interval '1 microsecond' AS completed_at,
+           coalesce((s.value->>'x')::int, 0) AS reconciles, s.value->>'l' AS last_reconcile
+    FROM idem_flow AS f, jsonb_each(f.steps) AS s(key, value)
+    WHERE f.scope = @scope::text
+      AND f.key = @key::text
+    UNION ALL
+    SELECT s.seq, s.name, s.kind, s.state, s.result, s.attempts, s.first_called_at, s.completed_at,
+           s.reconciles, s.last_reconcile
+    FROM idem_flow_step_row AS s
+    WHERE s.scope = @scope::text
+      AND s.key = @key::text
+      AND NOT EXISTS (
+          SELECT FROM idem_flow AS f
+          WHERE f.scope = s.scope
+            AND f.key = s.key
+            AND f.steps ? s.seq::text
+      )
+) AS recorded
 ORDER BY seq;
 
 -- name: FlowStats :one

@@ -432,6 +432,14 @@ func (p *flatParams) encode(sd *pgconn.StatementDescription, args []any) bool {
 				p.buf = be.AppendUint32(p.buf, uint32(a.Days))
 				p.buf = be.AppendUint32(p.buf, uint32(a.Months))
 			}
+		case *pgtype.UUID:
+			if oid != pgtype.UUIDOID {
+				return false
+			}
+			null = !a.Valid
+			if !null {
+				p.buf = append(p.buf, a.Bytes[:]...)
+			}
 		default:
 			return false
 		}

@@ -113,323 +113,105 @@ func (q *Queries) FlowAdopt(ctx context.Context, arg FlowAdoptParams) (FlowAdopt
 	return i, err
 }
 
-const flowCallDone = `-- name: FlowCallDone :execrows
-WITH leased AS (
-    UPDATE idem_flow
-    SET leased_until = statement_timestamp() + $6::interval
-    WHERE scope = $3::text
-      AND key = $4::text
-      AND epoch = $7::bigint
-      AND state = 'running'
-    RETURNING 1
-)
-UPDATE idem_flow_step AS s
-SET state = 'done',
-    result = $1::text::jsonb,
-    completed_at = now(),
-    reconciles = s.reconciles + CASE WHEN $2::text IS NULL THEN 0 ELSE 1 END,
-    last_reconcile = coalesce($2::text, s.last_reconcile)
-FROM leased
-WHERE s.scope = $3::text
-  AND s.key = $4::text
-  AND s.seq = $5::int
-  AND s.state = 'calling'
+const flowCallIntent = `-- name: FlowCallIntent :one
+UPDATE idem_flow
+SET leased_until = statement_timestamp() + $1::interval,
+    step = $2::text,
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+WHERE scope = $4::text
+  AND key = $5::text
+  AND epoch = $6::bigint
+  AND state = 'running'
+RETURNING coalesce((steps -> ($7::int)::text ->> 'f')::bigint, 0)::bigint AS first_called_at, leased_until
 `
 
-type FlowCallDoneParams struct {
-	Result     pgtype.Text
-	Reconciled pgtype.Text
-	Scope      string
-	Key        string
-	Seq        int32
-	Lease      pgtype.Interval
-	Epoch      int64
-}
-
-// FlowCallDone records a call's result once the other system answered, or
-// a lookup found it (@reconciled, 'found', counted with the call's
-// lookups), renewing the lease; it affects no row when the executor no
-// longer holds the flow (see FlowLease), and then records nothing.
-func (q *Queries) FlowCallDone(ctx context.Context, arg FlowCallDoneParams) (int64, error) {
-	result, err := q.db.Exec(ctx, flowCallDone,
-		arg.Result,
-		arg.Reconciled,
-		arg.Scope,
-		arg.Key,
-		arg.Seq,
-		arg.Lease,
-		arg.Epoch,
-	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
-}
-
-const flowCallDoneHeld = `-- name: FlowCallDoneHeld :execrows
-UPDATE idem_flow_step AS s
-SET state = 'done',
-    result = $1::text::jsonb,
-    completed_at = now(),
-    reconciles = s.reconciles + CASE WHEN $2::text IS NULL THEN 0 ELSE 1 END,
-    last_reconcile = coalesce($2::text, s.last_reconcile)
-FROM idem_flow AS f
-WHERE f.scope = $3::text
-  AND f.key = $4::text
-  AND f.epoch = $5::bigint
-  AND f.state = 'running'
-  AND s.scope = f.scope
-  AND s.key = f.key
-  AND s.seq = $6::int
-  AND s.state = 'calling'
-`
-
-type FlowCallDoneHeldParams struct {
-	Result     pgtype.Text
-	Reconciled pgtype.Text
-	Scope      string
-	Key        string
-	Epoch      int64
-	Seq        int32
-}
-
-// FlowCallDoneHeld records a call's result as FlowCallDone does, in a
-// transaction whose FlowLease, sent before it, already renewed the lease
-// and holds the flow's row (a local step's): it renews nothing, so that
-// the flow's row is written once, not twice. It affects no row when the
-// executor no longer holds the flow.
-func (q *Queries) FlowCallDoneHeld(ctx context.Context, arg FlowCallDoneHeldParams) (int64, error) {
-	result, err := q.db.Exec(ctx, flowCallDoneHeld,
-		arg.Result,
-		arg.Reconciled,
-		arg.Scope,
-		arg.Key,
-		arg.Epoch,
-		arg.Seq,
-	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
-}
-
-const flowCallReconciled = `-- name: FlowCallReconciled :execrows
-UPDATE idem_flow_step AS s
-SET reconciles = s.reconciles + 1,
-    last_reconcile = $1::text
-FROM idem_flow AS f
-WHERE f.scope = $2::text
-  AND f.key = $3::text
-  AND f.epoch = $4::bigint
-  AND f.state = 'running'
-  AND s.scope = f.scope
-  AND s.key = f.key
-  AND s.seq = $5::int
-  AND s.state = 'calling'
-`
-
-type FlowCallReconciledParams struct {
-	Outcome string
-	Scope   string
-	Key     string
-	Epoch   int64
-	Seq     int32
-}
-
-// FlowCallReconciled counts a lookup made for a call found 'calling' that
-// did not find it (@outcome 'not_found', and the call is made again) or
-// failed (the outcome says how), for operators; it affects no row when
-// the executor no longer holds the flow.
-func (q *Queries) FlowCallReconciled(ctx context.Context, arg FlowCallReconciledParams) (int64, error) {
-	result, err := q.db.Exec(ctx, flowCallReconciled,
-		arg.Outcome,
-		arg.Scope,
-		arg.Key,
-		arg.Epoch,
-		arg.Seq,
-	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
-}
-
-const flowCallStart = `-- name: FlowCallStart :one
-WITH leased AS (
-    UPDATE idem_flow
-    SET leased_until = statement_timestamp() + $2::interval,
-        step = $3::text
-    WHERE scope = $4::text
-      AND key = $5::text
-      AND epoch = $6::bigint
-      AND state = 'running'
-    RETURNING 1
-),
-earlier AS (
-    SELECT state, first_called_at
-    FROM idem_flow_step
-    WHERE scope = $4::text
-      AND key = $5::text
-      AND seq = $7::int
-),
-called AS (
-    INSERT INTO idem_flow_step AS s (scope, key, seq, name, kind, state, attempts, first_called_at)
-    SELECT $4::text, $5::text, $7::int, $3::text, 'call', 'calling', 1, now()
-    FROM leased
-    ON CONFLICT (scope, key, seq) DO UPDATE
-    SET attempts = s.attempts + 1,
-        state = 'calling',
-        first_called_at = CASE WHEN s.state = 'unsent' THEN excluded.first_called_at ELSE s.first_called_at END
-    WHERE s.state IN ('calling', 'unsent')
-    RETURNING s.attempts
-)
-SELECT EXISTS (SELECT FROM leased)::bool AS leased,
-       coalesce((SELECT attempts FROM called), 0)::int AS attempts,
-       coalesce((SELECT state = 'calling' FROM earlier), false)::bool AS resumed,
-       coalesce((SELECT state = 'calling' AND first_called_at <= now() - $1::interval FROM earlier), false)::bool AS past_window
-`
-
-type FlowCallStartParams struct {
-	CallWindow pgtype.Interval
-	Lease      pgtype.Interval
-	Step       string
-	Scope      string
-	Key        string
-	Epoch      int64
-	Seq        int32
-}
-
-type FlowCallStartRow struct {
-	Leased     bool
-	Attempts   int32
-	Resumed    bool
-	PastWindow bool
-}
-
-// FlowCallStart records the intent of a call before the other system is
-// called, renewing the lease: the call's row is written 'calling', or, for
-// a call whose intent an earlier run recorded, its attempts counted again
-// (and, when every earlier attempt surely did not reach the other system,
-// 'unsent', its window started again). It returns leased, false when the
-// executor no longer holds the flow (see FlowLease); attempts, the call's
-// attempts with this one, 0 when the call has a result already; resumed,
-// true when an earlier attempt may have reached the other system (the
-// row was 'calling'); and past_window, true when such an attempt is older
-// than the provider's window (@call_window), past which the provider may
-// have forgotten the key, and calling again could apply the call twice.
-func (q *Queries) FlowCallStart(ctx context.Context, arg FlowCallStartParams) (FlowCallStartRow, error) {
-	row := q.db.QueryRow(ctx, flowCallStart,
-		arg.CallWindow,
-		arg.Lease,
-		arg.Step,
-		arg.Scope,
-		arg.Key,
-		arg.Epoch,
-		arg.Seq,
-	)
-	var i FlowCallStartRow
-	err := row.Scan(
-		&i.Leased,
-		&i.Attempts,
-		&i.Resumed,
-		&i.PastWindow,
-	)
-	return i, err
-}
-
-const flowCallStartNew = `-- name: FlowCallStartNew :one
-WITH leased AS (
-    UPDATE idem_flow
-    SET leased_until = statement_timestamp() + $1::interval,
-        step = $2::text
-    WHERE scope = $3::text
-      AND key = $4::text
-      AND epoch = $5::bigint
-      AND state = 'running'
-    RETURNING 1
-),
-called AS (
-    INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, attempts, first_called_at)
-    SELECT $3::text, $4::text, $6::int, $2::text, 'call', 'calling', 1, now()
-    FROM leased
-    RETURNING attempts
-)
-SELECT EXISTS (SELECT FROM leased)::bool AS leased,
-       coalesce((SELECT attempts FROM called), 0)::int AS attempts
-`
-
-type FlowCallStartNewParams struct {
+type FlowCallIntentParams struct {
 	Lease pgtype.Interval
 	Step  string
+	Steps pgtype.Text
 	Scope string
 	Key   string
 	Epoch int64
 	Seq   int32
 }
 
-type FlowCallStartNewRow struct {
-	Leased   bool
-	Attempts int32
+type FlowCallIntentRow struct {
+	FirstCalledAt int64
+	LeasedUntil   pgtype.Timestamptz
 }
 
-// FlowCallStartNew is FlowCallStart for a call that no earlier run
-// recorded (the executor read the flow's steps as it claimed it, and only
-// its epoch writes steps since): a plain INSERT, without ON CONFLICT's
-// speculative insertion and its confirmation in the WAL. A row that is
-// there after all fails it with a unique violation, and nothing is called.
-func (q *Queries) FlowCallStartNew(ctx context.Context, arg FlowCallStartNewParams) (FlowCallStartNewRow, error) {
-	row := q.db.QueryRow(ctx, flowCallStartNew,
+// FlowCallIntent records the intent of a call before the other system is
+// called, renewing the lease: @steps holds the call's record, 'calling',
+// its attempts counted (see FlowLeaseSteps), with what is pending before it.
+// It returns, when the executor holds the flow (no row otherwise), when
+// the call's first attempt was made (f: the transaction's now() for a new
+// call, or one whose earlier attempts surely did not reach the other
+// system), and the lease it renewed, which ends @lease after the
+// statement's time: a call resumed past the provider's window is one
+// whose first attempt is older than that time minus the window (0 when
+// the call's record went to a row of its own: FlowStepRows returns it).
+// (Citus refuses a function that is not immutable in RETURNING, now()
+// among them.)
+func (q *Queries) FlowCallIntent(ctx context.Context, arg FlowCallIntentParams) (FlowCallIntentRow, error) {
+	row := q.db.QueryRow(ctx, flowCallIntent,
 		arg.Lease,
 		arg.Step,
+		arg.Steps,
 		arg.Scope,
 		arg.Key,
 		arg.Epoch,
 		arg.Seq,
 	)
-	var i FlowCallStartNewRow
-	err := row.Scan(&i.Leased, &i.Attempts)
+	var i FlowCallIntentRow
+	err := row.Scan(&i.FirstCalledAt, &i.LeasedUntil)
 	return i, err
-}
-
-const flowCallUnsent = `-- name: FlowCallUnsent :execrows
-UPDATE idem_flow_step AS s
-SET state = 'unsent'
-FROM idem_flow AS f
-WHERE f.scope = $1::text
-  AND f.key = $2::text
-  AND f.epoch = $3::bigint
-  AND f.state = 'running'
-  AND s.scope = f.scope
-  AND s.key = f.key
-  AND s.seq = $4::int
-  AND s.state = 'calling'
-`
-
-type FlowCallUnsentParams struct {
-	Scope string
-	Key   string
-	Epoch int64
-	Seq   int32
-}
-
-// FlowCallUnsent records that a call's attempt surely did not reach the
-// other system (its function said so: a refused connection), when no
-// earlier attempt may have either: the call is then 'unsent', and the
-// next attempt is made whatever the provider's window or AtMostOnce say.
-func (q *Queries) FlowCallUnsent(ctx context.Context, arg FlowCallUnsentParams) (int64, error) {
-	result, err := q.db.Exec(ctx, flowCallUnsent,
-		arg.Scope,
-		arg.Key,
-		arg.Epoch,
-		arg.Seq,
-	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
 }
 
 const flowComplete = `-- name: FlowComplete :execrows
+UPDATE idem_flow
+SET state = 'done',
+    output = $1::text::jsonb,
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($2::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb,
+    leased_until = NULL,
+    step = NULL,
+    last_error = NULL,
+    completed_at = now(),
+    expires_at = to_timestamp((extract(epoch FROM now()) + extract(epoch FROM retention))::float8)
+WHERE scope = $3::text
+  AND key = $4::text
+  AND epoch = $5::bigint
+  AND state = 'running'
+`
+
+type FlowCompleteParams struct {
+	Output pgtype.Text
+	Steps  pgtype.Text
+	Scope  string
+	Key    string
+	Epoch  int64
+}
+
+// FlowComplete records the flow's answer, with what @steps holds (see
+// FlowLeaseSteps): from now on retries replay it, until its retention
+// (counted from now) has passed. It affects no row when the executor no longer
+// holds the flow (see FlowLease).
+func (q *Queries) FlowComplete(ctx context.Context, arg FlowCompleteParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowComplete,
+		arg.Output,
+		arg.Steps,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const flowCompleteBare = `-- name: FlowCompleteBare :execrows
 UPDATE idem_flow
 SET state = 'done',
     output = $1::text::jsonb,
@@ -444,18 +226,17 @@ WHERE scope = $2::text
   AND state = 'running'
 `
 
-type FlowCompleteParams struct {
+type FlowCompleteBareParams struct {
 	Output pgtype.Text
 	Scope  string
 	Key    string
 	Epoch  int64
 }
 
-// FlowComplete records the flow's answer: from now on retries replay it,
-// until its retention (counted from now) has passed. It affects no row
-// when the executor no longer holds the flow (see FlowLease).
-func (q *Queries) FlowComplete(ctx context.Context, arg FlowCompleteParams) (int64, error) {
-	result, err := q.db.Exec(ctx, flowComplete,
+// FlowCompleteBare is FlowComplete with nothing to record in the flow's
+// row, which it leaves as it is: its steps are not written again.
+func (q *Queries) FlowCompleteBare(ctx context.Context, arg FlowCompleteBareParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowCompleteBare,
 		arg.Output,
 		arg.Scope,
 		arg.Key,
@@ -614,10 +395,33 @@ func (q *Queries) FlowInspect(ctx context.Context, arg FlowInspectParams) (FlowI
 }
 
 const flowInspectSteps = `-- name: FlowInspectSteps :many
-SELECT seq, name, kind, state, result, attempts, first_called_at, completed_at, reconciles, last_reconcile
-FROM idem_flow_step
-WHERE scope = $1::text
-  AND key = $2::text
+SELECT seq::int AS seq, name::text AS name, kind::text AS kind, state::text AS state, result::jsonb AS result,
+       attempts::int AS attempts, first_called_at::timestamptz AS first_called_at,
+       completed_at::timestamptz AS completed_at, reconciles::int AS reconciles, coalesce(last_reconcile, '')::text AS last_reconcile
+FROM (
+    SELECT s.key::int AS seq, s.value->>'n' AS name,
+           CASE WHEN s.value ? 'a' THEN 'call' ELSE 'local' END AS kind,
+           coalesce(s.value->>'s', 'done') AS state, s.value->'r' AS result,
+           coalesce((s.value->>'a')::int, 1) AS attempts,
+           timestamptz 'epoch' + (s.value->>'f')::bigint * interval '1 microsecond' AS first_called_at,
+           timestamptz 'epoch' + (s.value->>'c')::bigint * interval '1 microsecond' AS completed_at,
+           coalesce((s.value->>'x')::int, 0) AS reconciles, s.value->>'l' AS last_reconcile
+    FROM idem_flow AS f, jsonb_each(f.steps) AS s(key, value)
+    WHERE f.scope = $1::text
+      AND f.key = $2::text
+    UNION ALL
+    SELECT s.seq, s.name, s.kind, s.state, s.result, s.attempts, s.first_called_at, s.completed_at,
+           s.reconciles, s.last_reconcile
+    FROM idem_flow_step_row AS s
+    WHERE s.scope = $1::text
+      AND s.key = $2::text
+      AND NOT EXISTS (
+          SELECT FROM idem_flow AS f
+          WHERE f.scope = s.scope
+            AND f.key = s.key
+            AND f.steps ? s.seq::text
+      )
+) AS recorded
 ORDER BY seq
 `
 
@@ -636,10 +440,12 @@ type FlowInspectStepsRow struct {
 	FirstCalledAt pgtype.Timestamptz
 	CompletedAt   pgtype.Timestamptz
 	Reconciles    int32
-	LastReconcile pgtype.Text
+	LastReconcile string
 }
 
-// FlowInspectSteps reads one flow's steps, for operators.
+// FlowInspectSteps reads one flow's steps, for operators: those its row
+// records (see FlowLeaseSteps), and those a version before migration 00008
+// recorded in idem_flow_step_row that its row does not.
 func (q *Queries) FlowInspectSteps(ctx context.Context, arg FlowInspectStepsParams) ([]FlowInspectStepsRow, error) {
 	rows, err := q.db.Query(ctx, flowInspectSteps, arg.Scope, arg.Key)
 	if err != nil {
@@ -694,9 +500,7 @@ type FlowLeaseParams struct {
 // executor took it over (a new epoch), or an operator stopped it. A lease
 // that ran out with nobody taking the flow over is the same executor's
 // still: the epoch alone fences, so that a slow executor slows down
-// rather than fails. As the first statement of a local step's transaction
-// it also locks the flow's row until that transaction ends, so that no
-// one takes the flow over while the step's writes are open.
+// rather than fails.
 func (q *Queries) FlowLease(ctx context.Context, arg FlowLeaseParams) (int64, error) {
 	result, err := q.db.Exec(ctx, flowLease,
 		arg.Lease,
@@ -705,6 +509,134 @@ func (q *Queries) FlowLease(ctx context.Context, arg FlowLeaseParams) (int64, er
 		arg.Key,
 		arg.Epoch,
 	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const flowLeaseSteps = `-- name: FlowLeaseSteps :execrows
+UPDATE idem_flow
+SET leased_until = statement_timestamp() + $1::interval,
+    step = $2::text,
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+WHERE scope = $4::text
+  AND key = $5::text
+  AND epoch = $6::bigint
+  AND state = 'running'
+`
+
+type FlowLeaseStepsParams struct {
+	Lease pgtype.Interval
+	Step  string
+	Steps pgtype.Text
+	Scope string
+	Key   string
+	Epoch int64
+}
+
+// FlowLeaseSteps is FlowLease that also records what @steps holds (see
+// below): a local step's record, as its transaction commits alone, a
+// call's result with nothing else to send. It affects no row, and records
+// nothing, when the executor no longer holds the flow (see FlowLease).
+//
+// A flow's steps are recorded in its row (idem_flow.steps, migration
+// 00008), in the write of that row that each statement of the executor
+// makes anyway: a local step's record with the statement after its writes
+// (the next call's intent, the answer, the lease given up), before its
+// transaction commits; a call's intent before the call; its result with
+// the flow's next statement. So every step costs the flow's row one
+// write, and that write is fenced by the epoch like the rest. @steps is
+// a JSON object of the records to write, by place ("0", "1", ...), each
+// one whole: the executor holds the flow and knows each record. A record
+// has n, the step's name; s, the state of a call that has no result yet
+// ('calling', 'unsent'), absent once done; r, the result (JSON); for a
+// call, a, its attempts, f, when its first attempt that may have reached
+// the other system was made, x, its lookups (Reconcile) and l, what the
+// last found; c, when the step was done. A step without a is a local
+// one. Times are microseconds since 1970 (UTC); the byte 0x01 in @steps
+// stands for the statement's own now(), which the server writes in. (No
+// CASE: Citus refuses a function that is not immutable, now() here, in a
+// CASE or COALESCE of an UPDATE of a distributed table; a NULL @steps
+// merges '{}', which changes nothing.)
+func (q *Queries) FlowLeaseSteps(ctx context.Context, arg FlowLeaseStepsParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowLeaseSteps,
+		arg.Lease,
+		arg.Step,
+		arg.Steps,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const flowLeaseUntil = `-- name: FlowLeaseUntil :one
+UPDATE idem_flow
+SET leased_until = statement_timestamp() + $1::interval,
+    step = $2::text
+WHERE scope = $3::text
+  AND key = $4::text
+  AND epoch = $5::bigint
+  AND state = 'running'
+RETURNING leased_until
+`
+
+type FlowLeaseUntilParams struct {
+	Lease pgtype.Interval
+	Step  string
+	Scope string
+	Key   string
+	Epoch int64
+}
+
+// FlowLeaseUntil is FlowLease that returns the lease it renewed (no row
+// when the executor no longer holds the flow): a call's intent recorded
+// as a row (FlowStepRows), which FlowCallIntent would return.
+func (q *Queries) FlowLeaseUntil(ctx context.Context, arg FlowLeaseUntilParams) (pgtype.Timestamptz, error) {
+	row := q.db.QueryRow(ctx, flowLeaseUntil,
+		arg.Lease,
+		arg.Step,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	var leased_until pgtype.Timestamptz
+	err := row.Scan(&leased_until)
+	return leased_until, err
+}
+
+const flowLock = `-- name: FlowLock :execrows
+SELECT
+FROM idem_flow
+WHERE scope = $1::text
+  AND key = $2::text
+  AND epoch = $3::bigint
+  AND state = 'running'
+FOR NO KEY UPDATE
+`
+
+type FlowLockParams struct {
+	Scope string
+	Key   string
+	Epoch int64
+}
+
+// FlowLock locks the flow's row, as the first statement of a local step's
+// transaction, until that transaction ends, so that no one takes the flow
+// over while the step's writes are open; it affects (selects) no row when
+// the executor no longer holds the flow (see FlowLease). It renews
+// nothing and writes no new version of the row (only the lock): the
+// step's one write of the row, FlowLeaseSteps (FlowLease when its record
+// is a row of its own, FlowStepRecord) or the flow's next statement,
+// renews the lease and records the step (and a call's result still to
+// record) once the step's function has returned.
+func (q *Queries) FlowLock(ctx context.Context, arg FlowLockParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowLock, arg.Scope, arg.Key, arg.Epoch)
 	if err != nil {
 		return 0, err
 	}
@@ -725,7 +657,7 @@ WITH purged AS (
     RETURNING scope, key
 ),
 steps AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING purged
     WHERE s.scope = purged.scope
       AND s.key = purged.key
@@ -758,7 +690,7 @@ WITH purged AS (
     RETURNING f.scope, f.key
 ),
 steps AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING purged
     WHERE s.scope = purged.scope
       AND s.key = purged.key
@@ -776,19 +708,58 @@ func (q *Queries) FlowPurgeExpiredCitus(ctx context.Context, maxRows int32) (int
 	return count, err
 }
 
-const flowRelease = `-- name: FlowRelease :execrows
-
+const flowRecordSteps = `-- name: FlowRecordSteps :execrows
 UPDATE idem_flow
-SET leased_until = least(leased_until, statement_timestamp()),
-    last_error = $1::text
+SET steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($1::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
 WHERE scope = $2::text
   AND key = $3::text
   AND epoch = $4::bigint
   AND state = 'running'
 `
 
+type FlowRecordStepsParams struct {
+	Steps pgtype.Text
+	Scope string
+	Key   string
+	Epoch int64
+}
+
+// FlowRecordSteps records what @steps holds (see FlowLeaseSteps) and nothing
+// else: a call's lookup that did not find it, an attempt that surely did
+// not reach the other system. It affects no row when the executor no
+// longer holds the flow.
+func (q *Queries) FlowRecordSteps(ctx context.Context, arg FlowRecordStepsParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowRecordSteps,
+		arg.Steps,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const flowRelease = `-- name: FlowRelease :execrows
+
+UPDATE idem_flow
+SET leased_until = least(leased_until, statement_timestamp()),
+    last_error = $1::text,
+    step = coalesce($2::text, step),
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+WHERE scope = $4::text
+  AND key = $5::text
+  AND epoch = $6::bigint
+  AND state = 'running'
+`
+
 type FlowReleaseParams struct {
 	LastError string
+	Step      pgtype.Text
+	Steps     pgtype.Text
 	Scope     string
 	Key       string
 	Epoch     int64
@@ -801,11 +772,50 @@ type FlowReleaseParams struct {
 // FlowRelease gives the lease up when the flow's function returned an
 // error or its context ended, so that a retry takes the flow over at once
 // instead of waiting for the lease to run out; the error is kept for
-// operators. It affects no row when the executor no longer holds the flow
+// operators, what @steps holds recorded (see FlowLeaseSteps), and @step, if
+// any, noted as the step it is at (a local step's, which FlowLock did not
+// note). It affects no row when the executor no longer holds the flow
 // (see FlowLease).
 func (q *Queries) FlowRelease(ctx context.Context, arg FlowReleaseParams) (int64, error) {
 	result, err := q.db.Exec(ctx, flowRelease,
 		arg.LastError,
+		arg.Step,
+		arg.Steps,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const flowReleaseBare = `-- name: FlowReleaseBare :execrows
+UPDATE idem_flow
+SET leased_until = least(leased_until, statement_timestamp()),
+    last_error = $1::text,
+    step = coalesce($2::text, step)
+WHERE scope = $3::text
+  AND key = $4::text
+  AND epoch = $5::bigint
+  AND state = 'running'
+`
+
+type FlowReleaseBareParams struct {
+	LastError string
+	Step      pgtype.Text
+	Scope     string
+	Key       string
+	Epoch     int64
+}
+
+// FlowReleaseBare is FlowRelease with nothing to record in the flow's
+// row, which it leaves as it is: its steps are not written again.
+func (q *Queries) FlowReleaseBare(ctx context.Context, arg FlowReleaseBareParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowReleaseBare,
+		arg.LastError,
+		arg.Step,
 		arg.Scope,
 		arg.Key,
 		arg.Epoch,
@@ -842,14 +852,15 @@ restarted AS (
         retention = $8::interval,
         created_at = now(),
         completed_at = NULL,
-        expires_at = NULL
+        expires_at = NULL,
+        steps = NULL
     FROM expired
     WHERE f.scope = expired.scope
       AND f.key = expired.key
     RETURNING f.provider_namespace, f.operation
 ),
 cleared AS (
-    DELETE FROM idem_flow_step AS s
+    DELETE FROM idem_flow_step_row AS s
     USING restarted
     WHERE s.scope = $1::text
       AND s.key = $2::text
@@ -971,6 +982,107 @@ func (q *Queries) FlowStart(ctx context.Context, arg FlowStartParams) (FlowStart
 	return i, err
 }
 
+const flowStartHeld = `-- name: FlowStartHeld :one
+INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace, epoch, leased_until, step, runs, retention,
+                       steps)
+VALUES ($1::text, $2::text, $3::text, $4::bytea, 'running',
+        $5::text::jsonb, $6::uuid, $7::bigint,
+        clock_timestamp() + $8::interval, $9::text, 1, $10::interval,
+        replace(coalesce($11::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb)
+RETURNING provider_namespace, operation, created_at, leased_until
+`
+
+type FlowStartHeldParams struct {
+	Scope             string
+	Key               string
+	FlowName          string
+	Fingerprint       []byte
+	Input             string
+	ProviderNamespace pgtype.UUID
+	Epoch             int64
+	Lease             pgtype.Interval
+	Step              pgtype.Text
+	Retention         pgtype.Interval
+	Steps             pgtype.Text
+}
+
+type FlowStartHeldRow struct {
+	ProviderNamespace pgtype.UUID
+	Operation         pgtype.Int8
+	CreatedAt         pgtype.Timestamptz
+	LeasedUntil       pgtype.Timestamptz
+}
+
+// FlowStartHeld is FlowStart in a transaction that FlowStartLock began,
+// which holds the flow's advisory lock, with the installation's id that
+// it read (@provider_namespace), and what @steps holds (see
+// FlowLeaseSteps): the step's record, and the intent of the call after
+// it, if that is what the row travels with, so that the row is written
+// once. A plain INSERT, which fails with a unique violation
+// (idem_flow_pkey), and with it the transaction, the step's writes
+// included, when a row committed between FlowStartLock's snapshot and
+// its lock: a step's writes never commit without their flow. It returns
+// created_at, the transaction's now(): when the call's first attempt was
+// made, for an intent it carries (the stamp its record got), as
+// FlowCallIntent returns it. (No subquery, which Citus refuses in an
+// INSERT's VALUES.)
+func (q *Queries) FlowStartHeld(ctx context.Context, arg FlowStartHeldParams) (FlowStartHeldRow, error) {
+	row := q.db.QueryRow(ctx, flowStartHeld,
+		arg.Scope,
+		arg.Key,
+		arg.FlowName,
+		arg.Fingerprint,
+		arg.Input,
+		arg.ProviderNamespace,
+		arg.Epoch,
+		arg.Lease,
+		arg.Step,
+		arg.Retention,
+		arg.Steps,
+	)
+	var i FlowStartHeldRow
+	err := row.Scan(
+		&i.ProviderNamespace,
+		&i.Operation,
+		&i.CreatedAt,
+		&i.LeasedUntil,
+	)
+	return i, err
+}
+
+const flowStartLock = `-- name: FlowStartLock :one
+SELECT (SELECT id FROM idem_installation)::uuid AS provider_namespace
+WHERE NOT EXISTS (
+    SELECT FROM idem_flow
+    WHERE scope = $1::text
+      AND key = $2::text
+)
+  AND pg_try_advisory_xact_lock($3::bigint)
+`
+
+type FlowStartLockParams struct {
+	Scope  string
+	Key    string
+	LockID int64
+}
+
+// FlowStartLock begins the first local step of a flow that no one has
+// started, on a connection that keeps its transaction open until the
+// flow's next statement (see flow_pending.go): it takes the flow's
+// advisory lock as FlowStart does, and for the same reasons, and returns
+// the installation's id, but writes nothing. The row is written once, by
+// FlowStartHeld in the same transaction, with the step's record and what
+// travels with it (the first call's intent), as the transaction commits.
+// It returns no row when another transaction holds the lock, or a flow
+// holds the key: the caller runs nothing and looks at the flow again, as
+// a duplicate.
+func (q *Queries) FlowStartLock(ctx context.Context, arg FlowStartLockParams) (pgtype.UUID, error) {
+	row := q.db.QueryRow(ctx, flowStartLock, arg.Scope, arg.Key, arg.LockID)
+	var provider_namespace pgtype.UUID
+	err := row.Scan(&provider_namespace)
+	return provider_namespace, err
+}
+
 const flowStats = `-- name: FlowStats :one
 SELECT count(*) FILTER (WHERE state = 'running' AND leased_until > now()) AS running,
        count(*) FILTER (WHERE state = 'running' AND leased_until <= now()) AS abandoned,
@@ -1006,7 +1118,7 @@ func (q *Queries) FlowStats(ctx context.Context) (FlowStatsRow, error) {
 }
 
 const flowStepRecord = `-- name: FlowStepRecord :exec
-INSERT INTO idem_flow_step (scope, key, seq, name, kind, state, result, attempts, completed_at)
+INSERT INTO idem_flow_step_row (scope, key, seq, name, kind, state, result, attempts, completed_at)
 VALUES ($1::text, $2::text, $3::int, $4::text, 'local', 'done',
         $5::text::jsonb, 1, now())
 `
@@ -1019,9 +1131,14 @@ type FlowStepRecordParams struct {
 	Result pgtype.Text
 }
 
-// FlowStepRecord records a local step's result in the transaction of its
-// writes, which holds the flow's row (FlowLease): both commit together or
-// not at all.
+// FlowStepRecord records a local step's result as a row of its own, in
+// the transaction of its writes, which holds the flow's row (FlowLock):
+// both commit together or not at all. Only a flow whose row already
+// records many steps, or large ones, records a local step this way
+// (maxInlineSteps in flow_records.go), and then every further step, its
+// calls too (FlowStepRows): the flow's row is written without its
+// records from then on, so that no write of it copies them again. The
+// step's row is read as the steps of older versions are (FlowSteps).
 func (q *Queries) FlowStepRecord(ctx context.Context, arg FlowStepRecordParams) error {
 	_, err := q.db.Exec(ctx, flowStepRecord,
 		arg.Scope,
@@ -1033,14 +1150,164 @@ func (q *Queries) FlowStepRecord(ctx context.Context, arg FlowStepRecordParams) 
 	return err
 }
 
-const flowSteps = `-- name: FlowSteps :many
-SELECT s.seq, s.name, s.kind, s.state, s.result
-FROM idem_flow_step AS s
-JOIN idem_flow AS f ON f.scope = s.scope AND f.key = s.key
-WHERE s.scope = $1::text
-  AND s.key = $2::text
+const flowStepRows = `-- name: FlowStepRows :many
+INSERT INTO idem_flow_step_row AS t (scope, key, seq, name, kind, state, result, attempts, first_called_at, completed_at,
+                                     reconciles, last_reconcile)
+SELECT f.scope, f.key, r.key::int, r.value->>'n',
+       CASE WHEN r.value ? 'a' THEN 'call' ELSE 'local' END,
+       coalesce(r.value->>'s', 'done'), r.value->'r', coalesce((r.value->>'a')::int, 1),
+       timestamptz 'epoch' + (r.value->>'f')::bigint * interval '1 microsecond',
+       timestamptz 'epoch' + (r.value->>'c')::bigint * interval '1 microsecond',
+       coalesce((r.value->>'x')::int, 0), r.value->>'l'
+FROM idem_flow AS f,
+     jsonb_each(replace($1::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb) AS r(key, value)
+WHERE f.scope = $2::text
+  AND f.key = $3::text
+  AND f.epoch = $4::bigint
   AND f.state = 'running'
-ORDER BY s.seq
+RETURNING t.seq, coalesce((extract(epoch FROM t.first_called_at) * 1000000)::bigint, 0)::bigint AS first_called_at
+`
+
+type FlowStepRowsParams struct {
+	Steps string
+	Scope string
+	Key   string
+	Epoch int64
+}
+
+type FlowStepRowsRow struct {
+	Seq           int32
+	FirstCalledAt int64
+}
+
+// FlowStepRows records what @steps holds (see FlowLeaseSteps), steps not
+// recorded yet, as rows of idem_flow_step_row, instead of in the flow's row:
+// the records of a flow whose row already records many steps, or large
+// ones (maxInlineSteps in flow_records.go), so that no write of
+// the flow's row copies them again. It is fenced as the statements that
+// write the flow's row are: it records nothing when the executor no
+// longer holds the flow (see FlowLease), and is sent before the
+// statement of the same transaction that ends the flow. It returns each
+// record's place and when its call's first attempt was made (f: the
+// statement's now() where @steps stands it in), which FlowCallIntent
+// returns for a call recorded in the flow's row.
+func (q *Queries) FlowStepRows(ctx context.Context, arg FlowStepRowsParams) ([]FlowStepRowsRow, error) {
+	rows, err := q.db.Query(ctx, flowStepRows,
+		arg.Steps,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FlowStepRowsRow
+	for rows.Next() {
+		var i FlowStepRowsRow
+		if err := rows.Scan(&i.Seq, &i.FirstCalledAt); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const flowStepRowsUpdate = `-- name: FlowStepRowsUpdate :many
+UPDATE idem_flow_step_row AS t
+SET name = r.value->>'n',
+    state = coalesce(r.value->>'s', 'done'),
+    result = r.value->'r',
+    attempts = coalesce((r.value->>'a')::int, 1),
+    first_called_at = to_timestamp((r.value->>'f')::bigint / 1000000.0),
+    completed_at = to_timestamp((r.value->>'c')::bigint / 1000000.0),
+    reconciles = coalesce((r.value->>'x')::int, 0),
+    last_reconcile = r.value->>'l'
+FROM idem_flow AS f,
+     jsonb_each(replace($4::text, chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb) AS r(key, value)
+WHERE t.scope = $1::text
+  AND t.key = $2::text
+  AND t.seq = r.key::int
+  AND f.scope = $1::text
+  AND f.key = $2::text
+  AND f.epoch = $3::bigint
+  AND f.state = 'running'
+RETURNING t.seq, coalesce((r.value->>'f')::bigint, 0)::bigint AS first_called_at
+`
+
+type FlowStepRowsUpdateParams struct {
+	Scope string
+	Key   string
+	Epoch int64
+	Steps string
+}
+
+type FlowStepRowsUpdateRow struct {
+	Seq           int32
+	FirstCalledAt int64
+}
+
+// FlowStepRowsUpdate is FlowStepRows for steps already recorded as rows
+// (a call's result after its intent, a call resumed): it writes each
+// record whole over its row. (Citus refuses a function that is not
+// immutable, timestamptz + interval or extract from one, with a column in
+// an UPDATE: to_timestamp is immutable, and exact to the microsecond for
+// these times.)
+func (q *Queries) FlowStepRowsUpdate(ctx context.Context, arg FlowStepRowsUpdateParams) ([]FlowStepRowsUpdateRow, error) {
+	rows, err := q.db.Query(ctx, flowStepRowsUpdate,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+		arg.Steps,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FlowStepRowsUpdateRow
+	for rows.Next() {
+		var i FlowStepRowsUpdateRow
+		if err := rows.Scan(&i.Seq, &i.FirstCalledAt); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const flowSteps = `-- name: FlowSteps :many
+SELECT seq::int AS seq, rec::jsonb AS rec, in_row::boolean AS in_row
+FROM (
+    SELECT s.key::int AS seq, s.value AS rec, false AS in_row
+    FROM idem_flow AS f, jsonb_each(f.steps) AS s(key, value)
+    WHERE f.scope = $1::text
+      AND f.key = $2::text
+      AND f.state = 'running'
+    UNION ALL
+    -- (An absent field is null here: a call's result while it has none.)
+    SELECT s.seq, jsonb_build_object(
+               'n', s.name,
+               's', CASE WHEN s.state = 'done' THEN NULL ELSE s.state END,
+               'r', s.result,
+               'a', CASE WHEN s.kind = 'call' THEN s.attempts END,
+               'f', (extract(epoch FROM s.first_called_at) * 1000000)::bigint,
+               'c', (extract(epoch FROM s.completed_at) * 1000000)::bigint,
+               'x', s.reconciles,
+               'l', s.last_reconcile), true
+    FROM idem_flow_step_row AS s
+    JOIN idem_flow AS f ON f.scope = s.scope AND f.key = s.key
+    WHERE s.scope = $1::text
+      AND s.key = $2::text
+      AND f.state = 'running'
+      AND NOT coalesce(f.steps ? s.seq::text, false)
+) AS recorded
+ORDER BY seq
 `
 
 type FlowStepsParams struct {
@@ -1049,16 +1316,19 @@ type FlowStepsParams struct {
 }
 
 type FlowStepsRow struct {
-	Seq    int32
-	Name   string
-	Kind   string
-	State  string
-	Result []byte
+	Seq   int32
+	Rec   []byte
+	InRow bool
 }
 
-// FlowSteps reads the recorded steps of a running flow, in order, for the
-// executor that resumes it; for any other flow it reads nothing, so that a
-// replay does not pay for them.
+// FlowSteps reads the recorded steps of a running flow, in order, each as
+// its record in idem_flow.steps (see FlowLeaseSteps), for the executor that
+// resumes it; for any other flow it reads nothing, so that a replay does
+// not pay for them. A step that a version before migration 00008 recorded
+// in idem_flow_step_row is read from there, as a record of the same fields,
+// unless the flow's row records it too (a call resumed since); so is one
+// that this version recorded as a row (FlowStepRecord, FlowStepRows):
+// in_row says which, for the step's further records to go there too.
 func (q *Queries) FlowSteps(ctx context.Context, arg FlowStepsParams) ([]FlowStepsRow, error) {
 	rows, err := q.db.Query(ctx, flowSteps, arg.Scope, arg.Key)
 	if err != nil {
@@ -1068,13 +1338,7 @@ func (q *Queries) FlowSteps(ctx context.Context, arg FlowStepsParams) ([]FlowSte
 	var items []FlowStepsRow
 	for rows.Next() {
 		var i FlowStepsRow
-		if err := rows.Scan(
-			&i.Seq,
-			&i.Name,
-			&i.Kind,
-			&i.State,
-			&i.Result,
-		); err != nil {
+		if err := rows.Scan(&i.Seq, &i.Rec, &i.InRow); err != nil {
 			return nil, err
 		}
 		items = append(items, i)
@@ -1089,15 +1353,20 @@ const flowStop = `-- name: FlowStop :execrows
 UPDATE idem_flow
 SET state = 'attention',
     leased_until = NULL,
-    last_error = $1::text
-WHERE scope = $2::text
-  AND key = $3::text
-  AND epoch = $4::bigint
+    last_error = $1::text,
+    step = coalesce($2::text, step),
+    steps = coalesce(steps, '{}'::jsonb)
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+WHERE scope = $4::text
+  AND key = $5::text
+  AND epoch = $6::bigint
   AND state = 'running'
 `
 
 type FlowStopParams struct {
 	LastError string
+	Step      pgtype.Text
+	Steps     pgtype.Text
 	Scope     string
 	Key       string
 	Epoch     int64
@@ -1105,11 +1374,50 @@ type FlowStopParams struct {
 
 // FlowStop stops a running flow that needs a person's decision (a call
 // past the provider's window, a result that cannot be stored), so that
-// nothing runs it again. It affects no row when the executor no longer
+// nothing runs it again, recording what @steps holds and noting @step,
+// as FlowRelease does. It affects no row when the executor no longer
 // holds the flow (see FlowLease).
 func (q *Queries) FlowStop(ctx context.Context, arg FlowStopParams) (int64, error) {
 	result, err := q.db.Exec(ctx, flowStop,
 		arg.LastError,
+		arg.Step,
+		arg.Steps,
+		arg.Scope,
+		arg.Key,
+		arg.Epoch,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const flowStopBare = `-- name: FlowStopBare :execrows
+UPDATE idem_flow
+SET state = 'attention',
+    leased_until = NULL,
+    last_error = $1::text,
+    step = coalesce($2::text, step)
+WHERE scope = $3::text
+  AND key = $4::text
+  AND epoch = $5::bigint
+  AND state = 'running'
+`
+
+type FlowStopBareParams struct {
+	LastError string
+	Step      pgtype.Text
+	Scope     string
+	Key       string
+	Epoch     int64
+}
+
+// FlowStopBare is FlowStop with nothing to record in the flow's row,
+// which it leaves as it is: its steps are not written again.
+func (q *Queries) FlowStopBare(ctx context.Context, arg FlowStopBareParams) (int64, error) {
+	result, err := q.db.Exec(ctx, flowStopBare,
+		arg.LastError,
+		arg.Step,
 		arg.Scope,
 		arg.Key,
 		arg.Epoch,

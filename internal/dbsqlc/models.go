@@ -34,9 +34,10 @@ type IdemFlow struct {
 	CompletedAt       pgtype.Timestamptz
 	ExpiresAt         pgtype.Timestamptz
 	ProviderNamespace pgtype.UUID
+	Steps             []byte
 }
 
-type IdemFlowStep struct {
+type IdemFlowStepRow struct {
 	Scope         string
 	Key           string
 	Seq           int32

@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // Queue returns Queries that queue their statements on b instead of
@@ -134,7 +135,7 @@ func (c *captured) QueryRow(_ context.Context, sql string, args ...any) pgx.Row 
 // arguments, pointers into them: one allocation for both.
 type withArgs[P any] struct {
 	arg  P
-	args [10]any
+	args [12]any
 }
 
 // set returns args, kept in q.
@@ -165,6 +166,25 @@ func QueueFlowStart(b *pgx.Batch, arg FlowStartParams, row *FlowStartRow, starte
 	b.Queue(flowStart, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.FlowName, &q.arg.Fingerprint, &q.arg.Input, &q.arg.Epoch, &q.arg.Lease, &q.arg.Step, &q.arg.Retention, &q.arg.LockID)...).Fn = func(br pgx.BatchResults) error {
 		r := br.QueryRow()
 		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation), started)
+	}
+}
+
+// QueueFlowStartHeld queues FlowStartHeld on b, as QueueFlowStart does.
+func QueueFlowStartHeld(b *pgx.Batch, arg FlowStartHeldParams, row *FlowStartHeldRow, started *bool) {
+	q := &withArgs[FlowStartHeldParams]{arg: arg}
+	b.Queue(flowStartHeld, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.FlowName, &q.arg.Fingerprint, &q.arg.Input, &q.arg.ProviderNamespace, &q.arg.Epoch, &q.arg.Lease, &q.arg.Step, &q.arg.Retention, &q.arg.Steps)...).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
+		return noRow(r.Scan(&row.ProviderNamespace, &row.Operation, &row.CreatedAt, &row.LeasedUntil), started)
+	}
+}
+
+// QueueFlowStartLock queues FlowStartLock on b; namespace is filled in and
+// locked set when the batch's results are read. No row is not an error.
+func QueueFlowStartLock(b *pgx.Batch, arg FlowStartLockParams, namespace *pgtype.UUID, locked *bool) {
+	q := &withArgs[FlowStartLockParams]{arg: arg}
+	b.Queue(flowStartLock, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.LockID)...).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
+		return noRow(r.Scan(namespace), locked)
 	}
 }
 
@@ -213,7 +233,7 @@ func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
 		defer rows.Close()
 		for rows.Next() {
 			var s FlowStepsRow
-			if err := rows.Scan(&s.Seq, &s.Name, &s.Kind, &s.State, &s.Result); err != nil {
+			if err := rows.Scan(&s.Seq, &s.Rec, &s.InRow); err != nil {
 				return err
 			}
 			*steps = append(*steps, s)
@@ -234,62 +254,125 @@ func QueueFlowLease(b *pgx.Batch, arg FlowLeaseParams, leased *bool) {
 	}
 }
 
+// QueueFlowLeaseSteps queues FlowLeaseSteps on b, as QueueFlowLease
+// does.
+func QueueFlowLeaseSteps(b *pgx.Batch, arg FlowLeaseStepsParams, leased *bool) {
+	q := &withArgs[FlowLeaseStepsParams]{arg: arg}
+	b.Queue(flowLeaseSteps, q.set(&q.arg.Lease, &q.arg.Step, &q.arg.Steps, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...).Fn = func(br pgx.BatchResults) error {
+		tag, err := br.Exec()
+		*leased = err == nil && tag.RowsAffected() == 1
+		return err
+	}
+}
+
 // QueueFlowStepRecord queues FlowStepRecord on b.
 func QueueFlowStepRecord(b *pgx.Batch, arg FlowStepRecordParams) {
 	q := &withArgs[FlowStepRecordParams]{arg: arg}
 	b.Queue(flowStepRecord, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.Seq, &q.arg.Step, &q.arg.Result)...)
 }
 
-// QueueFlowCallStart queues FlowCallStart on b; row is filled in when the
-// batch's results are read.
-func QueueFlowCallStart(b *pgx.Batch, arg FlowCallStartParams, row *FlowCallStartRow) {
-	q := &withArgs[FlowCallStartParams]{arg: arg}
-	b.Queue(flowCallStart, q.set(&q.arg.CallWindow, &q.arg.Lease, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Seq)...).Fn = func(br pgx.BatchResults) error {
-		r := br.QueryRow()
-		return r.Scan(&row.Leased, &row.Attempts, &row.Resumed, &row.PastWindow)
+// QueueFlowLock queues FlowLock on b; held is set when the batch's
+// results are read.
+func QueueFlowLock(b *pgx.Batch, arg FlowLockParams, held *bool) {
+	q := &withArgs[FlowLockParams]{arg: arg}
+	b.Queue(flowLock, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...).Fn = func(br pgx.BatchResults) error {
+		tag, err := br.Exec()
+		*held = err == nil && tag.RowsAffected() == 1
+		return err
 	}
 }
 
-// QueueFlowCallStartNew queues FlowCallStartNew on b; row is filled in
-// when the batch's results are read.
-func QueueFlowCallStartNew(b *pgx.Batch, arg FlowCallStartNewParams, row *FlowCallStartNewRow) {
-	q := &withArgs[FlowCallStartNewParams]{arg: arg}
-	b.Queue(flowCallStartNew, q.set(&q.arg.Lease, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Seq)...).Fn = func(br pgx.BatchResults) error {
+// QueueFlowCallIntent queues FlowCallIntent on b: row is filled in and
+// leased set when the batch's results are read. No row is not an error.
+func QueueFlowCallIntent(b *pgx.Batch, arg FlowCallIntentParams, row *FlowCallIntentRow, leased *bool) {
+	q := &withArgs[FlowCallIntentParams]{arg: arg}
+	b.Queue(flowCallIntent, q.set(&q.arg.Lease, &q.arg.Step, &q.arg.Steps, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Seq)...).Fn = func(br pgx.BatchResults) error {
 		r := br.QueryRow()
-		return r.Scan(&row.Leased, &row.Attempts)
+		return noRow(r.Scan(&row.FirstCalledAt, &row.LeasedUntil), leased)
 	}
 }
 
-// QueueFlowCallDone queues FlowCallDone on b; n is set to the rows it
+// QueueFlowComplete queues FlowComplete on b, setting n to the rows it
 // affected when the batch's results are read.
-func QueueFlowCallDone(b *pgx.Batch, arg FlowCallDoneParams, n *int64) {
-	q := &withArgs[FlowCallDoneParams]{arg: arg}
-	queueRows(b.Queue(flowCallDone, q.set(&q.arg.Result, &q.arg.Reconciled, &q.arg.Scope, &q.arg.Key, &q.arg.Seq, &q.arg.Lease, &q.arg.Epoch)...), n)
-}
-
-// QueueFlowCallDoneHeld queues FlowCallDoneHeld on b, as
-// QueueFlowCallDone does.
-func QueueFlowCallDoneHeld(b *pgx.Batch, arg FlowCallDoneHeldParams, n *int64) {
-	q := &withArgs[FlowCallDoneHeldParams]{arg: arg}
-	queueRows(b.Queue(flowCallDoneHeld, q.set(&q.arg.Result, &q.arg.Reconciled, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Seq)...), n)
-}
-
-// QueueFlowComplete queues FlowComplete on b, as QueueFlowCallDone does.
 func QueueFlowComplete(b *pgx.Batch, arg FlowCompleteParams, n *int64) {
 	q := &withArgs[FlowCompleteParams]{arg: arg}
-	queueRows(b.Queue(flowComplete, q.set(&q.arg.Output, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
+	queueRows(b.Queue(flowComplete, q.set(&q.arg.Output, &q.arg.Steps, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
 }
 
-// QueueFlowRelease queues FlowRelease on b, as QueueFlowCallDone does.
+// QueueFlowRelease queues FlowRelease on b, setting n to the rows it
+// affected when the batch's results are read.
 func QueueFlowRelease(b *pgx.Batch, arg FlowReleaseParams, n *int64) {
 	q := &withArgs[FlowReleaseParams]{arg: arg}
-	queueRows(b.Queue(flowRelease, q.set(&q.arg.LastError, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
+	queueRows(b.Queue(flowRelease, q.set(&q.arg.LastError, &q.arg.Step, &q.arg.Steps, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
 }
 
-// QueueFlowStop queues FlowStop on b, as QueueFlowCallDone does.
+// QueueFlowStop queues FlowStop on b, setting n to the rows it
+// affected when the batch's results are read.
 func QueueFlowStop(b *pgx.Batch, arg FlowStopParams, n *int64) {
 	q := &withArgs[FlowStopParams]{arg: arg}
-	queueRows(b.Queue(flowStop, q.set(&q.arg.LastError, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
+	queueRows(b.Queue(flowStop, q.set(&q.arg.LastError, &q.arg.Step, &q.arg.Steps, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
+}
+
+// QueueFlowCompleteBare queues FlowCompleteBare on b, as
+// QueueFlowComplete does.
+func QueueFlowCompleteBare(b *pgx.Batch, arg FlowCompleteBareParams, n *int64) {
+	q := &withArgs[FlowCompleteBareParams]{arg: arg}
+	queueRows(b.Queue(flowCompleteBare, q.set(&q.arg.Output, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
+}
+
+// QueueFlowReleaseBare queues FlowReleaseBare on b, as QueueFlowRelease
+// does.
+func QueueFlowReleaseBare(b *pgx.Batch, arg FlowReleaseBareParams, n *int64) {
+	q := &withArgs[FlowReleaseBareParams]{arg: arg}
+	queueRows(b.Queue(flowReleaseBare, q.set(&q.arg.LastError, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
+}
+
+// QueueFlowStopBare queues FlowStopBare on b, as QueueFlowStop does.
+func QueueFlowStopBare(b *pgx.Batch, arg FlowStopBareParams, n *int64) {
+	q := &withArgs[FlowStopBareParams]{arg: arg}
+	queueRows(b.Queue(flowStopBare, q.set(&q.arg.LastError, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...), n)
+}
+
+// QueueFlowLeaseUntil queues FlowLeaseUntil on b: until is filled in and
+// leased set when the batch's results are read. No row is not an error.
+func QueueFlowLeaseUntil(b *pgx.Batch, arg FlowLeaseUntilParams, until *pgtype.Timestamptz, leased *bool) {
+	q := &withArgs[FlowLeaseUntilParams]{arg: arg}
+	b.Queue(flowLeaseUntil, q.set(&q.arg.Lease, &q.arg.Step, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...).Fn = func(br pgx.BatchResults) error {
+		r := br.QueryRow()
+		return noRow(r.Scan(until), leased)
+	}
+}
+
+// QueueFlowStepRows queues FlowStepRows on b; rows are appended to
+// written when the batch's results are read.
+func QueueFlowStepRows(b *pgx.Batch, arg FlowStepRowsParams, written *[]FlowStepRowsRow) {
+	q := &withArgs[FlowStepRowsParams]{arg: arg}
+	b.Queue(flowStepRows, q.set(&q.arg.Steps, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...).Fn = scanStepRows(written)
+}
+
+// QueueFlowStepRowsUpdate queues FlowStepRowsUpdate on b, as
+// QueueFlowStepRows does.
+func QueueFlowStepRowsUpdate(b *pgx.Batch, arg FlowStepRowsUpdateParams, written *[]FlowStepRowsRow) {
+	q := &withArgs[FlowStepRowsUpdateParams]{arg: arg}
+	b.Queue(flowStepRowsUpdate, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Steps)...).Fn = scanStepRows(written)
+}
+
+// scanStepRows appends FlowStepRows's rows, or FlowStepRowsUpdate's, to
+// written.
+func scanStepRows(written *[]FlowStepRowsRow) func(br pgx.BatchResults) error {
+	return func(br pgx.BatchResults) error {
+		rows, _ := br.Query()
+		defer rows.Close()
+		for rows.Next() {
+			var w FlowStepRowsRow
+			if err := rows.Scan(&w.Seq, &w.FirstCalledAt); err != nil {
+				return err
+			}
+			*written = append(*written, w)
+		}
+		rows.Close()
+		return rows.Err()
+	}
 }
 
 // queueRows sets n to the rows qq affected when the batch's results are

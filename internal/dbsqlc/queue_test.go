@@ -19,8 +19,8 @@ func TestQueuedScansMatchTheGeneratedRows(t *testing.T) {
 		row     any
 		scanned int
 	}{{KeyLockRow{}, 5}, {KeyGetRow{}, 5}, {KeyClaimWaitRow{}, 2},
-		{FlowAdoptRow{}, 3}, {FlowGetRow{}, 8}, {FlowStepsRow{}, 5},
-		{FlowStartRow{}, 2}, {FlowRestartRow{}, 2}, {FlowTakeOverRow{}, 3}} {
+		{FlowAdoptRow{}, 3}, {FlowGetRow{}, 8}, {FlowStepsRow{}, 3}, {FlowStepRowsRow{}, 2}, {FlowStepRowsUpdateRow{}, 2}, {FlowCallIntentRow{}, 2},
+		{FlowStartRow{}, 2}, {FlowStartHeldRow{}, 4}, {FlowRestartRow{}, 2}, {FlowTakeOverRow{}, 3}} {
 		if n := reflect.TypeOf(c.row).NumField(); n != c.scanned {
 			t.Errorf("%T has %d columns; queue.go scans %d", c.row, n, c.scanned)
 		}
@@ -43,15 +43,18 @@ func TestBatchLayoutIsKnown(t *testing.T) {
 // two arguments swapped are caught.
 func TestQueuedArgumentsMatchTheGeneratedMethods(t *testing.T) {
 	var (
-		row1  FlowStartRow
-		row2  FlowRestartRow
-		row3  FlowTakeOverRow
-		row4  FlowGetRow
-		row5  FlowCallStartRow
-		row6  FlowCallStartNewRow
-		steps []FlowStepsRow
-		ok    bool
-		n     int64
+		row1      FlowStartRow
+		row2      FlowRestartRow
+		row3      FlowTakeOverRow
+		row4      FlowGetRow
+		row5      FlowStartHeldRow
+		row6      FlowCallIntentRow
+		namespace pgtype.UUID
+		until     pgtype.Timestamptz
+		written   []FlowStepRowsRow
+		steps     []FlowStepsRow
+		ok        bool
+		n         int64
 	)
 	for _, c := range []struct {
 		name      string
@@ -80,21 +83,44 @@ func TestQueuedArgumentsMatchTheGeneratedMethods(t *testing.T) {
 		{"FlowStepRecord", &FlowStepRecordParams{},
 			func(b *pgx.Batch, arg any) { QueueFlowStepRecord(b, *arg.(*FlowStepRecordParams)) },
 			func(q *Queries, arg any) { _ = q.FlowStepRecord(context.Background(), *arg.(*FlowStepRecordParams)) }},
-		{"FlowCallStart", &FlowCallStartParams{},
-			func(b *pgx.Batch, arg any) { QueueFlowCallStart(b, *arg.(*FlowCallStartParams), &row5) },
-			func(q *Queries, arg any) { _, _ = q.FlowCallStart(context.Background(), *arg.(*FlowCallStartParams)) }},
-		{"FlowCallStartNew", &FlowCallStartNewParams{},
-			func(b *pgx.Batch, arg any) { QueueFlowCallStartNew(b, *arg.(*FlowCallStartNewParams), &row6) },
+		{"FlowStartHeld", &FlowStartHeldParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowStartHeld(b, *arg.(*FlowStartHeldParams), &row5, &ok) },
+			func(q *Queries, arg any) { _, _ = q.FlowStartHeld(context.Background(), *arg.(*FlowStartHeldParams)) }},
+		{"FlowStartLock", &FlowStartLockParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowStartLock(b, *arg.(*FlowStartLockParams), &namespace, &ok) },
+			func(q *Queries, arg any) { _, _ = q.FlowStartLock(context.Background(), *arg.(*FlowStartLockParams)) }},
+		{"FlowLeaseSteps", &FlowLeaseStepsParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowLeaseSteps(b, *arg.(*FlowLeaseStepsParams), &ok) },
+			func(q *Queries, arg any) { _, _ = q.FlowLeaseSteps(context.Background(), *arg.(*FlowLeaseStepsParams)) }},
+		{"FlowLock", &FlowLockParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowLock(b, *arg.(*FlowLockParams), &ok) },
+			func(q *Queries, arg any) { _, _ = q.FlowLock(context.Background(), *arg.(*FlowLockParams)) }},
+		{"FlowCallIntent", &FlowCallIntentParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowCallIntent(b, *arg.(*FlowCallIntentParams), &row6, &ok) },
+			func(q *Queries, arg any) { _, _ = q.FlowCallIntent(context.Background(), *arg.(*FlowCallIntentParams)) }},
+		{"FlowCompleteBare", &FlowCompleteBareParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowCompleteBare(b, *arg.(*FlowCompleteBareParams), &n) },
 			func(q *Queries, arg any) {
-				_, _ = q.FlowCallStartNew(context.Background(), *arg.(*FlowCallStartNewParams))
+				_, _ = q.FlowCompleteBare(context.Background(), *arg.(*FlowCompleteBareParams))
 			}},
-		{"FlowCallDone", &FlowCallDoneParams{},
-			func(b *pgx.Batch, arg any) { QueueFlowCallDone(b, *arg.(*FlowCallDoneParams), &n) },
-			func(q *Queries, arg any) { _, _ = q.FlowCallDone(context.Background(), *arg.(*FlowCallDoneParams)) }},
-		{"FlowCallDoneHeld", &FlowCallDoneHeldParams{},
-			func(b *pgx.Batch, arg any) { QueueFlowCallDoneHeld(b, *arg.(*FlowCallDoneHeldParams), &n) },
+		{"FlowReleaseBare", &FlowReleaseBareParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowReleaseBare(b, *arg.(*FlowReleaseBareParams), &n) },
 			func(q *Queries, arg any) {
-				_, _ = q.FlowCallDoneHeld(context.Background(), *arg.(*FlowCallDoneHeldParams))
+				_, _ = q.FlowReleaseBare(context.Background(), *arg.(*FlowReleaseBareParams))
+			}},
+		{"FlowStopBare", &FlowStopBareParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowStopBare(b, *arg.(*FlowStopBareParams), &n) },
+			func(q *Queries, arg any) { _, _ = q.FlowStopBare(context.Background(), *arg.(*FlowStopBareParams)) }},
+		{"FlowLeaseUntil", &FlowLeaseUntilParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowLeaseUntil(b, *arg.(*FlowLeaseUntilParams), &until, &ok) },
+			func(q *Queries, arg any) { _, _ = q.FlowLeaseUntil(context.Background(), *arg.(*FlowLeaseUntilParams)) }},
+		{"FlowStepRows", &FlowStepRowsParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowStepRows(b, *arg.(*FlowStepRowsParams), &written) },
+			func(q *Queries, arg any) { _, _ = q.FlowStepRows(context.Background(), *arg.(*FlowStepRowsParams)) }},
+		{"FlowStepRowsUpdate", &FlowStepRowsUpdateParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowStepRowsUpdate(b, *arg.(*FlowStepRowsUpdateParams), &written) },
+			func(q *Queries, arg any) {
+				_, _ = q.FlowStepRowsUpdate(context.Background(), *arg.(*FlowStepRowsUpdateParams))
 			}},
 		{"FlowComplete", &FlowCompleteParams{},
 			func(b *pgx.Batch, arg any) { QueueFlowComplete(b, *arg.(*FlowCompleteParams), &n) },
@@ -154,6 +180,8 @@ func fillDistinct(t *testing.T, v reflect.Value) {
 			*x = pgtype.Interval{Microseconds: n, Valid: true}
 		case *pgtype.Text:
 			*x = pgtype.Text{String: fmt.Sprintf("field %d", i), Valid: true}
+		case *pgtype.UUID:
+			*x = pgtype.UUID{Bytes: [16]byte{byte(i), 1}, Valid: true}
 		default:
 			t.Fatalf("%s.%s: a %s; fillDistinct knows no distinct value for it", v.Type().Name(), v.Type().Field(i).Name, f.Type())
 		}
@@ -168,9 +196,10 @@ func TestFlatParamsEncodeAsPgxDoes(t *testing.T) {
 	txt, null := pgtype.Text{String: "b", Valid: true}, pgtype.Text{String: "not sent", Valid: false}
 	iv := pgtype.Interval{Microseconds: 90_000_000, Days: 2, Months: 3, Valid: true}
 	var nilBytes []byte
+	id, noID := pgtype.UUID{Bytes: [16]byte{1, 2, 3, 0xfe}, Valid: true}, pgtype.UUID{}
 	sd := &pgconn.StatementDescription{ParamOIDs: []uint32{pgtype.TextOID, pgtype.TextOID, pgtype.TextOID, pgtype.Int8OID,
-		pgtype.Int4OID, pgtype.ByteaOID, pgtype.IntervalOID, pgtype.ByteaOID, pgtype.JSONBOID}}
-	args := []any{&s, &txt, &null, &i8, &i4, &fp, &iv, &nilBytes, &s}
+		pgtype.Int4OID, pgtype.ByteaOID, pgtype.IntervalOID, pgtype.ByteaOID, pgtype.JSONBOID, pgtype.UUIDOID, pgtype.UUIDOID}}
+	args := []any{&s, &txt, &null, &i8, &i4, &fp, &iv, &nilBytes, &s, &id, &noID}
 	var p flatParams
 	if !p.encode(sd, args) {
 		t.Fatal("flatParams refused the flows' arguments")

@@ -226,3 +226,61 @@ func gaugedPool(b *testing.B, cfg *pgxpool.Config) (*pgxpool.Pool, *bench.ConnGa
 	b.Cleanup(pool.Close)
 	return pool, gauge
 }
+
+// BenchmarkLongFlowWAL reports the WAL that a long flow writes (its
+// database's, full-page images left out), for each of LongFlows:
+//
+//	go test -run '^$' -bench LongFlowWAL -benchtime 1x -v ./lab/bench
+func BenchmarkLongFlowWAL(b *testing.B) {
+	pool := env.Pool(b)
+	ctx := context.Background()
+	for b.Loop() {
+		for _, l := range bench.LongFlows {
+			perOp, _, err := longFlowWAL(ctx, pool, l, 20)
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.ReportMetric(perOp, l.Name+"-WAL-B/op")
+		}
+	}
+}
+
+// longFlowWAL is the WAL per flow of ops runs of l, after a few to warm
+// the statement caches.
+func longFlowWAL(ctx context.Context, pool *pgxpool.Pool, l bench.LongFlow, ops int64) (float64, []bench.WALPart, error) {
+	phase := bench.LongFlowPhase(pool, l, testdb.Name("bench-long"))
+	for i := range int64(3) {
+		if err := phase.Op(ctx, i); err != nil {
+			return 0, nil, err
+		}
+	}
+	return bench.DatabaseWAL(ctx, pool, phase, ops)
+}
+
+// TestLongFlowWALGrowsWithItsSteps bounds the WAL of a long flow: once its
+// row records a large result, or many steps, its further steps go to rows
+// of their own, and no write of the flow's row copies its records again.
+// The bounds are what idem wrote before it recorded steps in the flow's
+// row (every step a row of its own; measured so: 20.4 kB, 12.8 kB and
+// 63–68 kB), with 10% of room; recording every step in the flow's row,
+// rewritten at each write of it, wrote 198 kB, 24.0 kB and 187 kB.
+func TestLongFlowWALGrowsWithItsSteps(t *testing.T) {
+	pool := env.Pool(t)
+	ctx := context.Background()
+	bounds := map[string]float64{"8kB-call-20-local": 22_500, "call-20-local": 14_000, "100-calls": 75_000}
+	for _, l := range bench.LongFlows {
+		perOp, parts, err := longFlowWAL(ctx, pool, l, 5)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("%s: %.0f B of WAL per flow", l.Name, perOp)
+		for _, part := range parts {
+			if part.Bytes >= 100 {
+				t.Logf("%s: %7.0f B, %5.1f records  %s", l.Name, part.Bytes, part.Records, part.Part)
+			}
+		}
+		if perOp > bounds[l.Name] {
+			t.Errorf("%s: %.0f B of WAL per flow; want at most %.0f", l.Name, perOp, bounds[l.Name])
+		}
+	}
+}

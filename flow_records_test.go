@@ -1,0 +1,212 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
+)
+
+// oldSteps moves the steps that the flows of scope recorded in their rows
+// to idem_flow_step_row, as the versions before migration 00008 recorded
+// them (in idem_flow_step, which 00008 renamed; the statement is that
+// migration's Down): a flow in flight across the upgrade.
+func oldSteps(t *testing.T, pool *pgxpool.Pool, scope string) {
+	t.Helper()
+	_, err := pool.Exec(t.Context(), `
+		WITH moved AS (
+		    INSERT INTO idem_flow_step_row (scope, key, seq, name, kind, state, result, attempts, first_called_at, completed_at,
+		                                reconciles, last_reconcile)
+		    SELECT f.scope, f.key, s.key::int, s.value->>'n',
+		           CASE WHEN s.value ? 'a' THEN 'call' ELSE 'local' END,
+		           coalesce(s.value->>'s', 'done'), s.value->'r', coalesce((s.value->>'a')::int, 1),
+		           timestamptz 'epoch' + (s.value->>'f')::bigint * interval '1 microsecond',
+		           timestamptz 'epoch' + (s.value->>'c')::bigint * interval '1 microsecond',
+		           coalesce((s.value->>'x')::int, 0), s.value->>'l'
+		    FROM idem_flow AS f, jsonb_each(f.steps) AS s
+		    WHERE f.scope = $1
+		)
+		UPDATE idem_flow SET steps = NULL WHERE scope = $1`, scope)
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A flow that an older version left with a local step done and a call
+// whose intent it recorded (in idem_flow_step_row) resumes after the upgrade:
+// the local step's recorded result is replayed, not run again, and the
+// call is made again with the same provider key, its attempts counted on
+// from the older version's; InspectFlow shows the steps of both.
+func TestFlowRecordedBeforeTheUpgradeResumes(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps)
+	abandon(t, ctx, pool, flow, p, scope, "k")
+	oldSteps(t, pool, scope)
+	before, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || len(before.Steps) != 2 || before.Steps[0].Name != "reserve" || before.Steps[0].State != "done" ||
+		before.Steps[1].Name != "charge" || before.Steps[1].State != "calling" || before.Steps[1].Attempts != 1 {
+		t.Fatalf("the older version's steps, inspected: %+v, %v", before.Steps, err)
+	}
+	key := before.Steps[1].ProviderKey
+	res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+	if err != nil || res.Replayed || res.Value.ChargeID == "" {
+		t.Fatalf("the run after the upgrade: %+v, %v", res, err)
+	}
+	// reserve ran once (before the upgrade), record once (after).
+	if n := steps.Load(); n != 2 || countPayments(t, pool, scope) != 1 {
+		t.Fatalf("%d local steps ran, %d payments; want 2, 1", n, countPayments(t, pool, scope))
+	}
+	if len(p.keys) != 2 || p.keys[0] != key || p.keys[1] != key || p.applied != 1 {
+		t.Fatalf("provider keys %v, %d charges applied; want %s twice, 1", p.keys, p.applied, key)
+	}
+	after, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || after.State != "done" || len(after.Steps) != 3 {
+		t.Fatalf("after: %+v, %v", after, err)
+	}
+	if s := after.Steps[0]; s.Name != "reserve" || s.Kind != "local" || s.State != "done" || !s.CompletedAt.Equal(before.Steps[0].CompletedAt) {
+		t.Fatalf("reserve: %+v; want the older version's record", s)
+	}
+	if s := after.Steps[1]; s.Name != "charge" || s.Kind != "call" || s.State != "done" || s.Attempts != 2 ||
+		!s.FirstCalledAt.Equal(before.Steps[1].FirstCalledAt) || s.ProviderKey != key || s.CompletedAt.IsZero() {
+		t.Fatalf("charge: %+v; want done at its second attempt, first called when the older version called it", s)
+	}
+	if s := after.Steps[2]; s.Name != "record" || s.Kind != "local" || s.State != "done" || s.CompletedAt.IsZero() {
+		t.Fatalf("record: %+v", s)
+	}
+}
+
+// A flow whose row records a large result, or many steps, records its
+// further steps, local steps and calls, as rows of their own (as older
+// versions did), and writes its row without its records from then on, so
+// that no write of the row copies them again: the flow's row keeps the
+// first, small step; the large steps and the call are rows, the call's
+// row written again as it is resumed. A resumed run reads both, in
+// order, and runs none of the recorded steps again.
+func TestFlowOfLargeStepsRecordsTheRestAsRows(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var ran atomic.Int64
+	fail := atomic.Bool{}
+	fail.Store(true)
+	large := strings.Repeat("x", 600)
+	flow := idem.MustNewFlow(testdb.Name("large"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		var got []string
+		for _, name := range []string{"a", "b", "c"} {
+			v, err := idem.Local(s, name, func(ctx context.Context, tx pgx.Tx) (string, error) {
+				ran.Add(1)
+				if name == "a" {
+					return name, nil
+				}
+				return name + large, nil
+			})
+			if err != nil {
+				return "", err
+			}
+			got = append(got, v[:1])
+		}
+		id, err := idem.Call(s, "charge", func(ctx context.Context, providerKey string) (string, error) {
+			if fail.Load() {
+				return "", errors.New("connection reset by peer")
+			}
+			id, _, err := p.charge(ctx, providerKey, in.Amount)
+			return id, err
+		})
+		if err != nil {
+			return "", err
+		}
+		return strings.Join(got, "") + " " + id, nil
+	})
+	placed := func() (inRow, rows string, steps []byte) {
+		t.Helper()
+		err := pool.QueryRow(ctx, `SELECT (SELECT coalesce(string_agg(k, ',' ORDER BY k), '') FROM idem_flow f, jsonb_object_keys(f.steps) k
+		        WHERE f.scope = $1),
+		    (SELECT coalesce(string_agg(seq::text || ':' || state || ':' || attempts, ',' ORDER BY seq), '')
+		        FROM idem_flow_step_row WHERE scope = $1),
+		    (SELECT steps::text::bytea FROM idem_flow WHERE scope = $1)`, scope).Scan(&inRow, &rows, &steps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return inRow, rows, steps
+	}
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); err == nil {
+		t.Fatal("the first run succeeded")
+	}
+	inRow, rows, before := placed()
+	if inRow != "0" || rows != "1:done:1,2:done:1,3:calling:1" {
+		t.Fatalf("in the flow's row: steps %q; as rows: %q; want a in the row, b, c and the call's intent as rows", inRow, rows)
+	}
+	fail.Store(false)
+	res, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500})
+	if err != nil || res.Value != "abc ch_1" || ran.Load() != 3 {
+		t.Fatalf("the retry: %+v, %v, %d local steps ran; want abc ch_1, 3", res, err, ran.Load())
+	}
+	inRow, rows, after := placed()
+	if inRow != "0" || rows != "1:done:1,2:done:1,3:done:2" || string(after) != string(before) {
+		t.Fatalf("after the retry: in the flow's row %q (%s, was %s); as rows %q; want the row's records unchanged, the call done as a row",
+			inRow, after, before, rows)
+	}
+	info, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || len(info.Steps) != 4 {
+		t.Fatalf("inspect: %+v, %v", info, err)
+	}
+	for i, want := range []string{"a", "b", "c", "charge"} {
+		if s := info.Steps[i]; s.Name != want || s.State != "done" {
+			t.Fatalf("step %d: %+v, want %s done", i, s, want)
+		}
+	}
+	if s := info.Steps[3]; s.Attempts != 2 || s.Kind != "call" || s.FirstCalledAt.IsZero() {
+		t.Fatalf("the call: %+v; want 2 attempts", s)
+	}
+}
+
+// A new flow's first local step, whose transaction stays open, takes the
+// flow's lock as it begins and writes the flow's row only as it commits
+// (FlowStartHeld). A row that another executor committed meanwhile (here
+// written by hand, between the lock's snapshot and the commit) fails that
+// write, and the step's writes with it: the run looks at the flow again,
+// takes it over once its lease has run out, and runs the step again, so
+// that its writes commit once, with the flow's row.
+func TestFlowFirstStepWhoseRowWasTakenCommitsNothing(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var ran atomic.Int64
+	name := testdb.Name("taken")
+	flow := idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		_, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			if ran.Add(1) == 1 {
+				// Another executor's row, committed, its lease run out.
+				_, err := pool.Exec(ctx, `INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_namespace,
+					epoch, leased_until, runs, retention)
+					VALUES ($1, 'k', $2, $3, 'running', '{"amount":2500}', (SELECT id FROM idem_installation), 7,
+					now() - interval '1 second', 1, interval '1 day')`, s.Scope(), name, fpCharge)
+				if err != nil {
+					return 0, err
+				}
+			}
+			var id int64
+			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
+				s.Scope(), s.Key(), in.Amount).Scan(&id)
+			return id, err
+		})
+		if err != nil {
+			return "", err
+		}
+		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {
+			id, _, err := p.charge(ctx, key, in.Amount)
+			return id, err
+		})
+	})
+	res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500})
+	if err != nil || res.Value != "ch_1" {
+		t.Fatalf("%+v, %v", res, err)
+	}
+	if n := ran.Load(); n != 2 || countPayments(t, pool, scope) != 1 || p.applied != 1 {
+		t.Fatalf("the step ran %d times, %d payments, %d charges; want 2, 1, 1", n, countPayments(t, pool, scope), p.applied)
+	}
+}
