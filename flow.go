@@ -481,8 +481,10 @@ type flowRun struct {
 	spilled bool
 	// scratch is room to measure a record in (inRow), and patch for the
 	// records a write of the flow's row carries (flushLocked's stepPatch),
-	// reused from one write to the next.
+	// reused from one write to the next; records is where both start,
+	// the records of a few small steps (see maxInlineSteps).
 	scratch, patch []byte
+	records        [maxInlineSteps + 128]byte
 	// next is the place of the function's next step; names are the steps
 	// it took (see took).
 	next  int32
@@ -555,6 +557,7 @@ func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch i
 	if o.idleTimeout > 0 {
 		r.idleTimeout = dbsqlc.NewIdleTimeout(millis(o.idleTimeout))
 	}
+	r.scratch, r.patch = r.records[:0:128], r.records[128:128]
 	r.lease.init(o.lease)
 	r.lease.renewed(sent)
 	r.recorded, r.inline, r.spilled, r.unreadable = recordedSteps(recorded)
