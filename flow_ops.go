@@ -37,7 +37,10 @@ type FlowInfo struct {
 	// and the base64 of the sealed bytes).
 	LastError string
 	// LeasedUntil is when the executor's lease runs out; Leased reports
-	// whether it holds now.
+	// whether it holds now. A local step's BEGIN locks the flow's row
+	// without renewing the lease (its one write renews it), so a flow in
+	// a long local step may show Leased false while nobody can take it
+	// over: the row stays locked until the step's transaction ends.
 	LeasedUntil time.Time
 	Leased      bool
 	// Fingerprint is the fingerprint of the request that started the flow.
