@@ -7,8 +7,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/pressly/goose/v3"
-	"github.com/pressly/goose/v3/lock"
 
 	"github.com/pgidem/idem"
 )
@@ -30,16 +28,7 @@ func TestOlderExecutorsFlowStatementsFailAfterTheUpgrade(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer db.Close()
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(idem.MigrationLockID))
-	if err != nil {
-		t.Fatal(err)
-	}
-	provider, err := goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
-		goose.WithTableName(idem.MigrationTable), goose.WithSessionLocker(locker), goose.WithDisableGlobalRegistry(true))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := provider.UpTo(ctx, 7); err != nil {
+	if _, err := idemGoose(t, db).UpTo(ctx, 7); err != nil {
 		t.Fatal(err)
 	}
 	// The older executor, running before the migration, its statements

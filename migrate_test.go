@@ -29,6 +29,23 @@ func setupEmpty(t *testing.T) (context.Context, *sql.DB) {
 	return context.Background(), db
 }
 
+// idemGoose returns a goose provider of idem's migrations on db, set up
+// as MigrationLockID's documentation says an application's own goose
+// set-up does: with MigrationTable and the lock.
+func idemGoose(t *testing.T, db *sql.DB) *goose.Provider {
+	t.Helper()
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(idem.MigrationLockID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	provider, err := goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
+		goose.WithTableName(idem.MigrationTable), goose.WithSessionLocker(locker), goose.WithDisableGlobalRegistry(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return provider
+}
+
 func TestMigrateTwiceIsANoOp(t *testing.T) {
 	ctx, db := setupEmpty(t)
 	if err := idem.Migrate(ctx, db); err != nil {
@@ -125,15 +142,7 @@ func TestMigrationTableIsTheOneMigrateUses(t *testing.T) {
 // Migrate then finds every version applied, and goose finds Migrate's.
 func TestGooseWithTheMigrationTableIsMigrate(t *testing.T) {
 	ctx, db := setupEmpty(t)
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(idem.MigrationLockID))
-	if err != nil {
-		t.Fatal(err)
-	}
-	provider, err := goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
-		goose.WithTableName(idem.MigrationTable), goose.WithSessionLocker(locker), goose.WithDisableGlobalRegistry(true))
-	if err != nil {
-		t.Fatal(err)
-	}
+	provider := idemGoose(t, db)
 	// Part of the way with goose, the rest with Migrate.
 	if _, err := provider.UpTo(ctx, 2); err != nil {
 		t.Fatal(err)
