@@ -479,6 +479,10 @@ type flowRun struct {
 	// own, after which every new step does (see maxInlineSteps).
 	inline  int
 	spilled bool
+	// base is the flow's created_at, in microseconds since 1970, once
+	// the executor knows it (0 before): the times of the records in the
+	// flow's row count from it (see appendInline).
+	base int64
 	// scratch is room to measure a record in (inRow), and patch for the
 	// records a write of the flow's row carries (flushLocked's stepPatch),
 	// reused from one write to the next; records is where both start,
@@ -560,7 +564,7 @@ func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch i
 	r.scratch, r.patch = r.records[:0:128], r.records[128:128]
 	r.lease.init(o.lease)
 	r.lease.renewed(sent)
-	r.recorded, r.inline, r.spilled, r.unreadable = recordedSteps(recorded)
+	r.recorded, r.inline, r.spilled, r.base, r.unreadable = recordedSteps(recorded)
 	return r
 }
 

@@ -224,13 +224,14 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 	}
 	// A flow not started yet is started by its row carrying the intent.
 	var start dbsqlc.FlowCallIntentRow
+	var firstCalledAt int64
 	var leased bool
 	var patch *stepPatch
 	err := r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
 		if patch = steps; steps.starting {
 			// The flow's row, written now, carries the intent.
 			steps.add(seq, &rec)
-			r.scratch = rec.appendJSON(r.scratch[:0])
+			r.scratch = rec.appendInline(r.scratch[:0], r.base)
 			r.inline += len(r.scratch)
 			steps.carry(name)
 			return
@@ -256,17 +257,26 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 		// The intent's stamp is the transaction's now(), which is also
 		// the row's created_at.
 		start.LeasedUntil, leased = patch.start.heldRow.LeasedUntil, patch.start.written
-		start.FirstCalledAt = patch.start.heldRow.CreatedAt.Time.UnixMicro()
+		firstCalledAt = patch.start.heldRow.CreatedAt.Time.UnixMicro()
 	case rec.inRow:
 		// The intent's row says when the first attempt was made; without
 		// it, the executor no longer holds the flow.
 		found := false
 		for _, w := range patch.written {
 			if w.Seq == seq {
-				start.FirstCalledAt, found = w.FirstCalledAt, true
+				firstCalledAt, found = w.FirstCalledAt, true
 			}
 		}
 		leased = leased && found
+	case leased:
+		// The intent's record, as written, says when, after the flow's
+		// created_at.
+		r.base = start.CreatedAt.Time.UnixMicro()
+		written, perr := parseInline(start.Rec, r.base)
+		if perr != nil {
+			err = fmt.Errorf("the call's record: %w", perr)
+		}
+		firstCalledAt = written.FirstCalled
 	}
 	switch {
 	case errors.Is(err, ErrLeaseLost):
@@ -277,13 +287,13 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 		return zero, r.lostError()
 	}
 	r.lease.renewed(sent)
-	rec.FirstCalled = start.FirstCalledAt
+	rec.FirstCalled = firstCalledAt
 	r.setRecorded(seq, rec)
 	// Past the provider's window: the first attempt that may have reached
 	// the other system is older than the window, by the server's clock at
 	// the intent (the lease it renewed, less the lease).
 	now := start.LeasedUntil.Time.UnixMicro() - r.o.lease.Microseconds()
-	pastWindow := resumed && start.FirstCalledAt <= now-r.o.providerWindow.Microseconds()
+	pastWindow := resumed && firstCalledAt <= now-r.o.providerWindow.Microseconds()
 	providerKey := r.keys.of(r.k.scope, r.k.key, name)
 
 	if resumed {

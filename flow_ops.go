@@ -114,17 +114,35 @@ func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInf
 			return fmt.Errorf("idem: inspect flow: steps: %w", err)
 		}
 		for _, s := range steps {
-			step := FlowStep{Name: s.Name, Kind: s.Kind, State: s.State, Attempts: int(s.Attempts), Result: s.Result,
-				FirstCalledAt: timeOf(s.FirstCalledAt), CompletedAt: timeOf(s.CompletedAt),
-				Reconciles: int(s.Reconciles), LastReconcile: s.LastReconcile}
-			if s.Kind == stepCall {
-				step.ProviderKey = providerKeys{namespace: f.ProviderNamespace, operation: f.Operation}.of(k.scope, k.key, s.Name)
+			rec, err := decodeRecord(s.Rec, s.Base.Time.UnixMicro())
+			if err != nil {
+				return fmt.Errorf("idem: inspect flow: step %d's record: %w", s.Seq, err)
+			}
+			step := FlowStep{Name: rec.Name, Kind: rec.kind(), State: rec.State, Attempts: max(int(rec.Attempts), 1),
+				Result: rec.Result, FirstCalledAt: microsTime(rec.FirstCalled), CompletedAt: microsTime(rec.Completed),
+				Reconciles: int(rec.Reconciles), LastReconcile: rec.LastReconcile}
+			if step.State == "" {
+				step.State = "done"
+			} else {
+				step.Result = nil
+			}
+			if step.Kind == stepCall {
+				step.ProviderKey = providerKeys{namespace: f.ProviderNamespace, operation: f.Operation}.of(k.scope, k.key, rec.Name)
 			}
 			info.Steps = append(info.Steps, step)
 		}
 		return nil
 	})
 	return info, err
+}
+
+// microsTime is t, microseconds since 1970, as a time: the zero time for
+// 0.
+func microsTime(t int64) time.Time {
+	if t == 0 {
+		return time.Time{}
+	}
+	return time.UnixMicro(t)
 }
 
 // EndFlow ends the flow operation (scope, key), running or stopped for

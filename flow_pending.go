@@ -148,6 +148,7 @@ func (r *flowRun) started(st *starting, err error) error {
 	switch {
 	case err == nil && st.written && st.held:
 		r.keys = providerKeys{namespace: st.heldRow.ProviderNamespace, operation: st.heldRow.Operation}
+		r.base = st.heldRow.CreatedAt.Time.UnixMicro()
 		return nil
 	case err == nil && st.written:
 		r.keys = providerKeys{namespace: st.row.ProviderNamespace, operation: st.row.Operation}

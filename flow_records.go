@@ -12,13 +12,16 @@ import (
 )
 
 // A flow's steps are recorded in its own row (idem_flow.steps): one JSON
-// object by place, each step's record a small object written whole, in
-// the write of the flow's row that the executor's statement makes anyway
-// (see FlowLeaseSteps in queries/flow.sql for the fields). Only the executor
-// that holds the flow writes them, so it knows each record, and writes it
-// whole; a step's times are the server's, written in by the statement
-// (stampNow). Past maxInlineSteps, the records go to rows of their own
-// instead, the same records (FlowStepRows).
+// object by place, each step's record a short string of its compact form
+// (appendInline) written whole, in the write of the flow's row that the
+// executor's statement makes anyway (see FlowLeaseSteps in
+// queries/flow.sql). Only the executor that holds the flow writes them, so
+// it knows each record, and writes it whole; a step's times are the
+// server's, written in by the statement (stampNow), as microseconds after
+// the flow's created_at. Records that versions before this one wrote, JSON
+// objects of the fields of stepRecord with times since 1970, are read as
+// they are (decodeRecord). Past maxInlineSteps, the records go to rows of
+// their own instead (FlowStepRows), as JSON objects (appendJSON).
 
 // stepRecord is a step's record, as idem_flow.steps holds it.
 type stepRecord struct {
@@ -31,7 +34,8 @@ type stepRecord struct {
 	// Attempts is a call's (never 0 for a call), 0 for a local step.
 	Attempts int32 `json:"a,omitempty"`
 	// FirstCalled and Completed are microseconds since 1970, 0 when not
-	// set, stampNow for the statement that writes them to set.
+	// set, stampNow for the statement that writes them to set (as
+	// microseconds after the flow's created_at in the flow's row).
 	FirstCalled int64 `json:"f,omitempty"`
 	Completed   int64 `json:"c,omitempty"`
 	// Reconciles and LastReconcile are a call's lookups and what the last
@@ -50,7 +54,9 @@ const (
 )
 
 // stampNow is a time for the statement that writes the record to set to
-// its now() (the byte 0x01 in its JSON, which the statement replaces).
+// its now() (the byte 0x01 in its JSON, which the statement replaces: by
+// microseconds since 1970 in a row's record, by microseconds after the
+// flow's created_at in the flow's row).
 const stampNow = -1
 
 // kind is the step's kind: a call has attempts.
@@ -143,6 +149,9 @@ type stepPatch struct {
 	starting, carried bool
 	step              string
 	start             *starting
+	// base is the flow's created_at, in microseconds since 1970, that
+	// the records' times in the flow's row count from (flowRun.base).
+	base int64
 	// rows are the records that go to rows of their own, as b without its
 	// closing brace: of steps without a row yet (FlowStepRows), and over
 	// their rows (updates, FlowStepRowsUpdate); written is what those
@@ -159,7 +168,10 @@ func (p *stepPatch) carry(step string) { p.carried, p.step = true, step }
 func (p *stepPatch) atText() pgtype.Text { return pgtype.Text{String: p.at, Valid: p.at != ""} }
 
 // add adds the record of the step at seq, for the flow's row.
-func (p *stepPatch) add(seq int32, rec *stepRecord) { p.b = appendRecord(p.b, seq, rec) }
+func (p *stepPatch) add(seq int32, rec *stepRecord) {
+	p.b = appendPlace(p.b, seq)
+	p.b = rec.appendInline(p.b, p.base)
+}
 
 // put adds the record of the step at seq: for a row of its own when row
 // is set (FlowStepRows, see maxInlineSteps), else for the flow's row.
@@ -177,8 +189,14 @@ func (p *stepPatch) put(seq int32, rec *stepRecord, row bool) {
 }
 
 // appendRecord appends to b, a JSON object being written, the record of
-// the step at seq.
+// the step at seq, for a row of its own.
 func appendRecord(b []byte, seq int32, rec *stepRecord) []byte {
+	return rec.appendJSON(appendPlace(b, seq))
+}
+
+// appendPlace appends to b, a JSON object being written, the key of the
+// step at seq.
+func appendPlace(b []byte, seq int32) []byte {
 	if len(b) == 0 {
 		b = append(b, '{')
 	} else {
@@ -186,8 +204,7 @@ func appendRecord(b []byte, seq int32, rec *stepRecord) []byte {
 	}
 	b = append(b, '"')
 	b = strconv.AppendInt(b, int64(seq), 10)
-	b = append(b, `":`...)
-	return rec.appendJSON(b)
+	return append(b, `":`...)
 }
 
 // empty reports whether the patch holds no record for the flow's row: the
@@ -261,7 +278,7 @@ func (r *flowRun) inRow(seq int32, rec *stepRecord) bool {
 	if earlier, ok := r.recorded[seq]; ok && earlier.inRow {
 		return true
 	}
-	r.scratch = rec.appendJSON(r.scratch[:0])
+	r.scratch = rec.appendInline(r.scratch[:0], r.base)
 	n := len(r.scratch)
 	if _, ok := r.recorded[seq]; !ok && (r.spilled || r.inline+n > maxInlineSteps) {
 		r.spilled = true
@@ -284,19 +301,21 @@ func (r *flowRun) setRecorded(seq int32, rec stepRecord) {
 // recordedSteps decodes the records FlowSteps read, and returns the size
 // of those in the flow's row, counted against maxInlineSteps, and whether
 // new steps go to rows (flowRun.spilled); the map is nil when there are
-// none.
-func recordedSteps(rows []dbsqlc.FlowStepsRow) (recorded map[int32]stepRecord, size int, spilled bool, err error) {
+// none. base is the flow's created_at (flowRun.base), 0 when there are
+// none in the flow's row.
+func recordedSteps(rows []dbsqlc.FlowStepsRow) (recorded map[int32]stepRecord, size int, spilled bool, base int64, err error) {
 	if len(rows) == 0 {
-		return nil, 0, false, nil
+		return nil, 0, false, 0, nil
 	}
 	recorded = make(map[int32]stepRecord, len(rows))
 	for _, row := range rows {
 		if !row.InRow {
 			size += len(row.Rec)
+			base = row.Base.Time.UnixMicro()
 		}
-		var rec stepRecord
-		if err := json.Unmarshal(row.Rec, &rec); err != nil {
-			return nil, 0, false, fmt.Errorf("idem: flow: step %d's record: %w", row.Seq, err)
+		rec, err := decodeRecord(row.Rec, row.Base.Time.UnixMicro())
+		if err != nil {
+			return nil, 0, false, 0, fmt.Errorf("idem: flow: step %d's record: %w", row.Seq, err)
 		}
 		if !rec.done() {
 			rec.Result = nil // a call's, read from idem_flow_step_row: null
@@ -305,7 +324,7 @@ func recordedSteps(rows []dbsqlc.FlowStepsRow) (recorded map[int32]stepRecord, s
 		recorded[row.Seq] = rec
 		spilled = spilled || row.InRow
 	}
-	return recorded, size, spilled || size > maxInlineSteps, nil
+	return recorded, size, spilled || size > maxInlineSteps, base, nil
 }
 
 // queueLease queues lease on b: FlowLeaseSteps with the records of steps

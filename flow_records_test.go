@@ -1,8 +1,13 @@
 package idem_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"io/fs"
+	"reflect"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -16,10 +21,20 @@ import (
 
 // oldSteps moves the steps that the flows of scope recorded in their rows
 // to idem_flow_step_row, as the versions before migration 00008 recorded
-// them (in idem_flow_step, which 00008 renamed; the statement is that
-// migration's Down): a flow in flight across the upgrade.
+// them (in idem_flow_step, which 00008 renamed; the statements are the
+// Downs of migrations 00009, which turns the records back into objects,
+// and 00008): a flow in flight across the upgrade.
 func oldSteps(t *testing.T, pool *pgxpool.Pool, scope string) {
 	t.Helper()
+	down := migrationDown(t, "00009_flow_step_records_compact.sql")
+	down, _, _ = strings.Cut(down, "COMMENT ON")
+	scoped := strings.Replace(down, "WHERE f.steps IS NOT NULL;", "WHERE f.steps IS NOT NULL AND f.scope = $1;", 1)
+	if scoped == down {
+		t.Fatal("00009's Down has changed: its statement for one scope is to be written again")
+	}
+	if _, err := pool.Exec(t.Context(), scoped, scope); err != nil {
+		t.Fatal(err)
+	}
 	_, err := pool.Exec(t.Context(), `
 		WITH moved AS (
 		    INSERT INTO idem_flow_step_row (scope, key, seq, name, kind, state, result, attempts, first_called_at, completed_at,
@@ -129,7 +144,7 @@ func TestFlowOfLargeStepsRecordsTheRestAsRows(t *testing.T) {
 		        WHERE f.scope = $1),
 		    (SELECT coalesce(string_agg(seq::text || ':' || state || ':' || attempts, ',' ORDER BY seq), '')
 		        FROM idem_flow_step_row WHERE scope = $1),
-		    (SELECT steps::text::bytea FROM idem_flow WHERE scope = $1)`, scope).Scan(&inRow, &rows, &steps)
+		    (SELECT convert_to(steps::text, 'UTF8') FROM idem_flow WHERE scope = $1)`, scope).Scan(&inRow, &rows, &steps)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -209,4 +224,99 @@ func TestFlowFirstStepWhoseRowWasTakenCommitsNothing(t *testing.T) {
 	if n := ran.Load(); n != 2 || countPayments(t, pool, scope) != 1 || p.applied != 1 {
 		t.Fatalf("the step ran %d times, %d payments, %d charges; want 2, 1, 1", n, countPayments(t, pool, scope), p.applied)
 	}
+}
+
+// migrationDown is the Down of one of idem's migrations.
+func migrationDown(t *testing.T, name string) string {
+	t.Helper()
+	b, err := fs.ReadFile(idem.Migrations(), name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, down, ok := strings.Cut(string(b), "-- +goose Down")
+	if !ok {
+		t.Fatalf("%s has no Down", name)
+	}
+	return down
+}
+
+// TestMigration00009DownGivesTheRecordsBackAsObjects: going down from
+// migration 00009 turns each record of a flow's row into the JSON object
+// of the version before, which inspects as the compact record did (times
+// to the microsecond), also for a step name and result that hold the
+// compact form's separators, a JSON null result and a call still calling;
+// and the flow resumes from it.
+func TestMigration00009DownGivesTheRecordsBackAsObjects(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var fail atomic.Bool
+	fail.Store(true)
+	flow := idem.MustNewFlow("compact", func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		odd, err := idem.Local(s, `ü;7,0 "quoted" \ name`, func(ctx context.Context, tx pgx.Tx) (map[string]string, error) {
+			return map[string]string{"a": `x;y,z"\`, "b": "日本"}, nil
+		})
+		if err != nil {
+			return "", err
+		}
+		if _, err := idem.Local(s, "nothing", func(ctx context.Context, tx pgx.Tx) (*int, error) { return nil, nil }); err != nil {
+			return "", err
+		}
+		id, err := idem.Call(s, "charge", func(ctx context.Context, providerKey string) (string, error) {
+			if fail.Load() {
+				return "", errors.New("connection reset by peer")
+			}
+			id, _, err := p.charge(ctx, providerKey, in.Amount)
+			return id, err
+		})
+		return odd["a"] + " " + id, err
+	})
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); err == nil {
+		t.Fatal("the first run succeeded")
+	}
+	before, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || len(before.Steps) != 3 || before.Steps[2].State != "calling" {
+		t.Fatalf("before: %+v, %v", before.Steps, err)
+	}
+	var compact int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow f, jsonb_each(f.steps) s
+		WHERE f.scope = $1 AND jsonb_typeof(s.value) = 'string'`, scope).Scan(&compact); err != nil || compact != 3 {
+		t.Fatalf("%d compact records, %v; want 3", compact, err)
+	}
+	down, _, _ := strings.Cut(migrationDown(t, "00009_flow_step_records_compact.sql"), "COMMENT ON")
+	down = strings.Replace(down, "WHERE f.steps IS NOT NULL;", "WHERE f.steps IS NOT NULL AND f.scope = $1;", 1)
+	if _, err := pool.Exec(ctx, down, scope); err != nil {
+		t.Fatal(err)
+	}
+	var objects int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_flow f, jsonb_each(f.steps) s
+		WHERE f.scope = $1 AND jsonb_typeof(s.value) = 'object'`, scope).Scan(&objects); err != nil || objects != 3 {
+		t.Fatalf("%d records as objects after the Down, %v; want 3", objects, err)
+	}
+	after, err := idem.InspectFlow(ctx, pool, scope, "k")
+	// (Results as JSON: jsonb writes them with spaces of its own.)
+	if err != nil || !reflect.DeepEqual(compactResults(t, after.Steps), compactResults(t, before.Steps)) {
+		t.Fatalf("after the Down:\n%+v, %v\nwant\n%+v", after.Steps, err, before.Steps)
+	}
+	fail.Store(false)
+	res, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500})
+	if err != nil || res.Value != `x;y,z"\ ch_1` || p.applied != 1 {
+		t.Fatalf("resumed: %+v, %v, %d charges applied", res, err, p.applied)
+	}
+}
+
+// compactResults is steps with their results without spaces.
+func compactResults(t *testing.T, steps []idem.FlowStep) []idem.FlowStep {
+	t.Helper()
+	out := slices.Clone(steps)
+	for i := range out {
+		if len(out[i].Result) == 0 {
+			out[i].Result = nil
+			continue
+		}
+		var b bytes.Buffer
+		if err := json.Compact(&b, out[i].Result); err != nil {
+			t.Fatal(err)
+		}
+		out[i].Result = b.Bytes()
+	}
+	return out
 }

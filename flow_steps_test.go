@@ -345,11 +345,14 @@ func TestFlowRunGivesItsLeaseUpWhenItsContextEnds(t *testing.T) {
 
 // ageCalls makes the calls that the flows of scope (of key, unless empty)
 // recorded look by long older, as if their first attempts had been made
-// by long earlier (past a provider's window).
+// by long earlier (past a provider's window): the flow's created_at, from
+// which the times of its records count, and the times of records written
+// as objects (by a version before migration 00009).
 func ageCalls(t *testing.T, pool *pgxpool.Pool, scope, key string, by time.Duration) {
 	t.Helper()
 	_, err := pool.Exec(context.Background(), `UPDATE idem_flow AS f
-		SET steps = (SELECT jsonb_object_agg(s.key, CASE WHEN s.value ? 'f'
+		SET created_at = f.created_at - $3::bigint * interval '1 microsecond',
+		    steps = (SELECT jsonb_object_agg(s.key, CASE WHEN s.value ? 'f'
 		                 THEN jsonb_set(s.value, '{f}', to_jsonb((s.value->>'f')::bigint - $3::bigint))
 		                 ELSE s.value END)
 		             FROM jsonb_each(f.steps) AS s)

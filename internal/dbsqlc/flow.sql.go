@@ -118,12 +118,12 @@ UPDATE idem_flow
 SET leased_until = statement_timestamp() + $1::interval,
     step = $2::text,
     steps = coalesce(steps, '{}'::jsonb)
-        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now() - created_at) * 1000000)::bigint::text)::jsonb
 WHERE scope = $4::text
   AND key = $5::text
   AND epoch = $6::bigint
   AND state = 'running'
-RETURNING coalesce((steps -> ($7::int)::text ->> 'f')::bigint, 0)::bigint AS first_called_at, leased_until
+RETURNING coalesce(steps ->> ($7::int)::text, '')::text AS rec, created_at, leased_until
 `
 
 type FlowCallIntentParams struct {
@@ -137,20 +137,23 @@ type FlowCallIntentParams struct {
 }
 
 type FlowCallIntentRow struct {
-	FirstCalledAt int64
-	LeasedUntil   pgtype.Timestamptz
+	Rec         string
+	CreatedAt   pgtype.Timestamptz
+	LeasedUntil pgtype.Timestamptz
 }
 
 // FlowCallIntent records the intent of a call before the other system is
 // called, renewing the lease: @steps holds the call's record, 'calling',
 // its attempts counted (see FlowLeaseSteps), with what is pending before it.
-// It returns, when the executor holds the flow (no row otherwise), when
-// the call's first attempt was made (f: the transaction's now() for a new
-// call, or one whose earlier attempts surely did not reach the other
-// system), and the lease it renewed, which ends @lease after the
-// statement's time: a call resumed past the provider's window is one
-// whose first attempt is older than that time minus the window (0 when
-// the call's record went to a row of its own: FlowStepRows returns it).
+// It returns, when the executor holds the flow (no row otherwise), the
+// call's record as written, which says when its first attempt was made
+// (the transaction's now() for a new call, or one whose earlier attempts
+// surely did not reach the other system), after the flow's created_at,
+// which it returns too; and the lease it renewed, which ends @lease after
+// the statement's time: a call resumed past the provider's window is one
+// whose first attempt is older than that time minus the window (an empty
+// record when the call's record went to a row of its own: FlowStepRows
+// returns when).
 // (Citus refuses a function that is not immutable in RETURNING, now()
 // among them.)
 func (q *Queries) FlowCallIntent(ctx context.Context, arg FlowCallIntentParams) (FlowCallIntentRow, error) {
@@ -164,7 +167,7 @@ func (q *Queries) FlowCallIntent(ctx context.Context, arg FlowCallIntentParams) 
 		arg.Seq,
 	)
 	var i FlowCallIntentRow
-	err := row.Scan(&i.FirstCalledAt, &i.LeasedUntil)
+	err := row.Scan(&i.Rec, &i.CreatedAt, &i.LeasedUntil)
 	return i, err
 }
 
@@ -173,7 +176,7 @@ UPDATE idem_flow
 SET state = 'done',
     output = $1::text::jsonb,
     steps = coalesce(steps, '{}'::jsonb)
-        || replace(coalesce($2::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb,
+        || replace(coalesce($2::text, '{}'), chr(1), (extract(epoch FROM now() - created_at) * 1000000)::bigint::text)::jsonb,
     leased_until = NULL,
     step = NULL,
     last_error = NULL,
@@ -395,23 +398,22 @@ func (q *Queries) FlowInspect(ctx context.Context, arg FlowInspectParams) (FlowI
 }
 
 const flowInspectSteps = `-- name: FlowInspectSteps :many
-SELECT seq::int AS seq, name::text AS name, kind::text AS kind, state::text AS state, result::jsonb AS result,
-       attempts::int AS attempts, first_called_at::timestamptz AS first_called_at,
-       completed_at::timestamptz AS completed_at, reconciles::int AS reconciles, coalesce(last_reconcile, '')::text AS last_reconcile
+SELECT seq::int AS seq, rec::jsonb AS rec, in_row::boolean AS in_row, base::timestamptz AS base
 FROM (
-    SELECT s.key::int AS seq, s.value->>'n' AS name,
-           CASE WHEN s.value ? 'a' THEN 'call' ELSE 'local' END AS kind,
-           coalesce(s.value->>'s', 'done') AS state, s.value->'r' AS result,
-           coalesce((s.value->>'a')::int, 1) AS attempts,
-           timestamptz 'epoch' + (s.value->>'f')::bigint * interval '1 microsecond' AS first_called_at,
-           timestamptz 'epoch' + (s.value->>'c')::bigint * interval '1 microsecond' AS completed_at,
-           coalesce((s.value->>'x')::int, 0) AS reconciles, s.value->>'l' AS last_reconcile
+    SELECT s.key::int AS seq, s.value AS rec, false AS in_row, f.created_at AS base
     FROM idem_flow AS f, jsonb_each(f.steps) AS s(key, value)
     WHERE f.scope = $1::text
       AND f.key = $2::text
     UNION ALL
-    SELECT s.seq, s.name, s.kind, s.state, s.result, s.attempts, s.first_called_at, s.completed_at,
-           s.reconciles, s.last_reconcile
+    SELECT s.seq, jsonb_build_object(
+               'n', s.name,
+               's', CASE WHEN s.state = 'done' THEN NULL ELSE s.state END,
+               'r', s.result,
+               'a', CASE WHEN s.kind = 'call' THEN s.attempts END,
+               'f', (extract(epoch FROM s.first_called_at) * 1000000)::bigint,
+               'c', (extract(epoch FROM s.completed_at) * 1000000)::bigint,
+               'x', s.reconciles,
+               'l', s.last_reconcile), true, NULL
     FROM idem_flow_step_row AS s
     WHERE s.scope = $1::text
       AND s.key = $2::text
@@ -431,21 +433,15 @@ type FlowInspectStepsParams struct {
 }
 
 type FlowInspectStepsRow struct {
-	Seq           int32
-	Name          string
-	Kind          string
-	State         string
-	Result        []byte
-	Attempts      int32
-	FirstCalledAt pgtype.Timestamptz
-	CompletedAt   pgtype.Timestamptz
-	Reconciles    int32
-	LastReconcile string
+	Seq   int32
+	Rec   []byte
+	InRow bool
+	Base  pgtype.Timestamptz
 }
 
-// FlowInspectSteps reads one flow's steps, for operators: those its row
-// records (see FlowLeaseSteps), and those a version before migration 00008
-// recorded in idem_flow_step_row that its row does not.
+// FlowInspectSteps reads one flow's steps, for operators, as FlowSteps
+// reads a running flow's: those its row records (see FlowLeaseSteps), and
+// those recorded in idem_flow_step_row that its row does not.
 func (q *Queries) FlowInspectSteps(ctx context.Context, arg FlowInspectStepsParams) ([]FlowInspectStepsRow, error) {
 	rows, err := q.db.Query(ctx, flowInspectSteps, arg.Scope, arg.Key)
 	if err != nil {
@@ -457,15 +453,9 @@ func (q *Queries) FlowInspectSteps(ctx context.Context, arg FlowInspectStepsPara
 		var i FlowInspectStepsRow
 		if err := rows.Scan(
 			&i.Seq,
-			&i.Name,
-			&i.Kind,
-			&i.State,
-			&i.Result,
-			&i.Attempts,
-			&i.FirstCalledAt,
-			&i.CompletedAt,
-			&i.Reconciles,
-			&i.LastReconcile,
+			&i.Rec,
+			&i.InRow,
+			&i.Base,
 		); err != nil {
 			return nil, err
 		}
@@ -520,7 +510,7 @@ UPDATE idem_flow
 SET leased_until = statement_timestamp() + $1::interval,
     step = $2::text,
     steps = coalesce(steps, '{}'::jsonb)
-        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now() - created_at) * 1000000)::bigint::text)::jsonb
 WHERE scope = $4::text
   AND key = $5::text
   AND epoch = $6::bigint
@@ -550,14 +540,13 @@ type FlowLeaseStepsParams struct {
 // write, and that write is fenced by the epoch like the rest. @steps is
 // a JSON object of the records to write, by place ("0", "1", ...), each
 // one whole: the executor holds the flow and knows each record. A record
-// has n, the step's name; s, the state of a call that has no result yet
-// ('calling', 'unsent'), absent once done; r, the result (JSON); for a
-// call, a, its attempts, f, when its first attempt that may have reached
-// the other system was made, x, its lookups (Reconcile) and l, what the
-// last found; c, when the step was done. A step without a is a local
-// one. Times are microseconds since 1970 (UTC); the byte 0x01 in @steps
-// stands for the statement's own now(), which the server writes in. (No
-// CASE: Citus refuses a function that is not immutable, now() here, in a
+// is a JSON string of a compact form (appendInline in flow_inline.go, and
+// the comment of migration 00009): the step's name, its result, when it
+// was done, and a call's state, attempts, first attempt that may have
+// reached the other system, lookups (Reconcile) and what the last found.
+// Its times are microseconds after the flow's created_at; the byte 0x01
+// in @steps stands for the statement's own now(), which the server writes
+// in. (No
 // CASE or COALESCE of an UPDATE of a distributed table; a NULL @steps
 // merges '{}', which changes nothing.)
 func (q *Queries) FlowLeaseSteps(ctx context.Context, arg FlowLeaseStepsParams) (int64, error) {
@@ -711,7 +700,7 @@ func (q *Queries) FlowPurgeExpiredCitus(ctx context.Context, maxRows int32) (int
 const flowRecordSteps = `-- name: FlowRecordSteps :execrows
 UPDATE idem_flow
 SET steps = coalesce(steps, '{}'::jsonb)
-        || replace(coalesce($1::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+        || replace(coalesce($1::text, '{}'), chr(1), (extract(epoch FROM now() - created_at) * 1000000)::bigint::text)::jsonb
 WHERE scope = $2::text
   AND key = $3::text
   AND epoch = $4::bigint
@@ -749,7 +738,7 @@ SET leased_until = least(leased_until, statement_timestamp()),
     last_error = $1::text,
     step = coalesce($2::text, step),
     steps = coalesce(steps, '{}'::jsonb)
-        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now() - created_at) * 1000000)::bigint::text)::jsonb
 WHERE scope = $4::text
   AND key = $5::text
   AND epoch = $6::bigint
@@ -988,7 +977,7 @@ INSERT INTO idem_flow (scope, key, name, fingerprint, state, input, provider_nam
 VALUES ($1::text, $2::text, $3::text, $4::bytea, 'running',
         $5::text::jsonb, $6::uuid, $7::bigint,
         clock_timestamp() + $8::interval, $9::text, 1, $10::interval,
-        replace(coalesce($11::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb)
+        replace(coalesce($11::text, '{}'), chr(1), '0')::jsonb)
 RETURNING provider_namespace, operation, created_at, leased_until
 `
 
@@ -1022,9 +1011,9 @@ type FlowStartHeldRow struct {
 // (idem_flow_pkey), and with it the transaction, the step's writes
 // included, when a row committed between FlowStartLock's snapshot and
 // its lock: a step's writes never commit without their flow. It returns
-// created_at, the transaction's now(): when the call's first attempt was
-// made, for an intent it carries (the stamp its record got), as
-// FlowCallIntent returns it. (No subquery, which Citus refuses in an
+// created_at, the transaction's now(), which the records' times count
+// from (so the stamps in @steps are 0): when the call's first attempt was
+// made, for an intent it carries. (No subquery, which Citus refuses in an
 // INSERT's VALUES.)
 func (q *Queries) FlowStartHeld(ctx context.Context, arg FlowStartHeldParams) (FlowStartHeldRow, error) {
 	row := q.db.QueryRow(ctx, flowStartHeld,
@@ -1282,9 +1271,9 @@ func (q *Queries) FlowStepRowsUpdate(ctx context.Context, arg FlowStepRowsUpdate
 }
 
 const flowSteps = `-- name: FlowSteps :many
-SELECT seq::int AS seq, rec::jsonb AS rec, in_row::boolean AS in_row
+SELECT seq::int AS seq, rec::jsonb AS rec, in_row::boolean AS in_row, base::timestamptz AS base
 FROM (
-    SELECT s.key::int AS seq, s.value AS rec, false AS in_row
+    SELECT s.key::int AS seq, s.value AS rec, false AS in_row, f.created_at AS base
     FROM idem_flow AS f, jsonb_each(f.steps) AS s(key, value)
     WHERE f.scope = $1::text
       AND f.key = $2::text
@@ -1299,7 +1288,7 @@ FROM (
                'f', (extract(epoch FROM s.first_called_at) * 1000000)::bigint,
                'c', (extract(epoch FROM s.completed_at) * 1000000)::bigint,
                'x', s.reconciles,
-               'l', s.last_reconcile), true
+               'l', s.last_reconcile), true, f.created_at
     FROM idem_flow_step_row AS s
     JOIN idem_flow AS f ON f.scope = s.scope AND f.key = s.key
     WHERE s.scope = $1::text
@@ -1319,6 +1308,7 @@ type FlowStepsRow struct {
 	Seq   int32
 	Rec   []byte
 	InRow bool
+	Base  pgtype.Timestamptz
 }
 
 // FlowSteps reads the recorded steps of a running flow, in order, each as
@@ -1328,7 +1318,9 @@ type FlowStepsRow struct {
 // in idem_flow_step_row is read from there, as a record of the same fields,
 // unless the flow's row records it too (a call resumed since); so is one
 // that this version recorded as a row (FlowStepRecord, FlowStepRows):
-// in_row says which, for the step's further records to go there too.
+// in_row says which, for the step's further records to go there too;
+// base is the flow's created_at, which the times of the records in its
+// row count from.
 func (q *Queries) FlowSteps(ctx context.Context, arg FlowStepsParams) ([]FlowStepsRow, error) {
 	rows, err := q.db.Query(ctx, flowSteps, arg.Scope, arg.Key)
 	if err != nil {
@@ -1338,7 +1330,12 @@ func (q *Queries) FlowSteps(ctx context.Context, arg FlowStepsParams) ([]FlowSte
 	var items []FlowStepsRow
 	for rows.Next() {
 		var i FlowStepsRow
-		if err := rows.Scan(&i.Seq, &i.Rec, &i.InRow); err != nil {
+		if err := rows.Scan(
+			&i.Seq,
+			&i.Rec,
+			&i.InRow,
+			&i.Base,
+		); err != nil {
 			return nil, err
 		}
 		items = append(items, i)
@@ -1356,7 +1353,7 @@ SET state = 'attention',
     last_error = $1::text,
     step = coalesce($2::text, step),
     steps = coalesce(steps, '{}'::jsonb)
-        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now()) * 1000000)::bigint::text)::jsonb
+        || replace(coalesce($3::text, '{}'), chr(1), (extract(epoch FROM now() - created_at) * 1000000)::bigint::text)::jsonb
 WHERE scope = $4::text
   AND key = $5::text
   AND epoch = $6::bigint

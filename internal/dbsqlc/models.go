@@ -34,7 +34,8 @@ type IdemFlow struct {
 	CompletedAt       pgtype.Timestamptz
 	ExpiresAt         pgtype.Timestamptz
 	ProviderNamespace pgtype.UUID
-	Steps             []byte
+	// the steps' records by place: compact strings (migration 00009), or objects of short fields (00008)
+	Steps []byte
 }
 
 type IdemFlowStepRow struct {

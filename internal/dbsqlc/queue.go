@@ -233,7 +233,7 @@ func QueueFlowSteps(b *pgx.Batch, arg FlowStepsParams, steps *[]FlowStepsRow) {
 		defer rows.Close()
 		for rows.Next() {
 			var s FlowStepsRow
-			if err := rows.Scan(&s.Seq, &s.Rec, &s.InRow); err != nil {
+			if err := rows.Scan(&s.Seq, &s.Rec, &s.InRow, &s.Base); err != nil {
 				return err
 			}
 			*steps = append(*steps, s)
@@ -288,7 +288,7 @@ func QueueFlowCallIntent(b *pgx.Batch, arg FlowCallIntentParams, row *FlowCallIn
 	q := &withArgs[FlowCallIntentParams]{arg: arg}
 	b.Queue(flowCallIntent, q.set(&q.arg.Lease, &q.arg.Step, &q.arg.Steps, &q.arg.Scope, &q.arg.Key, &q.arg.Epoch, &q.arg.Seq)...).Fn = func(br pgx.BatchResults) error {
 		r := br.QueryRow()
-		return noRow(r.Scan(&row.FirstCalledAt, &row.LeasedUntil), leased)
+		return noRow(r.Scan(&row.Rec, &row.CreatedAt, &row.LeasedUntil), leased)
 	}
 }
 
