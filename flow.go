@@ -481,8 +481,9 @@ type flowRun struct {
 	spilled bool
 	// base is the flow's created_at, in microseconds since 1970, once
 	// the executor knows it (0 before): the times of the records in the
-	// flow's row count from it (see appendInline).
-	base int64
+	// flow's row count from it (see appendInline). Set as the statements
+	// that return it are read, which a timer's commit (commitIdle) may do.
+	base atomic.Int64
 	// scratch is room to measure a record in (inRow), and patch for the
 	// records a write of the flow's row carries (flushLocked's stepPatch),
 	// reused from one write to the next; records is where both start,
@@ -564,7 +565,9 @@ func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch i
 	r.scratch, r.patch = r.records[:0:128], r.records[128:128]
 	r.lease.init(o.lease)
 	r.lease.renewed(sent)
-	r.recorded, r.inline, r.spilled, r.base, r.unreadable = recordedSteps(recorded)
+	var base int64
+	r.recorded, r.inline, r.spilled, base, r.unreadable = recordedSteps(recorded)
+	r.base.Store(base)
 	return r
 }
 

@@ -231,7 +231,7 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 		if patch = steps; steps.starting {
 			// The flow's row, written now, carries the intent.
 			steps.add(seq, &rec)
-			r.scratch = rec.appendInline(r.scratch[:0], r.base)
+			r.scratch = rec.appendInline(r.scratch[:0], r.base.Load())
 			r.inline += len(r.scratch)
 			steps.carry(name)
 			return
@@ -271,8 +271,8 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 	case leased:
 		// The intent's record, as written, says when, after the flow's
 		// created_at.
-		r.base = start.CreatedAt.Time.UnixMicro()
-		written, perr := parseInline(start.Rec, r.base)
+		r.base.Store(start.CreatedAt.Time.UnixMicro())
+		written, perr := parseInline(start.Rec, r.base.Load())
 		if perr != nil {
 			err = fmt.Errorf("the call's record: %w", perr)
 		}
@@ -397,7 +397,7 @@ func (r *flowRun) noteReconcile(ctx context.Context, seq int32, outcome string) 
 // and reports whether it did: not when the executor no longer holds the
 // flow, or the write failed.
 func (r *flowRun) recordSteps(ctx context.Context, seq int32, rec *stepRecord) bool {
-	var steps stepPatch
+	steps := stepPatch{base: r.base.Load()}
 	steps.add(seq, rec)
 	var n int64
 	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {

@@ -148,7 +148,7 @@ func (r *flowRun) started(st *starting, err error) error {
 	switch {
 	case err == nil && st.written && st.held:
 		r.keys = providerKeys{namespace: st.heldRow.ProviderNamespace, operation: st.heldRow.Operation}
-		r.base = st.heldRow.CreatedAt.Time.UnixMicro()
+		r.base.Store(st.heldRow.CreatedAt.Time.UnixMicro())
 		return nil
 	case err == nil && st.written:
 		r.keys = providerKeys{namespace: st.row.ProviderNamespace, operation: st.row.Operation}
@@ -303,7 +303,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	if open == nil && queue != nil {
 		st = r.queueStart(b, "")
 	}
-	var steps stepPatch
+	steps := stepPatch{base: r.base.Load()}
 	steps.b = r.patch[:0]
 	defer func() { r.patch = steps.b[:0] }()
 	steps.starting = held

@@ -278,7 +278,7 @@ func (r *flowRun) inRow(seq int32, rec *stepRecord) bool {
 	if earlier, ok := r.recorded[seq]; ok && earlier.inRow {
 		return true
 	}
-	r.scratch = rec.appendInline(r.scratch[:0], r.base)
+	r.scratch = rec.appendInline(r.scratch[:0], r.base.Load())
 	n := len(r.scratch)
 	if _, ok := r.recorded[seq]; !ok && (r.spilled || r.inline+n > maxInlineSteps) {
 		r.spilled = true

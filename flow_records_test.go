@@ -301,6 +301,16 @@ func TestMigration00009DownGivesTheRecordsBackAsObjects(t *testing.T) {
 	if err != nil || res.Value != `x;y,z"\ ch_1` || p.applied != 1 {
 		t.Fatalf("resumed: %+v, %v, %d charges applied", res, err, p.applied)
 	}
+	// The call's record, written again with its result, counts its first
+	// attempt's time from the flow's created_at, which the executor read
+	// with the records: none is a time since 1970 (after an @).
+	var calls, since1970 int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE s.value #>> '{}' LIKE '6,%;charge%'),
+		    count(*) FILTER (WHERE split_part(s.value #>> '{}', ';', 1) LIKE '%@%')
+		FROM idem_flow f, jsonb_each(f.steps) s WHERE f.scope = $1`, scope).Scan(&calls, &since1970); err != nil ||
+		calls != 1 || since1970 != 0 {
+		t.Fatalf("%d compact records of the call, %d with a time since 1970, %v; want 1, 0", calls, since1970, err)
+	}
 }
 
 // compactResults is steps with their results without spaces.

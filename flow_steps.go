@@ -218,7 +218,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	// the lease as the step's first statement left it; it records the
 	// step in the same write.
 	sent = time.Now()
-	var steps stepPatch
+	steps := stepPatch{base: r.base.Load()}
 	if !record.row {
 		steps.add(record.seq, &record.rec)
 	}
