@@ -398,12 +398,13 @@ func (r *flowRun) noteReconcile(ctx context.Context, seq int32, outcome string) 
 // flow, or the write failed.
 func (r *flowRun) recordSteps(ctx context.Context, seq int32, rec *stepRecord) bool {
 	steps := stepPatch{base: r.base.Load()}
-	steps.add(seq, rec)
+	steps.put(seq, rec, rec.inRow)
 	var n int64
 	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
 		if rec.inRow {
-			// A step recorded as a row of its own (see maxInlineSteps).
-			written, err := q.FlowStepRowsUpdate(ctx, dbsqlc.FlowStepRowsUpdateParams{Steps: steps.text().String,
+			// A step recorded as a row of its own (see maxInlineSteps),
+			// its record the JSON object its row takes.
+			written, err := q.FlowStepRowsUpdate(ctx, dbsqlc.FlowStepRowsUpdateParams{Steps: string(steps.updates) + "}",
 				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
 			n = int64(len(written))
 			return err

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"reflect"
 	"slices"
@@ -329,4 +330,69 @@ func compactResults(t *testing.T, steps []idem.FlowStep) []idem.FlowStep {
 		out[i].Result = b.Bytes()
 	}
 	return out
+}
+
+// spilledCallFlow is a flow whose call is recorded as a row of its own:
+// the step before it records a result past maxInlineSteps. The call fails
+// its first attempt with first's error.
+func spilledCallFlow(p *provider, first error, opt idem.CallOption) *idem.Flow[chargeIn, string] {
+	var attempts atomic.Int64
+	return idem.MustNewFlow(testdb.Name("spilled"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		if _, err := idem.Local(s, "a", func(ctx context.Context, tx pgx.Tx) (int, error) { return 1, nil }); err != nil {
+			return "", err
+		}
+		if _, err := idem.Local(s, "big", func(ctx context.Context, tx pgx.Tx) (string, error) {
+			return strings.Repeat("x", 400), nil
+		}); err != nil {
+			return "", err
+		}
+		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {
+			if attempts.Add(1) == 1 {
+				return "", first
+			}
+			id, _, err := p.charge(ctx, key, in.Amount)
+			return id, err
+		}, opt)
+	}, idem.WithWait(0))
+}
+
+// TestCallRecordedAsARowIsNotedUnsent: a call recorded as a row of its
+// own whose attempt surely did not leave (ErrNotSent) is noted 'unsent' in
+// its row, so that an AtMostOnce call is made by the next run rather than
+// stopped for a person.
+func TestCallRecordedAsARowIsNotedUnsent(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	flow := spilledCallFlow(p, fmt.Errorf("dial tcp: connection refused: %w", idem.ErrNotSent), idem.AtMostOnce())
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); err == nil {
+		t.Fatal("the first run succeeded")
+	}
+	var rows string
+	if err := pool.QueryRow(ctx, `SELECT coalesce(string_agg(seq || ':' || name || ':' || state, ',' ORDER BY seq), '')
+		FROM idem_flow_step_row WHERE scope = $1`, scope).Scan(&rows); err != nil || rows != "1:big:done,2:charge:unsent" {
+		t.Fatalf("the steps' rows: %q, %v; want 1:big:done,2:charge:unsent", rows, err)
+	}
+	if res, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); err != nil || p.applied != 1 {
+		t.Fatalf("the second run: %+v, %v, %d charges applied; want the call made", res, err, p.applied)
+	}
+}
+
+// TestCallRecordedAsARowHasItsLookupNoted: a lookup (Reconcile) that did
+// not find a call recorded as a row of its own is noted in its row.
+func TestCallRecordedAsARowHasItsLookupNoted(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	flow := spilledCallFlow(p, errors.New("connection reset by peer"),
+		idem.Reconcile(func(ctx context.Context, key string) (string, bool, error) { return "", false, nil }))
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); err == nil {
+		t.Fatal("the first run succeeded")
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idem_flow SET leased_until = now() WHERE scope = $1`, scope); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); err != nil {
+		t.Fatal(err)
+	}
+	info, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || len(info.Steps) != 3 || info.Steps[2].Reconciles != 1 || info.Steps[2].LastReconcile != "not_found" {
+		t.Fatalf("%+v, %v; want the call's lookup noted: 1, not_found", info.Steps, err)
+	}
 }
