@@ -167,8 +167,12 @@ func (p *stepPatch) carry(step string) { p.carried, p.step = true, step }
 // atText is at as those statements take it: NULL when empty.
 func (p *stepPatch) atText() pgtype.Text { return pgtype.Text{String: p.at, Valid: p.at != ""} }
 
-// add adds the record of the step at seq, for the flow's row.
+// add adds the record of the step at seq, for the flow's row, after the
+// form's mark (formMark) for the first.
 func (p *stepPatch) add(seq int32, rec *stepRecord) {
+	if len(p.b) == 0 {
+		p.b = append(p.b, formMark...)
+	}
 	p.b = appendPlace(p.b, seq)
 	p.b = rec.appendInline(p.b, p.base)
 }
@@ -193,6 +197,14 @@ func (p *stepPatch) put(seq int32, rec *stepRecord, row bool) {
 func appendRecord(b []byte, seq int32, rec *stepRecord) []byte {
 	return rec.appendJSON(appendPlace(b, seq))
 }
+
+// formMark begins every write of records into the flow's row: a key
+// that is no place ("v", the form of migration 00009), so that the claim
+// of an executor of the version before, which reads every key of the
+// flow's steps as a place, fails (22P02) before it runs anything of a
+// flow whose records it cannot read; the statements that read the
+// records leave it out.
+const formMark = `{"v":9`
 
 // appendPlace appends to b, a JSON object being written, the key of the
 // step at seq.

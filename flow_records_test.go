@@ -142,7 +142,7 @@ func TestFlowOfLargeStepsRecordsTheRestAsRows(t *testing.T) {
 	placed := func() (inRow, rows string, steps []byte) {
 		t.Helper()
 		err := pool.QueryRow(ctx, `SELECT (SELECT coalesce(string_agg(k, ',' ORDER BY k), '') FROM idem_flow f, jsonb_object_keys(f.steps) k
-		        WHERE f.scope = $1),
+		        WHERE f.scope = $1 AND k <> 'v'),
 		    (SELECT coalesce(string_agg(seq::text || ':' || state || ':' || attempts, ',' ORDER BY seq), '')
 		        FROM idem_flow_step_row WHERE scope = $1),
 		    (SELECT convert_to(steps::text, 'UTF8') FROM idem_flow WHERE scope = $1)`, scope).Scan(&inRow, &rows, &steps)

@@ -3,6 +3,7 @@ package idem_test
 import (
 	"database/sql"
 	"errors"
+	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -72,6 +73,102 @@ func TestOlderExecutorsFlowStatementsFailAfterTheUpgrade(t *testing.T) {
 		}
 	}
 }
+
+// An executor of the version before migration 00009 reads a flow's step
+// records as JSON objects, and cannot read this version's: still running
+// during a rolling deploy, it would take over a flow this version
+// recorded steps of, fail each step, and a function that turned that
+// failure into an answer would finish the flow with it. Each write of the
+// records carries a key that is no place ("v"), so that its claim, the
+// takeover and the steps' read in one implicit transaction, fails (22P02)
+// before it runs anything, and takes nothing over. The statements are
+// that version's, verbatim.
+func TestOlderExecutorsClaimFailsOnAFlowOfShortRecords(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps)
+	abandon(t, ctx, pool, flow, p, scope, "k")
+	var name string
+	var fp []byte
+	var epoch int64
+	var runs int
+	if err := pool.QueryRow(ctx, `SELECT name, fingerprint, epoch, runs FROM idem_flow WHERE scope = $1`, scope).
+		Scan(&name, &fp, &epoch, &runs); err != nil {
+		t.Fatal(err)
+	}
+	b := &pgx.Batch{}
+	b.Queue(older00008FlowTakeOver, int64(42), "1 minute", scope, "k", name, fp)
+	b.Queue(older00008FlowSteps, scope, "k")
+	err := pool.SendBatch(ctx, b).Close()
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "22P02" {
+		t.Fatalf("the older version's claim: %v; want invalid_text_representation", err)
+	}
+	var nowEpoch int64
+	var nowRuns int
+	if err := pool.QueryRow(ctx, `SELECT epoch, runs FROM idem_flow WHERE scope = $1`, scope).Scan(&nowEpoch, &nowRuns); err != nil ||
+		nowEpoch != epoch || nowRuns != runs {
+		t.Fatalf("after the older claim: epoch %d, runs %d, %v; want %d, %d (nothing taken over)", nowEpoch, nowRuns, err, epoch, runs)
+	}
+	// This version resumes it.
+	if res, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); err != nil || res.Value.ChargeID == "" {
+		t.Fatalf("this version's run: %+v, %v", res, err)
+	}
+}
+
+// The claim of the version before migration 00009, verbatim from its
+// internal/dbsqlc/flow.sql.go (FlowRestart and FlowGet, which read no
+// steps, left out).
+
+const older00008FlowTakeOver = `-- name: FlowTakeOver :one
+UPDATE idem_flow AS f
+SET epoch = $1::bigint,
+    leased_until = statement_timestamp() + $2::interval,
+    runs = f.runs + 1
+FROM (
+    SELECT scope, key
+    FROM idem_flow
+    WHERE scope = $3::text
+      AND key = $4::text
+      AND name = $5::text
+      AND fingerprint = $6::bytea
+      AND state = 'running'
+      AND leased_until <= statement_timestamp()
+    FOR UPDATE SKIP LOCKED
+) AS free
+WHERE f.scope = free.scope
+  AND f.key = free.key
+RETURNING f.provider_namespace, f.operation, f.input
+`
+
+const older00008FlowSteps = `-- name: FlowSteps :many
+SELECT seq::int AS seq, rec::jsonb AS rec, in_row::boolean AS in_row
+FROM (
+    SELECT s.key::int AS seq, s.value AS rec, false AS in_row
+    FROM idem_flow AS f, jsonb_each(f.steps) AS s(key, value)
+    WHERE f.scope = $1::text
+      AND f.key = $2::text
+      AND f.state = 'running'
+    UNION ALL
+    -- (An absent field is null here: a call's result while it has none.)
+    SELECT s.seq, jsonb_build_object(
+               'n', s.name,
+               's', CASE WHEN s.state = 'done' THEN NULL ELSE s.state END,
+               'r', s.result,
+               'a', CASE WHEN s.kind = 'call' THEN s.attempts END,
+               'f', (extract(epoch FROM s.first_called_at) * 1000000)::bigint,
+               'c', (extract(epoch FROM s.completed_at) * 1000000)::bigint,
+               'x', s.reconciles,
+               'l', s.last_reconcile), true
+    FROM idem_flow_step_row AS s
+    JOIN idem_flow AS f ON f.scope = s.scope AND f.key = s.key
+    WHERE s.scope = $1::text
+      AND s.key = $2::text
+      AND f.state = 'running'
+      AND NOT coalesce(f.steps ? s.seq::text, false)
+) AS recorded
+ORDER BY seq
+`
 
 // The older version's statements (before migration 00008), verbatim from
 // its internal/dbsqlc/flow.sql.go.

@@ -297,8 +297,10 @@ ALTER TABLE idem_flow_step RENAME TO idem_flow_step_row;
 -- u for one unsent; times in microseconds after the flow's created_at, or
 -- since 1970 after an @; empty fields 0 or not set, left out at the
 -- header's end; the result (JSON) the rest, none when empty. An executor of
--- the version before cannot read such a record: it fails the flow's steps,
--- and runs none of them (docs/migrations.md, "Rolling deploys"). Going down
--- turns every such record back into the object that version reads.
+-- the version before cannot read such a record; each write of them carries
+-- the key "v" (9, this form), which is no place, so that the claim of that
+-- version fails on the flow before it runs anything (docs/migrations.md,
+-- "Rolling deploys"). Going down turns every such record back into the
+-- object that version reads, and takes the key away.
 COMMENT ON COLUMN idem_flow.steps IS
     'the steps'' records by place: compact strings (migration 00009), or objects of short fields (00008)';

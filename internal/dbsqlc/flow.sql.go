@@ -404,6 +404,7 @@ FROM (
     FROM idem_flow AS f, jsonb_each(f.steps) AS s(key, value)
     WHERE f.scope = $1::text
       AND f.key = $2::text
+      AND s.key <> 'v'
     UNION ALL
     SELECT s.seq, jsonb_build_object(
                'n', s.name,
@@ -546,9 +547,11 @@ type FlowLeaseStepsParams struct {
 // reached the other system, lookups (Reconcile) and what the last found.
 // Its times are microseconds after the flow's created_at; the byte 0x01
 // in @steps stands for the statement's own now(), which the server writes
-// in. (No
-// CASE or COALESCE of an UPDATE of a distributed table; a NULL @steps
-// merges '{}', which changes nothing.)
+// in. Every write's @steps begins with the key "v", the records' form,
+// which is no place (formMark in flow_records.go). (No CASE: Citus
+// refuses a function that is not immutable, now() here, in a CASE or
+// COALESCE of an UPDATE of a distributed table; a NULL @steps merges
+// '{}', which changes nothing.)
 func (q *Queries) FlowLeaseSteps(ctx context.Context, arg FlowLeaseStepsParams) (int64, error) {
 	result, err := q.db.Exec(ctx, flowLeaseSteps,
 		arg.Lease,
@@ -1278,6 +1281,7 @@ FROM (
     WHERE f.scope = $1::text
       AND f.key = $2::text
       AND f.state = 'running'
+      AND s.key <> 'v'
     UNION ALL
     -- (An absent field is null here: a call's result while it has none.)
     SELECT s.seq, jsonb_build_object(
