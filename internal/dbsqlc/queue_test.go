@@ -19,7 +19,7 @@ func TestQueuedScansMatchTheGeneratedRows(t *testing.T) {
 		row     any
 		scanned int
 	}{{KeyLockRow{}, 5}, {KeyGetRow{}, 5}, {KeyClaimWaitRow{}, 2},
-		{FlowAdoptRow{}, 3}, {FlowGetRow{}, 8}, {FlowStepsRow{}, 3}, {FlowStepRowsRow{}, 2}, {FlowStepRowsUpdateRow{}, 2}, {FlowCallIntentRow{}, 2},
+		{FlowAdoptRow{}, 3}, {FlowGetRow{}, 8}, {FlowStepsRow{}, 4}, {FlowStepRowsRow{}, 2}, {FlowStepRowsUpdateRow{}, 2}, {FlowCallIntentRow{}, 3},
 		{FlowStartRow{}, 2}, {FlowStartHeldRow{}, 4}, {FlowRestartRow{}, 2}, {FlowTakeOverRow{}, 3}} {
 		if n := reflect.TypeOf(c.row).NumField(); n != c.scanned {
 			t.Errorf("%T has %d columns; queue.go scans %d", c.row, n, c.scanned)
