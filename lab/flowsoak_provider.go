@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -17,7 +18,14 @@ import (
 // it knows is answered from its records and not applied again; the same
 // key with another amount is refused); keyless, it applies every request
 // it gets. Either way it keeps each charge's reference (the call's
-// provider key, sent as metadata), by which a lookup finds it. It injects
+// provider key, sent as metadata), by which a lookup finds it. Keyless, it
+// keeps the contract idem.Reconcile asks of a lookup: it answers that a
+// charge is not there only once no earlier attempt can be applied any
+// more. A request whose caller began the call more than expiry earlier is
+// refused, not applied, and a lookup that finds nothing waits expiry
+// before it looks again and answers: an attempt begun before the lookup
+// was sent, still on its way (sent by a caller that timed out, or died,
+// and not yet served), is then applied and found, or refused. It injects
 // the soak's provider faults, kills or freezes the calling worker for
 // operations marked to die or freeze in the call, and keeps when each
 // call arrived, for the count of calls that arrived for an operation whose
@@ -102,8 +110,11 @@ type flowSoakProvider struct {
 	// operation, when, and whether the provider applied it as a new
 	// charge. The final check compares them with when each flow was done.
 	arrivals []flowSoakArrival
-	// conflicts counts calls that reused a key with another amount.
-	conflicts int
+	// conflicts counts calls that reused a key with another amount;
+	// expired, those refused as begun more than expiry earlier (keyless:
+	// see above; 0 for none).
+	conflicts, expired int
+	expiry             time.Duration
 	// The faults injected.
 	failedBefore, timedOutAfter, cutAfter int64
 }
@@ -115,6 +126,11 @@ func startFlowSoakProvider(cfg flowSoakConfig) (*flowSoakProvider, error) {
 	}
 	p := &flowSoakProvider{cfg: cfg, listener: listener, closing: make(chan struct{}),
 		charges: make(map[string][]*flowSoakCharged), calls: make(map[string]int)}
+	if cfg.Provider == providerKeyless {
+		// Half the time a worker waits for an answer, so that a lookup
+		// that waits it is answered before its caller gives up.
+		p.expiry = cfg.ProviderTimeout / 2
+	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /charges", p.serve)
 	mux.HandleFunc("GET /charges", p.lookup)
@@ -187,9 +203,13 @@ func (p *flowSoakProvider) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	startedNano, _ := strconv.ParseInt(r.Header.Get(flowSoakStartedHeader), 10, 64)
 	arrival := flowSoakArrival{key: body.Key, at: arrived, proc: r.Header.Get(flowSoakProcessHeader), started: time.Unix(0, startedNano)}
-	charge, ok := p.apply(body, arrival, r.Header.Get(flowSoakWokeHeader))
-	if !ok {
-		http.Error(w, "Idempotency-Key reused with another amount", http.StatusConflict)
+	charge, err := p.apply(body, arrival, r.Header.Get(flowSoakWokeHeader))
+	switch {
+	case errors.Is(err, errChargeExpired):
+		http.Error(w, err.Error(), http.StatusServiceUnavailable)
+		return
+	case err != nil:
+		http.Error(w, err.Error(), http.StatusConflict)
 		return
 	}
 	if point == killAfterApply && p.stopWorker(worker, point, op, freeze) && !freeze {
@@ -224,10 +244,24 @@ func (p *flowSoakProvider) lookup(w http.ResponseWriter, r *http.Request) {
 	p.mu.Lock()
 	p.lookups++
 	cs := p.charges[ref]
-	if len(cs) > 0 {
-		p.found++
-	}
 	p.mu.Unlock()
+	if len(cs) == 0 && p.expiry > 0 {
+		// An attempt begun before this lookup is applied by now, or
+		// refused from now on.
+		select {
+		case <-time.After(p.expiry):
+		case <-r.Context().Done():
+			return
+		case <-p.closing:
+			return
+		}
+		p.mu.Lock()
+		cs = p.charges[ref]
+		p.mu.Unlock()
+	}
+	if len(cs) > 0 {
+		p.countInt(&p.found)
+	}
 	if len(cs) == 0 {
 		http.Error(w, "no such charge", http.StatusNotFound)
 		return
@@ -257,19 +291,30 @@ func cut(w http.ResponseWriter) bool {
 	return false
 }
 
+// The provider's refusals.
+var (
+	errChargeConflict = errors.New("Idempotency-Key reused with another amount")
+	errChargeExpired  = errors.New("request expired: the call began too long ago")
+)
+
 // apply charges the request's amount: keyed, once per reference (a
-// reference it knows gets its charge back, or false when it was charged
-// with another amount); keyless, every time.
-func (p *flowSoakProvider) apply(body flowSoakChargeRequest, arrival flowSoakArrival, woke string) (flowSoakCharge, bool) {
+// reference it knows gets its charge back, or errChargeConflict when it
+// was charged with another amount); keyless, every time, unless its call
+// began more than expiry ago (errChargeExpired).
+func (p *flowSoakProvider) apply(body flowSoakChargeRequest, arrival flowSoakArrival, woke string) (flowSoakCharge, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.arrivals = append(p.arrivals, arrival)
 	if cs := p.charges[body.Reference]; len(cs) > 0 && p.cfg.Provider == providerKeyed {
 		if cs[0].Amount != body.Amount {
 			p.conflicts++
-			return flowSoakCharge{}, false
+			return flowSoakCharge{}, errChargeConflict
 		}
-		return cs[0].flowSoakCharge, true
+		return cs[0].flowSoakCharge, nil
+	}
+	if p.expiry > 0 && !arrival.started.IsZero() && time.Since(arrival.started) > p.expiry {
+		p.expired++
+		return flowSoakCharge{}, errChargeExpired
 	}
 	// A twentieth of the amounts are declined: a definite outcome, which
 	// the provider records under the key as Stripe records a failed charge.
@@ -281,10 +326,16 @@ func (p *flowSoakProvider) apply(body flowSoakChargeRequest, arrival flowSoakArr
 	p.arrivals[len(p.arrivals)-1].applied = true
 	c := &flowSoakCharged{Amount: body.Amount, Key: body.Key, Woke: woke, flowSoakCharge: flowSoakCharge{ID: fmt.Sprintf("ch_%d", p.applied), Status: status}}
 	p.charges[body.Reference] = append(p.charges[body.Reference], c)
-	return c.flowSoakCharge, true
+	return c.flowSoakCharge, nil
 }
 
 func (p *flowSoakProvider) count(n *int64) {
+	p.mu.Lock()
+	*n++
+	p.mu.Unlock()
+}
+
+func (p *flowSoakProvider) countInt(n *int) {
 	p.mu.Lock()
 	*n++
 	p.mu.Unlock()

@@ -59,10 +59,11 @@ type flowSoakReport struct {
 	// operations whose key it was called with more than once.
 	ProviderCalls int64
 	Recalled      int
-	// The provider's faults, and the calls that reused a key with another
-	// amount (Conflicts).
+	// The provider's faults, the calls that reused a key with another
+	// amount (Conflicts), and those a keyless provider refused as begun
+	// too long before (Expired).
 	FailedBefore, TimedOutAfter, CutAfter int64
-	Conflicts                             int
+	Conflicts, Expired                    int
 	// Lookups counts the lookups at the provider (idem.Reconcile), Found
 	// those that found a charge. CallsAfterDone counts the calls that
 	// arrived for an operation whose flow was already done: calls of a
@@ -147,6 +148,7 @@ func (l *flowSoakLoad) report(ops []*flowSoakOp, p *flowSoakProvider, ws *flowSo
 		}
 	}
 	rep.FailedBefore, rep.TimedOutAfter, rep.CutAfter, rep.Conflicts = p.failedBefore, p.timedOutAfter, p.cutAfter, p.conflicts
+	rep.Expired = p.expired
 	rep.Lookups, rep.Found = p.lookups, p.found
 	return rep
 }
@@ -478,6 +480,9 @@ func (l *flowSoakLoad) print(w io.Writer, rep *flowSoakReport) {
 	fmt.Fprintf(w, "  applied, then left to time out:              %d\n", rep.TimedOutAfter)
 	fmt.Fprintf(w, "  applied, then the connection cut:            %d\n", rep.CutAfter)
 	fmt.Fprintf(w, "  key reused with another amount:              %d\n", rep.Conflicts)
+	if rep.Provider == providerKeyless {
+		fmt.Fprintf(w, "  refused, begun too long before (503):        %d\n", rep.Expired)
+	}
 	fmt.Fprintf(w, "provider effects:     %d for %d operations (%d declined; done but never applied %d, under unknown keys %d)\n",
 		rep.Effects, rep.Ops, rep.Declined, rep.MissingEffects, rep.UnknownKeys)
 	fmt.Fprintf(w, "  operations charged more than once: %d (%d extra charges); their charges sent by a worker woken from a freeze, by point: %v\n",
