@@ -241,10 +241,7 @@ func (p *flowSoakProvider) serve(w http.ResponseWriter, r *http.Request) {
 // the first.
 func (p *flowSoakProvider) lookup(w http.ResponseWriter, r *http.Request) {
 	ref := r.URL.Query().Get("reference")
-	p.mu.Lock()
-	p.lookups++
-	cs := p.charges[ref]
-	p.mu.Unlock()
+	cs := p.charged(ref, true)
 	if len(cs) == 0 && p.expiry > 0 {
 		// An attempt begun before this lookup is applied by now, or
 		// refused from now on.
@@ -255,12 +252,7 @@ func (p *flowSoakProvider) lookup(w http.ResponseWriter, r *http.Request) {
 		case <-p.closing:
 			return
 		}
-		p.mu.Lock()
-		cs = p.charges[ref]
-		p.mu.Unlock()
-	}
-	if len(cs) > 0 {
-		p.countInt(&p.found)
+		cs = p.charged(ref, false)
 	}
 	if len(cs) == 0 {
 		http.Error(w, "no such charge", http.StatusNotFound)
@@ -268,6 +260,22 @@ func (p *flowSoakProvider) lookup(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(cs[0].flowSoakCharge)
+}
+
+// charged returns the charges made with reference ref, for a lookup,
+// counted when first is set, and counted as found when there are some (a
+// lookup looks again only when it found none).
+func (p *flowSoakProvider) charged(ref string, first bool) []*flowSoakCharged {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if first {
+		p.lookups++
+	}
+	cs := p.charges[ref]
+	if len(cs) > 0 {
+		p.found++
+	}
+	return cs
 }
 
 // stopWorker kills or freezes the calling worker, as the call asks, and
@@ -330,12 +338,6 @@ func (p *flowSoakProvider) apply(body flowSoakChargeRequest, arrival flowSoakArr
 }
 
 func (p *flowSoakProvider) count(n *int64) {
-	p.mu.Lock()
-	*n++
-	p.mu.Unlock()
-}
-
-func (p *flowSoakProvider) countInt(n *int) {
 	p.mu.Lock()
 	*n++
 	p.mu.Unlock()
