@@ -198,6 +198,10 @@ func TestFlowDuplicatesAndResumeDoNotWaitOnALocalStepsLock(t *testing.T) {
 				if runs.Add(1) == 1 && takenOver {
 					return 0, errors.New("out of stock") // gives the lease up
 				}
+				// The step's first statement takes the flow's lock.
+				if _, err := tx.Exec(ctx, `SELECT $1::int`, 1); err != nil {
+					return 0, err
+				}
 				close(inStep)
 				<-release // a local step that outlasts its lease, holding the flow's row
 				return 1, nil
@@ -244,6 +248,10 @@ func TestFlowDuplicateOfAStartingFlowDoesNotRunTheFunctionAtEachLook(t *testing.
 	flow := idem.MustNewFlow(testdb.Name("starting"), func(ctx context.Context, s *idem.Steps, in chargeIn) (int, error) {
 		first := calls.Add(1) == 1
 		return idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			// The step's first statement takes the flow's lock.
+			if _, err := tx.Exec(ctx, `SELECT $1::int`, 1); err != nil {
+				return 0, err
+			}
 			if first {
 				close(inStep)
 				<-release

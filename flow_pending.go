@@ -103,39 +103,6 @@ func (r *flowRun) queueStartHeld(b *pgx.Batch, step string, steps pgtype.Text) *
 	return st
 }
 
-// startLock is FlowStartLock queued on a batch (queueStartLock), and what
-// the batch found.
-type startLock struct {
-	namespace pgtype.UUID
-	locked    bool
-}
-
-// queueStartLock queues FlowStartLock on b: the first local step of a
-// flow not started yet, whose transaction stays open (see runLocal), takes
-// the flow's advisory lock, and writes the row only as it commits
-// (FlowStartHeld), with the step's record and what comes next.
-func (r *flowRun) queueStartLock(b *pgx.Batch) *startLock {
-	lk := &startLock{}
-	dbsqlc.QueueFlowStartLock(b, dbsqlc.FlowStartLockParams{Scope: r.start.Scope, Key: r.start.Key, LockID: r.start.LockID},
-		&lk.namespace, &lk.locked)
-	return lk
-}
-
-// lockStarted judges what FlowStartLock found, err being its batch's
-// error: errTaken, noted on the run, when it did not get the lock, or the
-// key has a flow.
-func (r *flowRun) lockStarted(lk *startLock, err error) error {
-	switch {
-	case err != nil:
-		return err
-	case !lk.locked:
-		r.taken = errTaken
-		return errTaken
-	}
-	r.keys = providerKeys{namespace: lk.namespace}
-	return nil
-}
-
 // started judges what the batch that carried the flow's row (st, nil for
 // none) found, err being the batch's error: errTaken, noted on the run,
 // when the row was not written, or was there already (a unique violation

@@ -119,7 +119,10 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}()
 	opts := r.o.txOptions
 	pipelined := conn != nil && opts.BeginQuery == "" && opts.CommitQuery == ""
-	deferred := pipelined && opts.IsoLevel != pgx.Serializable
+	if pipelined && opts.IsoLevel != pgx.Serializable {
+		kept = true // runLocalOpen's
+		return runLocalOpen(ctx, r, seq, name, fn, conn, pooled, opts)
+	}
 	if r.result != nil && !pipelined {
 		if err := r.flush(ctx, nil); err != nil {
 			return zero, err
@@ -131,7 +134,6 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	leased := &r.stepLeased
 	*leased = false
 	var st *starting
-	var lk *startLock
 	carries := r.result != nil
 	sent := time.Now()
 	switch {
@@ -145,14 +147,8 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		// still to record. A flow not started yet is started here
 		// instead, leased (a call's result is never pending then: its
 		// intent started the flow).
-		switch {
-		case deferred && r.start != nil:
-			// The flow's row is written once, as the transaction commits.
-			lk = r.queueStartLock(b)
-		default:
-			if st = r.queueStart(b, name); st == nil {
-				dbsqlc.QueueFlowLock(b, lock, leased)
-			}
+		if st = r.queueStart(b, name); st == nil {
+			dbsqlc.QueueFlowLock(b, lock)
 		}
 		tx, err = r.sendBegin(ctx, conn, b, opts)
 	default:
@@ -164,18 +160,13 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 			b := &pgx.Batch{}
 			r.queueIdleTimeout(b)
 			if st = r.queueStart(b, name); st == nil {
-				dbsqlc.QueueFlowLock(b, lock, leased)
+				dbsqlc.QueueFlowLock(b, lock)
 			}
 			err = tx.SendBatch(ctx, b).Close()
 		}
 	}
-	if err = r.started(st, err); st != nil {
-		*leased = err == nil
-	}
-	if lk != nil {
-		err = r.lockStarted(lk, err)
-		*leased = err == nil
-	}
+	err = r.started(st, err)
+	*leased = err == nil
 	ended := false
 	defer func() {
 		if !ended && tx != nil && (!pipelined || conn.PgConn().TxStatus() != 'I') {
@@ -185,6 +176,8 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	switch {
 	case errors.Is(err, errTaken):
 		return zero, err
+	case errors.Is(err, dbsqlc.ErrNotHeld): // FlowLock
+		return zero, r.lostError()
 	case err != nil:
 		return zero, translate("begin, locking the flow", err)
 	}
@@ -205,15 +198,6 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}
 	record := pendingStep{seq: seq, rec: stepRecord{Name: name, Result: encoded, Completed: stampNow}}
 	record.row = r.inRow(seq, &record.rec)
-	if deferred {
-		value, err := decodedResult[T](r, encoded)
-		if err != nil {
-			return zero, err
-		}
-		r.keepOpen(&openStep{name: name, conn: conn, pooled: pooled, tx: tx, record: record, lease: lease, carries: carries, starts: lk != nil})
-		ended, kept = true, true
-		return value, nil
-	}
 	// The flow's row is locked since the step began, so the renewal finds
 	// the lease as the step's first statement left it; it records the
 	// step in the same write.

@@ -129,10 +129,12 @@ func (p *provider) effects() (charges int, keys map[string]int) {
 func chargeFlow(p *provider, steps *atomic.Int64, opts ...idem.FlowOption) *idem.Flow[chargeIn, chargeOut] {
 	return idem.MustNewFlow(testdb.Name("charge"), func(ctx context.Context, s *idem.Steps, in chargeIn) (chargeOut, error) {
 		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
-			steps.Add(1)
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
 				s.Scope(), s.Key(), in.Amount).Scan(&id)
+			if err == nil {
+				steps.Add(1) // the step ran: its statement did
+			}
 			return id, err
 		})
 		if err != nil {
@@ -153,8 +155,10 @@ func chargeFlow(p *provider, steps *atomic.Int64, opts ...idem.FlowOption) *idem
 			return chargeOut{PaymentID: id, Declined: true}, nil
 		}
 		_, err = idem.Local(s, "record", func(ctx context.Context, tx pgx.Tx) (struct{}, error) {
-			steps.Add(1)
 			_, err := tx.Exec(ctx, `UPDATE payment SET amount_cents = amount_cents WHERE id = $1`, id)
+			if err == nil {
+				steps.Add(1)
+			}
 			return struct{}{}, err
 		})
 		if err != nil {

@@ -45,16 +45,18 @@ RETURNING provider_namespace, operation;
 -- the installation's id, but writes nothing. The row is written once, by
 -- FlowStartHeld in the same transaction, with the step's record and what
 -- travels with it (the first call's intent), as the transaction commits.
--- It returns no row when another transaction holds the lock, or a flow
--- holds the key: the caller runs nothing and looks at the flow again, as
--- a duplicate.
+-- It fails (division by zero, 22012) when another transaction holds the
+-- lock, or a flow holds the key, so that the server runs none of the
+-- statements sent after it in the same round trip, the step's first
+-- included (see flow_steptx.go): the caller looks at the flow again, as a
+-- duplicate.
 SELECT (SELECT id FROM idem_installation)::uuid AS provider_namespace
-WHERE NOT EXISTS (
-    SELECT FROM idem_flow
-    WHERE scope = @scope::text
-      AND key = @key::text
-)
-  AND pg_try_advisory_xact_lock(@lock_id::bigint);
+WHERE 1 / (NOT EXISTS (
+        SELECT FROM idem_flow
+        WHERE scope = @scope::text
+          AND key = @key::text
+    )
+    AND pg_try_advisory_xact_lock(@lock_id::bigint))::int = 1;
 
 -- name: FlowStartHeld :one
 -- FlowStartHeld is FlowStart in a transaction that FlowStartLock began,
@@ -267,23 +269,28 @@ WHERE scope = @scope::text
   AND epoch = @epoch::bigint
   AND state = 'running';
 
--- name: FlowLock :execrows
+-- name: FlowLock :exec
 -- FlowLock locks the flow's row, as the first statement of a local step's
 -- transaction, until that transaction ends, so that no one takes the flow
--- over while the step's writes are open; it affects (selects) no row when
--- the executor no longer holds the flow (see FlowLease). It renews
+-- over while the step's writes are open. It fails (division by zero,
+-- 22012) when the executor no longer holds the flow (see FlowLease), so
+-- that the server runs none of the statements sent after it in the same
+-- round trip, the step's first included (see flow_steptx.go). It renews
 -- nothing and writes no new version of the row (only the lock): the
 -- step's one write of the row, FlowLeaseSteps (FlowLease when its record
 -- is a row of its own, FlowStepRecord) or the flow's next statement,
 -- renews the lease and records the step (and a call's result still to
 -- record) once the step's function has returned.
-SELECT
-FROM idem_flow
-WHERE scope = @scope::text
-  AND key = @key::text
-  AND epoch = @epoch::bigint
-  AND state = 'running'
-FOR NO KEY UPDATE;
+SELECT 1 / count(*)::int
+FROM (
+    SELECT
+    FROM idem_flow
+    WHERE scope = @scope::text
+      AND key = @key::text
+      AND epoch = @epoch::bigint
+      AND state = 'running'
+    FOR NO KEY UPDATE
+) AS held;
 
 -- name: FlowRecordSteps :execrows
 -- FlowRecordSteps records what @steps holds (see FlowLeaseSteps) and nothing

@@ -26,12 +26,16 @@ import (
 // statements it prepared there, by their SQL, and what it reuses from one
 // round trip to the next.
 type flat struct {
-	pc      *pgconn.PgConn
-	stmts   map[string]*flatStmt
+	pc    *pgconn.PgConn
+	stmts map[string]*flatStmt
+	// foreign counts the statements in stmts that SendFlatOpen prepared
+	// for its caller (see maxForeign).
+	foreign int
 	batch   pgconn.Batch
 	eqb     pgx.ExtendedQueryBuilder
 	params  flatParams
 	results flatResults
+	open    Open
 	missing []string
 }
 
@@ -87,12 +91,35 @@ func SendFlat(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (sent bool, err
 	if f == nil || len(b.QueuedQueries) == 0 {
 		return false, nil
 	}
+	mrr, sent, err := f.send(ctx, conn, b)
+	if !sent || err != nil {
+		return sent, err
+	}
+	br := &f.results
+	*br = flatResults{conn: conn, mrr: mrr, b: b}
+	err = br.Close()
+	*br = flatResults{}
+	if err != nil {
+		f.forget(err)
+	}
+	return true, err
+}
+
+// errBuild is the error of a statement whose arguments could not be
+// encoded: nothing was sent.
+var errBuild = errors.New("dbsqlc: build statement")
+
+// send sends b on conn, its statements prepared first if they are not yet,
+// and returns its results to read; sent is false, and nothing was sent,
+// when a statement has options (a QueryRewriter), and err wraps errBuild
+// when a statement's arguments could not be encoded.
+func (f *flat) send(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (mrr *pgconn.MultiResultReader, sent bool, err error) {
 	f.missing = f.missing[:0]
 	for _, qq := range b.QueuedQueries {
 		if len(qq.Arguments) > 0 {
 			switch qq.Arguments[0].(type) {
 			case pgx.QueryRewriter, pgx.QueryExecMode:
-				return false, nil
+				return nil, false, nil
 			}
 		}
 		if _, ok := f.stmts[qq.SQL]; !ok && !slices.Contains(f.missing, qq.SQL) {
@@ -101,7 +128,7 @@ func SendFlat(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (sent bool, err
 	}
 	if len(f.missing) > 0 {
 		if err := f.prepare(ctx); err != nil {
-			return true, err
+			return nil, true, err
 		}
 	}
 	batch := &f.batch
@@ -122,18 +149,11 @@ func SendFlat(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (sent bool, err
 			continue
 		}
 		if err := f.eqb.Build(typeMap, st.sd, qq.Arguments); err != nil {
-			return true, fmt.Errorf("build statement %q: %w", firstLine(qq.SQL), err)
+			return nil, true, fmt.Errorf("%w %q: %w", errBuild, firstLine(qq.SQL), err)
 		}
 		batch.ExecStatement(st.sd, f.eqb.ParamValues, f.eqb.ParamFormats, st.resultFormats)
 	}
-	br := &f.results
-	*br = flatResults{conn: conn, mrr: f.pc.ExecBatch(ctx, batch), b: b}
-	err = br.Close()
-	*br = flatResults{}
-	if err != nil {
-		f.forget(err)
-	}
-	return true, err
+	return f.pc.ExecBatch(ctx, batch), true, nil
 }
 
 // prepare prepares the statements f.missing names, in one round trip
@@ -201,9 +221,13 @@ func flatName(sql string) string {
 // or stale (DISCARD ALL, DEALLOCATE, a change to a table), so that the
 // next round trip prepares them again.
 func (f *flat) forget(err error) {
+	if err == nil {
+		return
+	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && (pgErr.Code == "26000" || pgErr.Code == "0A000") {
 		clear(f.stmts)
+		f.foreign = 0
 	}
 }
 

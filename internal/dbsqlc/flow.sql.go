@@ -602,14 +602,17 @@ func (q *Queries) FlowLeaseUntil(ctx context.Context, arg FlowLeaseUntilParams) 
 	return leased_until, err
 }
 
-const flowLock = `-- name: FlowLock :execrows
-SELECT
-FROM idem_flow
-WHERE scope = $1::text
-  AND key = $2::text
-  AND epoch = $3::bigint
-  AND state = 'running'
-FOR NO KEY UPDATE
+const flowLock = `-- name: FlowLock :exec
+SELECT 1 / count(*)::int
+FROM (
+    SELECT
+    FROM idem_flow
+    WHERE scope = $1::text
+      AND key = $2::text
+      AND epoch = $3::bigint
+      AND state = 'running'
+    FOR NO KEY UPDATE
+) AS held
 `
 
 type FlowLockParams struct {
@@ -620,19 +623,18 @@ type FlowLockParams struct {
 
 // FlowLock locks the flow's row, as the first statement of a local step's
 // transaction, until that transaction ends, so that no one takes the flow
-// over while the step's writes are open; it affects (selects) no row when
-// the executor no longer holds the flow (see FlowLease). It renews
+// over while the step's writes are open. It fails (division by zero,
+// 22012) when the executor no longer holds the flow (see FlowLease), so
+// that the server runs none of the statements sent after it in the same
+// round trip, the step's first included (see flow_steptx.go). It renews
 // nothing and writes no new version of the row (only the lock): the
 // step's one write of the row, FlowLeaseSteps (FlowLease when its record
 // is a row of its own, FlowStepRecord) or the flow's next statement,
 // renews the lease and records the step (and a call's result still to
 // record) once the step's function has returned.
-func (q *Queries) FlowLock(ctx context.Context, arg FlowLockParams) (int64, error) {
-	result, err := q.db.Exec(ctx, flowLock, arg.Scope, arg.Key, arg.Epoch)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+func (q *Queries) FlowLock(ctx context.Context, arg FlowLockParams) error {
+	_, err := q.db.Exec(ctx, flowLock, arg.Scope, arg.Key, arg.Epoch)
+	return err
 }
 
 const flowPurgeExpired = `-- name: FlowPurgeExpired :one
@@ -1044,12 +1046,12 @@ func (q *Queries) FlowStartHeld(ctx context.Context, arg FlowStartHeldParams) (F
 
 const flowStartLock = `-- name: FlowStartLock :one
 SELECT (SELECT id FROM idem_installation)::uuid AS provider_namespace
-WHERE NOT EXISTS (
-    SELECT FROM idem_flow
-    WHERE scope = $1::text
-      AND key = $2::text
-)
-  AND pg_try_advisory_xact_lock($3::bigint)
+WHERE 1 / (NOT EXISTS (
+        SELECT FROM idem_flow
+        WHERE scope = $1::text
+          AND key = $2::text
+    )
+    AND pg_try_advisory_xact_lock($3::bigint))::int = 1
 `
 
 type FlowStartLockParams struct {
@@ -1065,9 +1067,11 @@ type FlowStartLockParams struct {
 // the installation's id, but writes nothing. The row is written once, by
 // FlowStartHeld in the same transaction, with the step's record and what
 // travels with it (the first call's intent), as the transaction commits.
-// It returns no row when another transaction holds the lock, or a flow
-// holds the key: the caller runs nothing and looks at the flow again, as
-// a duplicate.
+// It fails (division by zero, 22012) when another transaction holds the
+// lock, or a flow holds the key, so that the server runs none of the
+// statements sent after it in the same round trip, the step's first
+// included (see flow_steptx.go): the caller looks at the flow again, as a
+// duplicate.
 func (q *Queries) FlowStartLock(ctx context.Context, arg FlowStartLockParams) (pgtype.UUID, error) {
 	row := q.db.QueryRow(ctx, flowStartLock, arg.Scope, arg.Key, arg.LockID)
 	var provider_namespace pgtype.UUID

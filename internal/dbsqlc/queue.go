@@ -178,13 +178,43 @@ func QueueFlowStartHeld(b *pgx.Batch, arg FlowStartHeldParams, row *FlowStartHel
 	}
 }
 
-// QueueFlowStartLock queues FlowStartLock on b; namespace is filled in and
-// locked set when the batch's results are read. No row is not an error.
-func QueueFlowStartLock(b *pgx.Batch, arg FlowStartLockParams, namespace *pgtype.UUID, locked *bool) {
+// ErrNotHeld is the error of FlowLock and FlowStartLock, read through
+// their Queue functions, when the flow was not the executor's, or not free
+// to start: the statements after them in the round trip did not run.
+var ErrNotHeld = errors.New("dbsqlc: the flow is not held")
+
+// notHeld turns the division by zero that FlowLock and FlowStartLock fail
+// with into ErrNotHeld.
+func notHeld(err error) error {
+	if err == nil {
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "22012" {
+		return ErrNotHeld
+	}
+	return err
+}
+
+// QueueFlowStartLock queues FlowStartLock on b; namespace is filled in
+// when the batch's results are read, whose error is ErrNotHeld when it did
+// not get the lock, or the key has a flow.
+func QueueFlowStartLock(b *pgx.Batch, arg FlowStartLockParams, namespace *pgtype.UUID) {
 	q := &withArgs[FlowStartLockParams]{arg: arg}
 	b.Queue(flowStartLock, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.LockID)...).Fn = func(br pgx.BatchResults) error {
-		r := br.QueryRow()
-		return noRow(r.Scan(namespace), locked)
+		return notHeld(br.QueryRow().Scan(namespace))
+	}
+}
+
+// QueueFlowLock queues FlowLock on b, whose batch's error is ErrNotHeld
+// when the executor no longer holds the flow.
+func QueueFlowLock(b *pgx.Batch, arg FlowLockParams) {
+	q := &withArgs[FlowLockParams]{arg: arg}
+	b.Queue(flowLock, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...).Fn = func(br pgx.BatchResults) error {
+		// Read as a row (its value skipped), not through Exec, which
+		// would keep the statement's error as the batch's, not
+		// ErrNotHeld.
+		return notHeld(br.QueryRow().Scan(nil))
 	}
 }
 
@@ -269,17 +299,6 @@ func QueueFlowLeaseSteps(b *pgx.Batch, arg FlowLeaseStepsParams, leased *bool) {
 func QueueFlowStepRecord(b *pgx.Batch, arg FlowStepRecordParams) {
 	q := &withArgs[FlowStepRecordParams]{arg: arg}
 	b.Queue(flowStepRecord, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.Seq, &q.arg.Step, &q.arg.Result)...)
-}
-
-// QueueFlowLock queues FlowLock on b; held is set when the batch's
-// results are read.
-func QueueFlowLock(b *pgx.Batch, arg FlowLockParams, held *bool) {
-	q := &withArgs[FlowLockParams]{arg: arg}
-	b.Queue(flowLock, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...).Fn = func(br pgx.BatchResults) error {
-		tag, err := br.Exec()
-		*held = err == nil && tag.RowsAffected() == 1
-		return err
-	}
 }
 
 // QueueFlowCallIntent queues FlowCallIntent on b: row is filled in and

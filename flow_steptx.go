@@ -1,0 +1,313 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/pgtime"
+)
+
+// A local step whose transaction stays open (see flow_pending.go) begins
+// it with its function's first statement, in one round trip: BEGIN, the
+// lock of the flow (FlowLockStep, or FlowStartLockStep for a flow that no
+// one has started), then the statement. The lock fails when the flow is
+// not the executor's, or not free to start, and the server runs nothing
+// sent after it: a fenced executor's statement never runs, and the
+// function gets ErrLeaseLost (or the run looks at the flow again, as a
+// duplicate). The step's function may therefore start before the lock is
+// taken, up to its first statement; it never runs a statement without it.
+//
+// The statement travels so when it has arguments (pgx runs a statement
+// without arguments through the simple protocol, which may hold several),
+// no options, and the connection has no tracer (which would not see it):
+// see dbsqlc.SendFlatOpen for the rest. Otherwise, and for anything else
+// the function does with the transaction, the BEGIN and the lock are sent
+// first, alone, as they would be without this.
+
+// stepTx is the pgx.Tx a local step's function gets when the step's
+// transaction stays open: it begins the transaction with the function's
+// first statement.
+type stepTx struct {
+	r    *flowRun
+	ctx  context.Context // the step's, for what has no context of its own
+	conn *pgx.Conn
+	opts pgx.TxOptions
+	// b is what begins the transaction, queued, until it is sent (nil
+	// after); starts is set when it takes the flow's advisory lock
+	// (FlowStartLockStep), which reads namespace.
+	b         *pgx.Batch
+	starts    bool
+	namespace pgtype.UUID
+	// tx is pgx's transaction, once the round trip that began it is over;
+	// err is why it did not begin: the flow not held (ErrLeaseLost), taken
+	// (errTaken), or the round trip's error.
+	tx  pgx.Tx
+	err error
+	// open is the first statement's result while it is read.
+	open *dbsqlc.Open
+}
+
+// newStepTx queues what begins a local step's transaction on conn, with
+// opts, which conn takes as SendFlat sends it: BEGIN, the idle timeout,
+// and the flow's lock.
+func (r *flowRun) newStepTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) *stepTx {
+	t := &stepTx{r: r, ctx: ctx, conn: conn, opts: opts, b: r.stepBatch.newBatch()}
+	t.b.Queue(beginSQL(opts))
+	r.queueIdleTimeout(t.b)
+	if p := r.start; p != nil {
+		t.starts = true
+		dbsqlc.QueueFlowStartLock(t.b, dbsqlc.FlowStartLockParams{Scope: p.Scope, Key: p.Key, LockID: p.LockID}, &t.namespace)
+	} else {
+		dbsqlc.QueueFlowLock(t.b, dbsqlc.FlowLockParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
+	}
+	return t
+}
+
+// judge turns the error of the statements that begin the transaction into
+// why it did not begin, and notes what the lock read.
+func (t *stepTx) judge(err error) error {
+	switch {
+	case errors.Is(err, dbsqlc.ErrNotHeld) && t.starts:
+		t.r.taken = errTaken
+		return errTaken
+	case errors.Is(err, dbsqlc.ErrNotHeld):
+		return t.r.lostError()
+	case err != nil:
+		return translate("begin, locking the flow", err)
+	}
+	if t.starts {
+		t.r.keys = providerKeys{namespace: t.namespace}
+	}
+	return nil
+}
+
+// RoundTripOver notes that the round trip that began the transaction is
+// over: pgx's transaction over it, closed if it is not open (made of an
+// empty batch, which sends nothing, so under no context).
+func (t *stepTx) RoundTripOver(error) {
+	t.open = nil
+	t.tx = txOver(context.Background(), t.conn, emptyBegin(t.opts))
+}
+
+// begin sends what begins the transaction, alone, if it is still to send,
+// and ends the first statement's round trip if its result is still being
+// read (rows left open); it returns why the transaction did not begin.
+func (t *stepTx) begin(ctx context.Context) (pgx.Tx, error) {
+	if t.open != nil {
+		t.open.Close()
+	}
+	if t.b != nil {
+		b := t.b
+		t.b = nil
+		tx, err := t.r.sendBegin(ctx, t.conn, b, t.opts)
+		t.tx = tx
+		if t.tx == nil {
+			t.RoundTripOver(err)
+		}
+		t.err = t.judge(err)
+	}
+	return t.tx, t.err
+}
+
+// sendWith sends what begins the transaction with the statement sql, args,
+// in one round trip, and returns the statement's result to read, or ok
+// false when nothing was sent and the statement is to be sent otherwise.
+// t.err is set when the transaction did not begin (open is nil then).
+func (t *stepTx) sendWith(ctx context.Context, sql string, args []any) (open *dbsqlc.Open, ok bool) {
+	if t.b == nil || t.conn.Config().Tracer != nil {
+		return nil, false
+	}
+	for _, arg := range args {
+		switch arg.(type) {
+		case pgx.QueryExecMode, pgx.QueryRewriter, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
+			return nil, false
+		}
+	}
+	b := t.b
+	b.Queue(sql, args...)
+	open, sent, err := dbsqlc.SendFlatOpen(ctx, t.conn, b, t)
+	if !sent {
+		b.QueuedQueries = b.QueuedQueries[:len(b.QueuedQueries)-1]
+		return nil, false
+	}
+	t.b = nil
+	if t.err = t.judge(err); t.err != nil {
+		return nil, true
+	}
+	t.open = open
+	return open, true
+}
+
+func (t *stepTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if len(args) > 0 {
+		if open, ok := t.sendWith(ctx, sql, args); ok {
+			if open == nil {
+				return pgconn.CommandTag{}, t.err
+			}
+			return open.Exec()
+		}
+	}
+	tx, err := t.begin(ctx)
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	return tx.Exec(ctx, sql, args...)
+}
+
+func (t *stepTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if open, ok := t.sendWith(ctx, sql, args); ok {
+		if open == nil {
+			return errRows{t.err}, t.err
+		}
+		return open.Query()
+	}
+	tx, err := t.begin(ctx)
+	if err != nil {
+		return errRows{err}, err
+	}
+	return tx.Query(ctx, sql, args...)
+}
+
+func (t *stepTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if open, ok := t.sendWith(ctx, sql, args); ok {
+		if open == nil {
+			return errRows{t.err}
+		}
+		return open.QueryRow()
+	}
+	tx, err := t.begin(ctx)
+	if err != nil {
+		return errRows{err}
+	}
+	return tx.QueryRow(ctx, sql, args...)
+}
+
+func (t *stepTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	tx, err := t.begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return tx.Begin(ctx)
+}
+
+func (t *stepTx) Commit(ctx context.Context) error {
+	tx, err := t.begin(ctx)
+	if err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+func (t *stepTx) Rollback(ctx context.Context) error {
+	tx, _ := t.begin(ctx)
+	return tx.Rollback(ctx)
+}
+
+func (t *stepTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
+	tx, err := t.begin(ctx)
+	if err != nil {
+		return 0, err
+	}
+	return tx.CopyFrom(ctx, tableName, columnNames, rowSrc)
+}
+
+func (t *stepTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	tx, err := t.begin(ctx)
+	if err != nil {
+		return pgx.FailedBatchResults(b, err)
+	}
+	return tx.SendBatch(ctx, b)
+}
+
+func (t *stepTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	tx, err := t.begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return tx.Prepare(ctx, name, sql)
+}
+
+// LargeObjects begins the transaction first, under the step's context: a
+// transaction that did not begin is closed, and its large objects fail.
+func (t *stepTx) LargeObjects() pgx.LargeObjects {
+	tx, _ := t.begin(t.ctx)
+	return tx.LargeObjects()
+}
+
+// Conn begins the transaction first, under the step's context: what the
+// function sends on the connection itself comes after.
+func (t *stepTx) Conn() *pgx.Conn {
+	_, _ = t.begin(t.ctx)
+	return t.conn
+}
+
+// errRows are the rows, or the row, of a statement that was not run.
+type errRows struct{ err error }
+
+func (r errRows) Close()                                       {}
+func (r errRows) Err() error                                   { return r.err }
+func (r errRows) CommandTag() pgconn.CommandTag                { return pgconn.CommandTag{} }
+func (r errRows) FieldDescriptions() []pgconn.FieldDescription { return nil }
+func (r errRows) Next() bool                                   { return false }
+func (r errRows) Scan(...any) error                            { return r.err }
+func (r errRows) Values() ([]any, error)                       { return nil, r.err }
+func (r errRows) RawValues() [][]byte                          { return nil }
+func (r errRows) Conn() *pgx.Conn                              { return nil }
+func (r errRows) TypeMap() *pgtype.Map                         { return nil }
+
+// runLocalOpen is an attempt of a local step whose transaction stays open
+// when its function returns (see runLocal), on conn, pooled's (nil for
+// none), which it gives back unless the step is left open: the
+// transaction begins with the function's first statement (stepTx), and
+// is left open, its record unsent, for the flow's next statement to
+// commit (flowRun.flush).
+func runLocalOpen[T any](ctx context.Context, r *flowRun, seq int32, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error),
+	conn *pgx.Conn, pooled *pgxpool.Conn, opts pgx.TxOptions) (T, error) {
+	var zero T
+	kept := false
+	t := r.newStepTx(ctx, conn, opts)
+	defer func() {
+		if kept {
+			return
+		}
+		if t.open != nil {
+			t.open.Close()
+		}
+		if t.tx != nil && conn.PgConn().TxStatus() != 'I' {
+			rollback(ctx, t.tx)
+		}
+		releaseConn(pooled)
+	}()
+	carries := r.result != nil
+	value, err := fn(ctx, t)
+	if err != nil && t.b != nil {
+		return zero, err // nothing was sent
+	}
+	if _, beginErr := t.begin(ctx); beginErr != nil {
+		return zero, beginErr
+	}
+	if err != nil {
+		return zero, err
+	}
+	encoded, err := encodeResponse(value, r.k.scope, r.o)
+	if err != nil {
+		return zero, fmt.Errorf("result: %w", err)
+	}
+	record := pendingStep{seq: seq, rec: stepRecord{Name: name, Result: encoded, Completed: stampNow}}
+	record.row = r.inRow(seq, &record.rec)
+	value, err = decodedResult[T](r, encoded)
+	if err != nil {
+		return zero, err
+	}
+	lease := dbsqlc.FlowLeaseStepsParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
+	r.keepOpen(&openStep{name: name, conn: conn, pooled: pooled, tx: t.tx, record: record, lease: lease, carries: carries, starts: t.starts})
+	kept = true
+	return value, nil
+}

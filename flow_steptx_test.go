@@ -1,0 +1,327 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
+)
+
+// countedPool is a pool of one connection whose round trips count counts,
+// with cfg changed by change, if not nil.
+func countedPool(t *testing.T, ctx context.Context, count *testdb.WireCount, change func(cfg *pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(env.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.DialFunc = count.Dial
+	cfg.MaxConns = 1
+	if change != nil {
+		change(cfg)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// TestFlowLocalStepSendsItsBeginWithItsFirstStatement counts the round
+// trips of local–call–local on one warm connection: 5, each local step's
+// BEGIN and lock travelling with its first statement. On a connection
+// with a pgx tracer, which must see the step's statements as pgx sends
+// them, they are sent alone: 7, and the tracer sees both.
+func TestFlowLocalStepSendsItsBeginWithItsFirstStatement(t *testing.T) {
+	ctx, _, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps)
+	for _, c := range []struct {
+		name   string
+		tracer *queryTracer
+		want   int64
+	}{{"untraced", nil, 5}, {"traced", &queryTracer{}, 7}} {
+		var count testdb.WireCount
+		pool := countedPool(t, ctx, &count, func(cfg *pgxpool.Config) {
+			if c.tracer != nil {
+				cfg.ConnConfig.Tracer = c.tracer
+			}
+		})
+		run := func(key string) int64 {
+			t.Helper()
+			before := count.Counts()
+			if res, err := flow.Run(ctx, pool, scope, c.name+key, nil, chargeIn{Amount: 100}); err != nil || res.Replayed {
+				t.Fatalf("%s %s: %+v, %v; want a first execution", c.name, key, res, err)
+			}
+			return count.Counts().RoundTrips - before.RoundTrips
+		}
+		run("-warm") // dialled, statements prepared
+		if got := run("-k"); got != c.want {
+			t.Errorf("%s: local–call–local took %d round trips, want %d", c.name, got, c.want)
+		}
+		if c.tracer != nil && c.tracer.payments.Load() != 4 {
+			t.Errorf("the tracer saw %d of the steps' statements, want 4", c.tracer.payments.Load())
+		}
+	}
+}
+
+// queryTracer counts the statements on the payment table it sees.
+type queryTracer struct{ payments atomic.Int64 }
+
+func (q *queryTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(data.SQL, "INSERT INTO payment") || strings.Contains(data.SQL, "UPDATE payment") {
+		q.payments.Add(1)
+	}
+	return ctx
+}
+
+func (q *queryTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// sequenceCalled reports whether nextval was ever called on seq.
+func sequenceCalled(t *testing.T, ctx context.Context, pool *pgxpool.Pool, seq string) bool {
+	t.Helper()
+	var called bool
+	if err := pool.QueryRow(ctx, `SELECT is_called FROM `+pgx.Identifier{seq}.Sanitize()).Scan(&called); err != nil {
+		t.Fatal(err)
+	}
+	return called
+}
+
+// newSequence creates a sequence of the test's own: nextval is not undone
+// by a rollback, so it shows whether a statement ran.
+func newSequence(t *testing.T, ctx context.Context, pool *pgxpool.Pool) string {
+	t.Helper()
+	seq := testdb.Name("step_seq")
+	if _, err := pool.Exec(ctx, `CREATE SEQUENCE `+pgx.Identifier{seq}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DROP SEQUENCE `+pgx.Identifier{seq}.Sanitize()) })
+	return seq
+}
+
+// TestFlowFencedLocalStepsFirstStatementDoesNotRun ends a flow while its
+// executor is in a local step, before the step's first statement: the
+// statement, sent with the step's BEGIN and the flow's lock, does not run
+// (its sequence does not move), and the run, which looks at the flow again,
+// finds it stopped (ErrFlowStopped).
+func TestFlowFencedLocalStepsFirstStatementDoesNotRun(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	seq := newSequence(t, ctx, pool)
+	inStep, release := make(chan struct{}), make(chan struct{})
+	flow := idem.MustNewFlow(testdb.Name("fenced"), func(ctx context.Context, s *idem.Steps, in int) (int64, error) {
+		if _, err := idem.Local(s, "first", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			_, err := tx.Exec(ctx, `SELECT $1::int`, 1)
+			return 1, err
+		}); err != nil {
+			return 0, err
+		}
+		return idem.Local(s, "second", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			close(inStep)
+			<-release
+			var n int64
+			err := tx.QueryRow(ctx, `SELECT nextval($1::regclass)`, seq).Scan(&n)
+			return n, err
+		})
+	})
+	done := make(chan error, 1)
+	go func() {
+		_, err := flow.Run(ctx, pool, scope, "k", nil, 1)
+		done <- err
+	}()
+	<-inStep
+	if ended, err := idem.EndFlow(ctx, pool, scope, "k", "ended by the test"); err != nil || !ended {
+		t.Fatalf("EndFlow = %v, %v; want the flow ended", ended, err)
+	}
+	close(release)
+	if err := <-done; !errors.Is(err, idem.ErrFlowStopped) {
+		t.Fatalf("the fenced executor: %v, want ErrFlowStopped", err)
+	}
+	if sequenceCalled(t, ctx, pool, seq) {
+		t.Error("the fenced step's first statement ran")
+	}
+}
+
+// TestFlowDuplicatesFirstStatementDoesNotRunWhileAnotherStartsTheFlow runs
+// a duplicate while another executor is in the flow's first step (its row
+// not committed, its lock held): the duplicate's first statement, sent
+// with its BEGIN and the flow's lock, does not run, and the duplicate,
+// which may not wait, gets ErrInProgress.
+func TestFlowDuplicatesFirstStatementDoesNotRunWhileAnotherStartsTheFlow(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	seq := newSequence(t, ctx, pool)
+	var runs atomic.Int64
+	inStep, release := make(chan struct{}), make(chan struct{})
+	flow := idem.MustNewFlow(testdb.Name("starting"), func(ctx context.Context, s *idem.Steps, in int) (int64, error) {
+		first := runs.Add(1) == 1
+		return idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			if first {
+				if _, err := tx.Exec(ctx, `SELECT $1::int`, 1); err != nil {
+					return 0, err
+				}
+				close(inStep)
+				<-release
+				return 0, nil
+			}
+			var n int64
+			err := tx.QueryRow(ctx, `SELECT nextval($1::regclass)`, seq).Scan(&n)
+			return n, err
+		})
+	})
+	done := make(chan error, 1)
+	go func() {
+		_, err := flow.Run(ctx, pool, scope, "k", nil, 1)
+		done <- err
+	}()
+	<-inStep
+	_, err := flow.Run(ctx, pool, scope, "k", nil, 1, idem.WithWait(0))
+	close(release)
+	if !errors.Is(err, idem.ErrInProgress) {
+		t.Fatalf("the duplicate: %v, want ErrInProgress", err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("the first executor: %v", err)
+	}
+	if sequenceCalled(t, ctx, pool, seq) {
+		t.Error("the duplicate's first statement ran")
+	}
+}
+
+// TestFlowLocalStepsFirstStatementRunsAsPgxRunsIt gives local steps first
+// statements of every kind: each returns what pgx would return on a
+// transaction of its own, and the step carries on after it.
+func TestFlowLocalStepsFirstStatementRunsAsPgxRunsIt(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	cases := []struct {
+		name  string
+		first func(ctx context.Context, tx pgx.Tx) (int64, error)
+		want  int64
+		err   func(error) bool
+	}{
+		{"rows", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			rows, err := tx.Query(ctx, `SELECT generate_series(1, $1::int)`, 4)
+			if err != nil {
+				return 0, err
+			}
+			sum, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+			var total int64
+			for _, n := range sum {
+				total += n
+			}
+			return total, err
+		}, 10, nil},
+		{"rows left open", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			rows, err := tx.Query(ctx, `SELECT generate_series(1, $1::int)`, 4)
+			if err != nil {
+				return 0, err
+			}
+			rows.Next() // and not closed: the step closes them
+			var n int64
+			return n, rows.Scan(&n)
+		}, 1, nil},
+		{"no row", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			var n int64
+			return 0, tx.QueryRow(ctx, `SELECT 1 WHERE $1::int = 0`, 1).Scan(&n)
+		}, 0, func(err error) bool { return errors.Is(err, pgx.ErrNoRows) }},
+		{"no arguments", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			tag, err := tx.Exec(ctx, `SELECT 1; SELECT 2`)
+			return tag.RowsAffected(), err
+		}, 1, nil},
+		{"named arguments", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			var n int64
+			err := tx.QueryRow(ctx, `SELECT @n::bigint`, pgx.NamedArgs{"n": 7}).Scan(&n)
+			return n, err
+		}, 7, nil},
+		{"a batch", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			b := &pgx.Batch{}
+			b.Queue(`SELECT $1::bigint`, 3)
+			var n int64
+			results := tx.SendBatch(ctx, b)
+			err := results.QueryRow().Scan(&n)
+			return n, errors.Join(err, results.Close())
+		}, 3, nil},
+		{"a failing statement", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			var n int64
+			err := tx.QueryRow(ctx, `SELECT 1 / $1::int`, 0).Scan(&n)
+			return n, err
+		}, 0, func(err error) bool {
+			var pgErr *pgconn.PgError
+			return errors.As(err, &pgErr) && pgErr.Code == "22012" && !errors.Is(err, idem.ErrLeaseLost)
+		}},
+	}
+	for _, c := range cases {
+		for _, position := range []string{"first step", "after a step"} {
+			name := fmt.Sprintf("%s, %s", c.name, position)
+			flow := idem.MustNewFlow(testdb.Name("first"), func(ctx context.Context, s *idem.Steps, in int) (int64, error) {
+				if position == "after a step" {
+					if _, err := idem.Local(s, "before", func(ctx context.Context, tx pgx.Tx) (int, error) {
+						_, err := tx.Exec(ctx, `SELECT $1::int`, 1)
+						return 1, err
+					}); err != nil {
+						return 0, err
+					}
+				}
+				n, err := idem.Local(s, "step", c.first)
+				if err != nil {
+					return 0, err
+				}
+				// The transaction carries on.
+				_, err = idem.Local(s, "after", func(ctx context.Context, tx pgx.Tx) (int, error) {
+					_, err := tx.Exec(ctx, `SELECT $1::int`, 1)
+					return 1, err
+				})
+				return n, err
+			})
+			res, err := flow.Run(ctx, pool, scope, name, nil, 1)
+			switch {
+			case c.err != nil && !c.err(err):
+				t.Errorf("%s: %v, want another error", name, err)
+			case c.err == nil && (err != nil || res.Value != c.want):
+				t.Errorf("%s: %+v, %v; want %d", name, res, err, c.want)
+			}
+		}
+	}
+}
+
+// TestFlowLocalStepsPrepareABoundedNumberOfTheirStatements runs local
+// steps whose first statements are all different on one connection: past
+// 64 of them, the connection prepares no more of them itself (pgx's
+// statement cache, which is bounded, prepares them), and every step runs.
+func TestFlowLocalStepsPrepareABoundedNumberOfTheirStatements(t *testing.T) {
+	ctx, _, scope := setup(t)
+	var count testdb.WireCount
+	pool := countedPool(t, ctx, &count, nil)
+	const steps = 80
+	flow := idem.MustNewFlow(testdb.Name("many"), func(ctx context.Context, s *idem.Steps, in int) (int64, error) {
+		return idem.Local(s, "step", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			var n int64
+			if err := tx.QueryRow(ctx, fmt.Sprintf(`SELECT $1::bigint AS c%d`, in), in).Scan(&n); err != nil {
+				return 0, err
+			}
+			var prepared int64
+			err := tx.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements
+				WHERE name LIKE 'idem_flat_%' AND statement LIKE 'SELECT $1::bigint AS c%'`).Scan(&prepared)
+			return prepared, err
+		})
+	})
+	var prepared int64
+	for i := range steps {
+		res, err := flow.Run(ctx, pool, scope, fmt.Sprintf("k%d", i), nil, i)
+		if err != nil {
+			t.Fatalf("step %d: %v", i, err)
+		}
+		prepared = res.Value
+	}
+	if prepared != 64 {
+		t.Errorf("the connection prepared %d of the steps' statements itself, want 64", prepared)
+	}
+}
