@@ -46,19 +46,23 @@ const (
 // On a pgx pool or connection, below SERIALIZABLE, the transaction commits
 // with the flow's next statement (the next call's intent, the answer), not
 // when Local returns, and at most a third of the lease, or of the idle
-// timeout, later (100ms at most): see docs/flows.md. A process that dies
-// before then runs the step again.
+// timeout, later (100ms at most); its BEGIN and the flow's lock are sent
+// with fn's first statement, in one round trip: see docs/flows.md. A
+// process that dies before the commit runs the step again.
 //
-// The transaction also holds the flow's lease: it is renewed as the step
-// begins, and no one can take the flow over until the transaction ends,
-// however long fn runs. So that an executor frozen in the step (a stopped
-// process, a paused VM) does not hold the flow for ever, the server ends
-// the transaction once it has sat idle, waiting for the executor, for the
-// flow's [WithIdleTimeout] (1m by default): fn's statements are not
-// limited, only the gaps between them. A step whose executor lost the
-// lease runs nothing and returns [ErrLeaseLost]. Serialization failures and deadlocks are retried as
-// [WithTx] retries them; fn's other errors are returned, wrapped, and
-// nothing of the step is committed.
+// The transaction also holds the flow's lease: it locks the flow from its
+// first statement on, and no one can take the flow over until the
+// transaction ends, however long fn runs. So that an executor frozen in
+// the step (a stopped process, a paused VM) does not hold the flow for
+// ever, the server ends the transaction once it has sat idle, waiting for
+// the executor, for the flow's [WithIdleTimeout] (1m by default): fn's
+// statements are not limited, only the gaps between them. A step whose
+// executor lost the lease runs no statement and returns [ErrLeaseLost]
+// (fn's statements return it too); fn itself may have started, up to its
+// first statement, so, as for a transaction that [WithTx] retries, fn must
+// have no effect outside its transaction. Serialization failures and
+// deadlocks are retried as [WithTx] retries them; fn's other errors are
+// returned, wrapped, and nothing of the step is committed.
 //
 // Step names follow the rules of keys, and each step of a flow needs a
 // name of its own: the name, the kind and the place of each step are
@@ -89,14 +93,16 @@ func Local[T any](s *Steps, name string, fn func(ctx context.Context, tx pgx.Tx)
 	return value, nil
 }
 
-// runLocal is one attempt of a local step: BEGIN with the flow's row
-// locked (FlowLock), in one round trip, then fn. On a connection it drives (a pool's,
-// with neither a BeginQuery nor a CommitQuery of the caller's, and an
-// isolation level below serializable, whose COMMIT can fail after the
-// step has returned), it leaves the transaction open with the step's
-// record still to send (and the last call's result, if it is not recorded
-// yet): the flow's next statement records them in the flow's row and
-// commits them (flowRun.flush). Otherwise it renews the lease, for the
+// runLocal is one attempt of a local step. On a connection it drives (a
+// pool's, with neither a BeginQuery nor a CommitQuery of the caller's, and
+// an isolation level below serializable, whose COMMIT can fail after the
+// step has returned), runLocalOpen runs it: BEGIN with the flow's row
+// locked sent with fn's first statement, and the transaction left open
+// with the step's record still to send (and the last call's result, if
+// it is not recorded yet): the flow's next statement records them in the
+// flow's row and commits them (flowRun.flush). Otherwise it sends BEGIN
+// with the flow's row locked (FlowLock), in one round trip, then runs fn,
+// and renews the lease, for the
 // steps after this one, recording them in the same write (FlowLeaseSteps),
 // with COMMIT, in one round trip where it can; a BeginQuery or CommitQuery of the caller's (WithTxOptions) is
 // run as given, through pgx, as Run runs it.
