@@ -96,12 +96,17 @@ func (t *stepTx) RoundTripOver(error) {
 	t.tx = txOver(context.Background(), t.conn, emptyBegin(t.opts))
 }
 
+// errStepConnBusy is what a statement gets while the rows of the step's
+// first statement are still open, as pgx's "conn busy" on a transaction of
+// its own.
+var errStepConnBusy = errors.New("idem: conn busy: the rows of the step's first statement are still open")
+
 // begin sends what begins the transaction, alone, if it is still to send,
-// and ends the first statement's round trip if its result is still being
-// read (rows left open); it returns why the transaction did not begin.
+// and returns pgx's transaction, or why the transaction did not begin, or
+// errStepConnBusy while the first statement's rows are open.
 func (t *stepTx) begin(ctx context.Context) (pgx.Tx, error) {
 	if t.open != nil {
-		t.open.Close()
+		return nil, errStepConnBusy
 	}
 	if t.b != nil {
 		b := t.b
@@ -139,6 +144,9 @@ func (t *stepTx) sendWith(ctx context.Context, sql string, args []any) (open *db
 	}
 	t.b = nil
 	if t.err = t.judge(err); t.err != nil {
+		if t.tx == nil { // failed before the round trip (a prepare)
+			t.RoundTripOver(err)
+		}
 		return nil, true
 	}
 	t.open = open
@@ -206,7 +214,10 @@ func (t *stepTx) Commit(ctx context.Context) error {
 }
 
 func (t *stepTx) Rollback(ctx context.Context) error {
-	tx, _ := t.begin(ctx)
+	tx, err := t.begin(ctx)
+	if tx == nil {
+		return err
+	}
 	return tx.Rollback(ctx)
 }
 
@@ -235,8 +246,12 @@ func (t *stepTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Stateme
 }
 
 // LargeObjects begins the transaction first, under the step's context: a
-// transaction that did not begin is closed, and its large objects fail.
+// transaction that did not begin is closed, and its large objects fail;
+// while the first statement's rows are open, they are closed first.
 func (t *stepTx) LargeObjects() pgx.LargeObjects {
+	if t.open != nil {
+		t.open.Close()
+	}
 	tx, _ := t.begin(t.ctx)
 	return tx.LargeObjects()
 }
@@ -289,6 +304,9 @@ func runLocalOpen[T any](ctx context.Context, r *flowRun, seq int32, name string
 	value, err := fn(ctx, t)
 	if err != nil && t.b != nil {
 		return zero, err // nothing was sent
+	}
+	if t.open != nil {
+		t.open.Close() // rows fn left open
 	}
 	if _, beginErr := t.begin(ctx); beginErr != nil {
 		return zero, beginErr

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -249,6 +250,27 @@ func TestFlowLocalStepsFirstStatementRunsAsPgxRunsIt(t *testing.T) {
 			err := results.QueryRow().Scan(&n)
 			return n, errors.Join(err, results.Close())
 		}, 3, nil},
+		{"a nil pointer", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			var null bool
+			err := tx.QueryRow(ctx, `SELECT $1::text IS NULL`, (*string)(nil)).Scan(&null)
+			if !null {
+				return 0, err
+			}
+			return 1, err
+		}, 1, nil},
+		{"a statement while its rows are open", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			rows, err := tx.Query(ctx, `SELECT generate_series(1, $1::int)`, 5)
+			if err != nil {
+				return 0, err
+			}
+			defer rows.Close()
+			for rows.Next() {
+				if _, err := tx.Exec(ctx, `SELECT $1::int`, 1); err != nil {
+					return 0, err
+				}
+			}
+			return 0, rows.Err()
+		}, 0, func(err error) bool { return err != nil && strings.Contains(err.Error(), "conn busy") }},
 		{"a failing statement", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var n int64
 			err := tx.QueryRow(ctx, `SELECT 1 / $1::int`, 0).Scan(&n)
@@ -323,5 +345,75 @@ func TestFlowLocalStepsPrepareABoundedNumberOfTheirStatements(t *testing.T) {
 	}
 	if prepared != 64 {
 		t.Errorf("the connection prepared %d of the steps' statements itself, want 64", prepared)
+	}
+}
+
+// TestFlowLocalStepsStatementOnAChangedTableFailsOnlyItself changes the
+// table a step's first statement reads (its result type with it) between
+// two runs on one connection: that statement fails once, as pgx's own
+// would, and neither it afterwards nor other flows on the connection fail.
+func TestFlowLocalStepsStatementOnAChangedTableFailsOnlyItself(t *testing.T) {
+	ctx, admin, scope := setup(t)
+	var count testdb.WireCount
+	pool := countedPool(t, ctx, &count, nil)
+	table := pgx.Identifier{testdb.Name("changed")}.Sanitize()
+	if _, err := admin.Exec(ctx, `CREATE TABLE `+table+` (a int)`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP TABLE `+table) })
+	reads := idem.MustNewFlow(testdb.Name("reads"), func(ctx context.Context, s *idem.Steps, in int) (int, error) {
+		return idem.Local(s, "read", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			rows, err := tx.Query(ctx, `SELECT * FROM `+table+` WHERE $1::int = 1`, 1)
+			if err != nil {
+				return 0, err
+			}
+			rows.Close()
+			return 1, rows.Err()
+		})
+	})
+	other := idem.MustNewFlow(testdb.Name("other"), func(ctx context.Context, s *idem.Steps, in int) (int, error) {
+		return idem.Local(s, "step", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			_, err := tx.Exec(ctx, `SELECT $1::int`, 1)
+			return 1, err
+		})
+	})
+	if _, err := reads.Run(ctx, pool, scope, "before", nil, 1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, `ALTER TABLE `+table+` ADD COLUMN b int`); err != nil {
+		t.Fatal(err)
+	}
+	failed := 0
+	for i := range 3 {
+		if _, err := reads.Run(ctx, pool, scope, fmt.Sprintf("after-%d", i), nil, 1); err != nil {
+			failed++
+		}
+		if _, err := other.Run(ctx, pool, scope, fmt.Sprintf("other-%d", i), nil, 1); err != nil {
+			t.Errorf("another flow on the connection, run %d: %v", i, err)
+		}
+	}
+	if failed > 1 {
+		t.Errorf("the statement on the changed table failed %d times, want at most once", failed)
+	}
+}
+
+// TestFlowLocalStepWhoseFirstStatementIsCancelledRollsBack cancels a step's
+// context before its first statement, which the connection has not
+// prepared yet: the statement fails with the context's error, and the
+// step's deferred Rollback, pgx's idiom, returns rather than panics.
+func TestFlowLocalStepWhoseFirstStatementIsCancelledRollsBack(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	flow := idem.MustNewFlow(testdb.Name("cancelled"), func(ctx context.Context, s *idem.Steps, in int) (int, error) {
+		return idem.Local(s, "step", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			defer tx.Rollback(ctx)
+			cancelled, cancel := context.WithCancel(ctx)
+			cancel()
+			var n int
+			err := tx.QueryRow(cancelled, fmt.Sprintf(`SELECT $1::int + %d`, in), 1).Scan(&n)
+			return n, err
+		})
+	})
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, int(time.Now().UnixNano()%1000000)); !errors.Is(err, context.Canceled) {
+		t.Fatalf("the run: %v, want context.Canceled", err)
 	}
 }

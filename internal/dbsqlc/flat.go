@@ -91,7 +91,7 @@ func SendFlat(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (sent bool, err
 	if f == nil || len(b.QueuedQueries) == 0 {
 		return false, nil
 	}
-	mrr, sent, err := f.send(ctx, conn, b)
+	mrr, sent, err := f.send(ctx, conn, b, false)
 	if !sent || err != nil {
 		return sent, err
 	}
@@ -112,8 +112,10 @@ var errBuild = errors.New("dbsqlc: build statement")
 // send sends b on conn, its statements prepared first if they are not yet,
 // and returns its results to read; sent is false, and nothing was sent,
 // when a statement has options (a QueryRewriter), and err wraps errBuild
-// when a statement's arguments could not be encoded.
-func (f *flat) send(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (mrr *pgconn.MultiResultReader, sent bool, err error) {
+// when a statement's arguments could not be encoded. A last statement that
+// is the caller's (foreignLast) has its arguments encoded by pgx, as pgx
+// would encode them; flatParams only knows sqlc's.
+func (f *flat) send(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, foreignLast bool) (mrr *pgconn.MultiResultReader, sent bool, err error) {
 	f.missing = f.missing[:0]
 	for _, qq := range b.QueuedQueries {
 		if len(qq.Arguments) > 0 {
@@ -136,7 +138,7 @@ func (f *flat) send(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (mrr *pgc
 		batch = &pgconn.Batch{}
 	}
 	typeMap := conn.TypeMap()
-	for _, qq := range b.QueuedQueries {
+	for i, qq := range b.QueuedQueries {
 		st := f.stmts[qq.SQL]
 		if st.resultFormats == nil {
 			st.resultFormats = make([]int16, len(st.sd.Fields))
@@ -144,7 +146,7 @@ func (f *flat) send(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (mrr *pgc
 				st.resultFormats[i] = typeMap.FormatCodeForOID(fd.DataTypeOID)
 			}
 		}
-		if f.params.encode(st.sd, qq.Arguments) {
+		if (!foreignLast || i < len(b.QueuedQueries)-1) && f.params.encode(st.sd, qq.Arguments) {
 			batch.ExecStatement(st.sd, f.params.values, f.params.formats, st.resultFormats)
 			continue
 		}
@@ -157,17 +159,24 @@ func (f *flat) send(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (mrr *pgc
 }
 
 // prepare prepares the statements f.missing names, in one round trip
-// (pipelined), or one by one when that fails (a statement of the same
-// name left there before).
+// (pipelined), or one by one when that fails. Each is deallocated first
+// (which is no error when it is not there): a statement forgotten because
+// it went stale (forget) is still prepared on the server, and preparing it
+// again under its name would fail, and with it the transaction the round
+// trip may be in.
 func (f *flat) prepare(ctx context.Context) error {
 	p := f.pc.StartPipeline(ctx)
 	for _, sql := range f.missing {
+		p.SendDeallocate(flatName(sql))
 		p.SendPrepare(flatName(sql), sql, nil)
 	}
 	err := p.Sync()
 	sds := make([]*pgconn.StatementDescription, 0, len(f.missing))
 	for range f.missing {
 		if err != nil {
+			break
+		}
+		if _, err = p.GetResults(); err != nil { // the deallocation
 			break
 		}
 		var res any
@@ -221,14 +230,27 @@ func flatName(sql string) string {
 // or stale (DISCARD ALL, DEALLOCATE, a change to a table), so that the
 // next round trip prepares them again.
 func (f *flat) forget(err error) {
+	switch staleness(err) {
+	case "26000": // gone: every one of them
+		clear(f.stmts)
+		f.foreign = 0
+	case "0A000": // stale, still prepared: prepare deallocates them first
+		clear(f.stmts)
+	}
+}
+
+// staleness is the SQLSTATE of err when it says that prepared statements
+// are gone (26000: DISCARD ALL, DEALLOCATE) or stale (0A000: a table
+// changed under one), else "".
+func staleness(err error) string {
 	if err == nil {
-		return
+		return ""
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && (pgErr.Code == "26000" || pgErr.Code == "0A000") {
-		clear(f.stmts)
-		f.foreign = 0
+		return pgErr.Code
 	}
+	return ""
 }
 
 func firstLine(sql string) string {

@@ -31,6 +31,8 @@ type Open struct {
 	over     Over
 	finished bool
 	row      openRow
+	// sql is the caller's statement.
+	sql string
 }
 
 // Over is told when the round trip of SendFlatOpen is over, with its
@@ -76,7 +78,7 @@ func SendFlatOpen(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, over Over) 
 		f.stmts[last.SQL] = &flatStmt{sd: sd}
 		f.foreign++
 	}
-	mrr, sent, err := f.send(ctx, conn, b)
+	mrr, sent, err := f.send(ctx, conn, b, true)
 	if errors.Is(err, errBuild) {
 		// Nothing was sent: pgx reports it as it would.
 		return nil, false, nil
@@ -99,8 +101,9 @@ func SendFlatOpen(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, over Over) 
 	*br = flatResults{}
 	f.open = Open{f: f, conn: conn, mrr: mrr, over: over}
 	if err != nil {
-		return nil, true, f.open.finish(err)
+		return nil, true, f.open.finish(err) // the caller's statement did not run
 	}
+	f.open.sql = last.SQL
 	return &f.open, true, nil
 }
 
@@ -113,7 +116,14 @@ func (o *Open) finish(err error) error {
 	if closeErr := o.mrr.Close(); err == nil {
 		err = closeErr
 	}
-	o.f.forget(err)
+	if o.f.stmts[o.sql] != nil && staleness(err) == "0A000" {
+		// The caller's statement went stale (its table changed): it
+		// alone, prepared again, deallocated first, the next time.
+		delete(o.f.stmts, o.sql)
+		o.f.foreign--
+	} else {
+		o.f.forget(err)
+	}
 	o.over.RoundTripOver(err)
 	return err
 }
