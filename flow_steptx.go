@@ -59,7 +59,7 @@ type stepTx struct {
 // and the flow's lock.
 func (r *flowRun) newStepTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) *stepTx {
 	t := &stepTx{r: r, ctx: ctx, conn: conn, opts: opts, b: r.stepBatch.newBatch()}
-	t.b.Queue(beginSQL(opts))
+	queueBegin(t.b, conn, opts)
 	r.queueIdleTimeout(t.b)
 	if p := r.start; p != nil {
 		t.starts = true

@@ -417,3 +417,33 @@ func TestFlowLocalStepWhoseFirstStatementIsCancelledRollsBack(t *testing.T) {
 		t.Fatalf("the run: %v, want context.Canceled", err)
 	}
 }
+
+// TestFlowLocalStepOnAnyExecModeBeginsOnce runs a local step on pools of
+// every pgx exec mode but the default, where the step's BEGIN and lock go
+// first, alone, through pgx: the step begins its transaction once (a
+// BEGIN inside a transaction would draw the server's warning).
+func TestFlowLocalStepOnAnyExecModeBeginsOnce(t *testing.T) {
+	ctx, _, scope := setup(t)
+	flow := idem.MustNewFlow(testdb.Name("modes"), func(ctx context.Context, s *idem.Steps, in int) (int, error) {
+		return idem.Local(s, "step", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			_, err := tx.Exec(ctx, `SELECT $1::int`, 1)
+			return 1, err
+		})
+	})
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeSimpleProtocol, pgx.QueryExecModeExec, pgx.QueryExecModeDescribeExec, pgx.QueryExecModeCacheDescribe} {
+		var count testdb.WireCount
+		var notices atomic.Int64
+		pool := countedPool(t, ctx, &count, func(cfg *pgxpool.Config) {
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			cfg.ConnConfig.OnNotice = func(*pgconn.PgConn, *pgconn.Notice) { notices.Add(1) }
+		})
+		for i := range 2 {
+			if _, err := flow.Run(ctx, pool, scope, fmt.Sprintf("%v-%d", mode, i), nil, 1); err != nil {
+				t.Fatalf("%v: %v", mode, err)
+			}
+		}
+		if n := notices.Load(); n != 0 {
+			t.Errorf("%v: the server sent %d notices, want none", mode, n)
+		}
+	}
+}

@@ -28,9 +28,14 @@ import (
 type flat struct {
 	pc    *pgconn.PgConn
 	stmts map[string]*flatStmt
-	// foreign counts the statements in stmts that SendFlatOpen prepared
-	// for its caller (see maxForeign).
-	foreign int
+	// foreign is the SQL of the statements SendFlatOpen prepared for its
+	// caller (see maxForeign), in stmts or not (forget drops them from
+	// stmts, not from the server): each is prepared under a name of its
+	// SQL's, so the server holds at most these.
+	foreign map[string]struct{}
+	// gen counts SendFlatOpen's round trips: an Open's rows and row are
+	// of one of them.
+	gen     uint64
 	batch   pgconn.Batch
 	eqb     pgx.ExtendedQueryBuilder
 	params  flatParams
@@ -230,11 +235,9 @@ func flatName(sql string) string {
 // or stale (DISCARD ALL, DEALLOCATE, a change to a table), so that the
 // next round trip prepares them again.
 func (f *flat) forget(err error) {
-	switch staleness(err) {
-	case "26000": // gone: every one of them
-		clear(f.stmts)
-		f.foreign = 0
-	case "0A000": // stale, still prepared: prepare deallocates them first
+	// Gone (26000), or stale and still prepared (0A000: prepare
+	// deallocates each first): prepared again as they are sent.
+	if staleness(err) != "" {
 		clear(f.stmts)
 	}
 }

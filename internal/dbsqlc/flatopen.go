@@ -31,8 +31,9 @@ type Open struct {
 	over     Over
 	finished bool
 	row      openRow
-	// sql is the caller's statement.
+	// sql is the caller's statement; gen the round trip's (flat.gen).
 	sql string
+	gen uint64
 }
 
 // Over is told when the round trip of SendFlatOpen is over, with its
@@ -59,7 +60,7 @@ func SendFlatOpen(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, over Over) 
 	}
 	last := b.QueuedQueries[n-1]
 	if _, ok := f.stmts[last.SQL]; !ok {
-		if f.foreign >= maxForeign {
+		if _, known := f.foreign[last.SQL]; !known && len(f.foreign) >= maxForeign {
 			return nil, false, nil
 		}
 		if len(last.Arguments) > 0 {
@@ -76,7 +77,10 @@ func SendFlatOpen(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, over Over) 
 			return nil, false, nil
 		}
 		f.stmts[last.SQL] = &flatStmt{sd: sd}
-		f.foreign++
+		if f.foreign == nil {
+			f.foreign = make(map[string]struct{})
+		}
+		f.foreign[last.SQL] = struct{}{}
 	}
 	mrr, sent, err := f.send(ctx, conn, b, true)
 	if errors.Is(err, errBuild) {
@@ -99,7 +103,8 @@ func SendFlatOpen(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, over Over) 
 	}
 	err = br.err
 	*br = flatResults{}
-	f.open = Open{f: f, conn: conn, mrr: mrr, over: over}
+	f.gen++
+	f.open = Open{f: f, conn: conn, mrr: mrr, over: over, gen: f.gen}
 	if err != nil {
 		return nil, true, f.open.finish(err) // the caller's statement did not run
 	}
@@ -120,7 +125,6 @@ func (o *Open) finish(err error) error {
 		// The caller's statement went stale (its table changed): it
 		// alone, prepared again, deallocated first, the next time.
 		delete(o.f.stmts, o.sql)
-		o.f.foreign--
 	} else {
 		o.f.forget(err)
 	}
@@ -161,7 +165,7 @@ func (o *Open) Query() (pgx.Rows, error) {
 	if err != nil {
 		return &errRows{err: err}, err
 	}
-	return &openRows{Rows: pgx.RowsFromResultReader(o.conn.TypeMap(), rr), open: o}, nil
+	return &openRows{Rows: pgx.RowsFromResultReader(o.conn.TypeMap(), rr), open: o, gen: o.gen}, nil
 }
 
 // QueryRow reads the statement's result as pgx's QueryRow would.
@@ -170,7 +174,7 @@ func (o *Open) QueryRow() pgx.Row {
 	if err != nil {
 		return errRow{err}
 	}
-	o.row = openRow{flatRow: flatRow{rr: rr, m: o.conn.TypeMap()}, open: o}
+	o.row = openRow{flatRow: flatRow{rr: rr, m: o.conn.TypeMap()}, open: o, gen: o.gen}
 	return &o.row
 }
 
@@ -179,6 +183,7 @@ func (o *Open) QueryRow() pgx.Row {
 type openRows struct {
 	pgx.Rows
 	open *Open
+	gen  uint64
 	err  error
 	done bool
 }
@@ -188,12 +193,22 @@ func (r *openRows) end() {
 		return
 	}
 	r.done = true
+	if r.open.gen != r.gen || r.open.finished {
+		// Ended already (Open.Close), and the connection's Open may be
+		// another round trip's by now.
+		r.err = errors.New("dbsqlc: the round trip of these rows is over")
+		return
+	}
 	r.Rows.Close()
 	r.err = r.open.finish(r.Rows.Err())
 }
 
 func (r *openRows) Next() bool {
 	if r.done {
+		return false
+	}
+	if r.open.gen != r.gen || r.open.finished {
+		r.end()
 		return false
 	}
 	if r.Rows.Next() {
@@ -216,9 +231,13 @@ func (r *openRows) Err() error {
 type openRow struct {
 	flatRow
 	open *Open
+	gen  uint64
 }
 
 func (r *openRow) Scan(dest ...any) error {
+	if r.open.gen != r.gen || r.open.finished {
+		return errors.New("dbsqlc: the round trip of this row is over")
+	}
 	err := r.flatRow.Scan(dest...)
 	statementErr := err
 	if errors.Is(err, pgx.ErrNoRows) {
