@@ -85,7 +85,8 @@ func BenchmarkFlowVsTxHeldAcrossCall(b *testing.B) {
 
 // BenchmarkFlowPerOperation reports what one payment costs each design,
 // one at a time, with a provider that answers at once: round trips
-// (through a proxy that adds 1ms to each, bench.DelayProxy), heap
+// (through a proxy that adds 1ms to each, bench.DelayProxy) and the
+// median time an operation took through it, heap
 // allocations, the WAL bytes written (bench.DatabaseWAL, full-page
 // images left out) and the transactions committed that wrote (its COMMIT
 // records). -v logs where the bytes go.
@@ -123,6 +124,7 @@ func BenchmarkFlowPerOperation(b *testing.B) {
 		for _, phase := range onServer {
 			name := map[string]string{"flow": "flow", "tx-held": "held"}[phase.Name]
 			b.ReportMetric(totals[phase.Name].RoundTripsPerOp(), name+"-round-trips/op")
+			b.ReportMetric(float64(totals[phase.Name].Percentile(0.5))/float64(time.Millisecond), name+"-p50-ms-at-1ms-rtt")
 			b.ReportMetric(totals[phase.Name].AllocsPerOp(), name+"-allocs/op")
 			perOp, parts, err := bench.DatabaseWAL(ctx, direct, phase, 500)
 			if err != nil {
