@@ -198,12 +198,10 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	if err != nil {
 		return zero, err
 	}
-	encoded, err := encodeResponse(value, r.k.scope, r.o)
+	record, encoded, err := localRecord(r, seq, name, value)
 	if err != nil {
-		return zero, fmt.Errorf("result: %w", err)
+		return zero, err
 	}
-	record := pendingStep{seq: seq, rec: stepRecord{Name: name, Result: encoded, Completed: stampNow}}
-	record.row = r.inRow(seq, &record.rec)
 	// The flow's row is locked since the step began, so the renewal finds
 	// the lease as the step's first statement left it; it records the
 	// step in the same write.
@@ -289,6 +287,18 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}
 	r.lease.renewed(sent)
 	return decodedResult[T](r, encoded)
+}
+
+// localRecord is the record of a local step that returned value, and the
+// value as it is stored.
+func localRecord[T any](r *flowRun, seq int32, name string, value T) (pendingStep, []byte, error) {
+	encoded, err := encodeResponse(value, r.k.scope, r.o)
+	if err != nil {
+		return pendingStep{}, nil, fmt.Errorf("result: %w", err)
+	}
+	record := pendingStep{seq: seq, rec: stepRecord{Name: name, Result: encoded, Completed: stampNow}}
+	record.row = r.inRow(seq, &record.rec)
+	return record, encoded, nil
 }
 
 // stepConn is ownConn for a local step, without a function to release

@@ -3,7 +3,6 @@ package idem
 import (
 	"context"
 	"errors"
-	"fmt"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -314,12 +313,10 @@ func runLocalOpen[T any](ctx context.Context, r *flowRun, seq int32, name string
 	if err != nil {
 		return zero, err
 	}
-	encoded, err := encodeResponse(value, r.k.scope, r.o)
+	record, encoded, err := localRecord(r, seq, name, value)
 	if err != nil {
-		return zero, fmt.Errorf("result: %w", err)
+		return zero, err
 	}
-	record := pendingStep{seq: seq, rec: stepRecord{Name: name, Result: encoded, Completed: stampNow}}
-	record.row = r.inRow(seq, &record.rec)
 	value, err = decodedResult[T](r, encoded)
 	if err != nil {
 		return zero, err
