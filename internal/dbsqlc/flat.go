@@ -355,7 +355,9 @@ func (br *flatResults) Close() error {
 	}
 	for br.err == nil && br.next < len(br.b.QueuedQueries) {
 		if fn := br.b.QueuedQueries[br.next].Fn; fn != nil {
-			if err := fn(br); err != nil && br.err == nil {
+			// The callback's error is the batch's, as in pgx's batch
+			// (it may say more than the statement's, which Exec kept).
+			if err := fn(br); err != nil {
 				br.err = err
 			}
 		} else {

@@ -94,8 +94,8 @@ func SendFlatOpen(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, over Over) 
 	*br = flatResults{conn: conn, mrr: mrr, b: b}
 	for br.err == nil && br.next < n-1 {
 		if fn := b.QueuedQueries[br.next].Fn; fn != nil {
-			if err := fn(br); err != nil && br.err == nil {
-				br.err = err
+			if err := fn(br); err != nil {
+				br.err = err // the callback's, as in Close
 			}
 		} else {
 			_, _ = br.Exec()

@@ -209,20 +209,11 @@ func QueueFlowStartLock(b *pgx.Batch, arg FlowStartLockParams, namespace *pgtype
 // QueueFlowLock queues FlowLock on b, whose batch's error is ErrNotHeld
 // when the executor no longer holds the flow.
 func QueueFlowLock(b *pgx.Batch, arg FlowLockParams) {
-	q := &flowLockArgs{withArgs: withArgs[FlowLockParams]{arg: arg}}
+	q := &withArgs[FlowLockParams]{arg: arg}
 	b.Queue(flowLock, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.Epoch)...).Fn = func(br pgx.BatchResults) error {
-		// Read as a row, not through Exec, which would keep the
-		// statement's error as the batch's, not ErrNotHeld; into a
-		// value of its own (database/sql scans into no nil).
-		return notHeld(br.QueryRow().Scan(&q.one))
+		_, err := br.Exec()
+		return notHeld(err)
 	}
-}
-
-// flowLockArgs is FlowLock's withArgs, with the value its row holds: one
-// allocation for both.
-type flowLockArgs struct {
-	withArgs[FlowLockParams]
-	one int32
 }
 
 // QueueFlowRestart queues FlowRestart on b, as QueueFlowStart does.
