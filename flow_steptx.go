@@ -305,7 +305,9 @@ func runLocalOpen[T any](ctx context.Context, r *flowRun, seq int32, name string
 		return zero, err // nothing was sent
 	}
 	if t.open != nil {
-		t.open.Close() // rows fn left open
+		// Rows fn left open: the step fails, as its commit would on
+		// pgx's transaction (the deferred cleanup closes them).
+		return zero, errStepConnBusy
 	}
 	if _, beginErr := t.begin(ctx); beginErr != nil {
 		return zero, beginErr
