@@ -46,6 +46,10 @@ const (
 	// crashBeforeCommit: the local step's function returned; its
 	// transaction, left open for the call's intent, did not commit.
 	crashBeforeCommit = "before-commit"
+	// crashInStep: inside the first local step's function, its INSERT
+	// made, in the round trip that began its transaction and took the
+	// flow's lock: the transaction is open, nothing of the flow committed.
+	crashInStep = "in-step"
 	// crashInCommit: the local step's record, the call's intent and
 	// COMMIT were sent in one round trip; the process dies before it
 	// reads the COMMIT's answer, so the server may or may not have
@@ -185,6 +189,7 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.F
 				err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
 					s.Scope(), s.Key(), in.Amount).Scan(&id)
 				if err == nil {
+					kill(crashInStep)
 					kill(freezeInStep)
 				}
 				return id, err
@@ -469,6 +474,25 @@ func TestFlowCrashBeforeAFirstCallCallsOnceWithTheSameKey(t *testing.T) {
 	if want := providerKeyOf(t, ctx, pool, scope, "k", "charge"); charges != 1 || len(keys) != 1 || keys[want] != 1 {
 		t.Fatalf("charges %d, keys %v; want 1, {%s: 1}", charges, keys, want)
 	}
+}
+
+// TestFlowCrashAfterALocalStepsFirstStatementRunsTheStepOnce kills the
+// executor once its first step's first statement, sent with the step's
+// BEGIN and the flow's lock, has run: the step's writes, and the flow
+// with them, die with the process, and a retry runs the flow once.
+func TestFlowCrashAfterALocalStepsFirstStatementRunsTheStepOnce(t *testing.T) {
+	ctx, pool, scope, p, providerURL, crash := setupCrash(t)
+	name := testdb.Name("crash")
+	crash(name, "k", crashInStep)
+	if countPayments(t, pool, scope) != 0 || p.calls.Load() != 0 || countFlows(t, pool, scope) != 0 {
+		t.Fatalf("before the retry: %d payments, %d calls, %d flows; want 0, 0, 0",
+			countPayments(t, pool, scope), p.calls.Load(), countFlows(t, pool, scope))
+	}
+	res, err := crashFlow(name, providerURL, "").Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
+	if err != nil || res.Value.ChargeID != "ch_1" {
+		t.Fatalf("the retry: %+v, %v", res, err)
+	}
+	checkOneCharge(t, pool, scope, "k", p, 1)
 }
 
 func TestFlowCrashBeforeALocalStepCommitsRunsTheStepOnce(t *testing.T) {
