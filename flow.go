@@ -249,23 +249,27 @@ const (
 	flowEnded     = "ended"
 )
 
-// claim finds k's flow: none yet, and it returns a run that starts it
-// with its first statement (FlowStart, see flowRun.start); expired, and it
-// starts it again (FlowRestart); abandoned by its executor, and it takes
-// it over (FlowTakeOver); or its answer, to replay (FlowGet); in one round
-// trip that also reads the steps of a flow taken over (FlowSteps), and
-// looks again, in one round trip of the last three, while another executor
-// holds the flow, until deadline, the end of the wait budget. None of the
-// statements waits for a row another transaction holds: a duplicate waits
-// under its budget only, polling.
+// claim finds k's flow, in one round trip (FlowGet): none yet, and it
+// returns a run that starts it with its first statement (FlowStart, see
+// flowRun.start); or its answer, to replay. A flow that expired, or that
+// its executor abandoned, takes a second round trip, which starts it
+// again (FlowRestart) or takes it over (FlowTakeOver) and reads its steps
+// (FlowSteps). While another executor holds the flow, claim looks again,
+// until deadline, the end of the wait budget. None of the statements
+// waits for a row another transaction holds: a duplicate waits under its
+// budget only, polling.
 // It returns the run to execute, or the stored answer to replay.
 func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation,
 	deadline, startAfter time.Time,
 ) (*flowRun, []byte, error) {
 	lease := pgtime.Interval(o.lease)
 	// start is false while another executor is known to hold the flow,
-	// which FlowRestart would not change.
-	start := true
+	// which FlowRestart would not change. full is set once the flow was
+	// seen to need what only the whole batch does (an expired flow to
+	// start again, an abandoned one to take over): until then a look is
+	// FlowGet alone, which is all a new flow, a replay or a duplicate
+	// polling a held flow needs.
+	start, full := true, false
 	// What the claim's statements read, in one allocation, and its batch,
 	// made for its four statements.
 	var c struct {
@@ -283,14 +287,18 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 		c.b = pgx.Batch{QueuedQueries: c.queued[:0]}
 		epoch := newEpoch()
 		b := &c.b
-		if start {
+		if full && start {
 			dbsqlc.QueueFlowRestart(b, dbsqlc.FlowRestartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
 				Input: string(input), Epoch: epoch, Lease: lease, Retention: o.retentionInterval()}, &c.restartRow, &c.restarted)
 		}
-		dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Epoch: epoch, Lease: lease, Scope: k.scope, Key: k.key, FlowName: f.name,
-			Fingerprint: k.fp}, &c.takenRow, &c.tookOver)
+		if full {
+			dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Epoch: epoch, Lease: lease, Scope: k.scope, Key: k.key, FlowName: f.name,
+				Fingerprint: k.fp}, &c.takenRow, &c.tookOver)
+		}
 		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: k.scope, Key: k.key}, &c.rec, &c.found)
-		dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &c.steps)
+		if full {
+			dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &c.steps)
+		}
 		sent := time.Now()
 		if err := sendFlowBatch(ctx, db, b); err != nil {
 			return nil, nil, translate("idem: flow: claim key", err)
@@ -318,6 +326,10 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			r.start = &dbsqlc.FlowStartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp, Input: string(input),
 				Epoch: epoch, Lease: lease, Retention: o.retentionInterval(), LockID: keylock.FlowID(k.scope, k.key)}
 			return r, nil, nil
+		case rec.Expired && !full:
+			// Expired: start it again, at once.
+			full = true
+			continue
 		case rec.Expired:
 			// Expired, with another caller starting the key's next
 			// operation (FlowRestart skipped its row): look again.
@@ -340,6 +352,10 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 		case rec.State == flowEnded:
 			obs.claimDone(outcomeStopped)
 			return nil, nil, fmt.Errorf("%w: an operator ended it: %s", ErrFlowStopped, openText(rec.LastError.String, k.scope, o))
+		case !rec.Leased && !full:
+			// Running, its lease run out: take it over, at once.
+			full = true
+			continue
 		default:
 			// Another executor holds the flow: wait for it to finish, or
 			// for its lease to run out.
