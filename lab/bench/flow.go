@@ -158,8 +158,8 @@ func FlowPhases(flowPool, heldPool *pgxpool.Pool, p *Provider, scope string) []P
 }
 
 // ConnGauge counts the connections a pool's users hold: acquired and not
-// yet released. Set it as the pool's ConnConfig.Tracer (it traces nothing
-// else).
+// yet released. GaugedPool makes it the pool's tracer, and no
+// connection's.
 type ConnGauge struct {
 	mu      sync.Mutex
 	held    int
@@ -228,12 +228,24 @@ func (g *ConnGauge) Reset() {
 }
 
 // GaugedPool opens a pool on cfg's settings with at most maxConns
-// connections and a ConnGauge, which it returns.
+// connections and a ConnGauge, which it returns. The gauge traces the
+// pool's acquires and releases, not the connections' statements: a
+// connection with a tracer is one that idem sends a local step's first
+// statement on as pgx would, a round trip of its own (docs/flows.md), and
+// the benchmark measures the connections an application without one has.
 func GaugedPool(ctx context.Context, cfg *pgxpool.Config, maxConns int32) (*pgxpool.Pool, *ConnGauge, error) {
 	cfg = cfg.Copy()
 	cfg.MaxConns = maxConns
 	gauge := &ConnGauge{}
-	cfg.ConnConfig.Tracer = gauge
+	cfg.ConnConfig.Tracer = gauge // the pool's tracer, taken as it is made
+	beforeConnect := cfg.BeforeConnect
+	cfg.BeforeConnect = func(ctx context.Context, cc *pgx.ConnConfig) error {
+		cc.Tracer = nil // each connection's
+		if beforeConnect != nil {
+			return beforeConnect(ctx, cc)
+		}
+		return nil
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, nil, err

@@ -179,7 +179,9 @@ func TestFlowPhasesChargeEachPaymentOnce(t *testing.T) {
 
 // TestConnGaugeCountsAcquiredConnections checks the gauge against
 // connections acquired and released by hand: the most held at once, and
-// that time is counted only while some are held.
+// that time is counted only while some are held; and that it traces no
+// connection (which would make idem send a local step's first statement
+// in a round trip of its own).
 func TestConnGaugeCountsAcquiredConnections(t *testing.T) {
 	t.Parallel()
 	pool, gauge, err := bench.GaugedPool(t.Context(), env.Pool(t).Config(), 4)
@@ -192,6 +194,9 @@ func TestConnGaugeCountsAcquiredConnections(t *testing.T) {
 		c, err := pool.Acquire(t.Context())
 		if err != nil {
 			t.Fatal(err)
+		}
+		if c.Conn().Config().Tracer != nil {
+			t.Fatalf("a connection of the gauged pool has a tracer: %T", c.Conn().Config().Tracer)
 		}
 		conns = append(conns, c)
 	}
