@@ -190,6 +190,11 @@ func TestConnGaugeCountsAcquiredConnections(t *testing.T) {
 	}
 	defer pool.Close()
 	var conns []*pgxpool.Conn
+	defer func() { // before Close, which waits for them (a second Release does nothing)
+		for _, c := range conns {
+			c.Release()
+		}
+	}()
 	for range 3 {
 		c, err := pool.Acquire(t.Context())
 		if err != nil {
