@@ -348,3 +348,36 @@ func TestFlowDuplicateDuringASlowCallWaitsAndReplays(t *testing.T) {
 		t.Fatalf("%d calls, %d payments; want 1, 1", p.calls.Load(), countPayments(t, pool, scope))
 	}
 }
+
+// TestFlowClaimIsOneStatement counts what a flow's claim sends on one warm
+// connection: FlowGet alone, for a key with no flow as for a replay (one
+// round trip, one statement); the statements that start an expired flow
+// again or take an abandoned one over are sent only once FlowGet saw that
+// the flow needs them. So local–call–local sends 13 statements in 5 round
+// trips: the claim; BEGIN, the idle timeout, the flow's lock and the
+// reserve; the flow's row and COMMIT; BEGIN, the idle timeout, the lock
+// and the record; the answer and COMMIT.
+func TestFlowClaimIsOneStatement(t *testing.T) {
+	ctx, _, scope, p := setupFlow(t)
+	var steps atomic.Int64
+	flow := chargeFlow(p, &steps)
+	var count testdb.WireCount
+	pool := countedPool(t, ctx, &count, nil)
+	run := func(key string, replay bool) testdb.Counts {
+		t.Helper()
+		before := count.Counts()
+		if res, err := flow.Run(ctx, pool, scope, key, fpCharge, chargeIn{Amount: 2500}); err != nil || res.Replayed != replay {
+			t.Fatalf("%s: %+v, %v; want replayed %v", key, res, err, replay)
+		}
+		after := count.Counts()
+		return testdb.Counts{RoundTrips: after.RoundTrips - before.RoundTrips, Statements: after.Statements - before.Statements}
+	}
+	run("warm", false) // dialled, statements prepared
+	first := run("order", false)
+	if want := (testdb.Counts{RoundTrips: 5, Statements: 13}); execMode(t) == pgx.QueryExecModeCacheStatement && first != want {
+		t.Errorf("local–call–local sent %+v, want %+v", first, want)
+	}
+	if got, want := run("order", true), (testdb.Counts{RoundTrips: 1, Statements: 1}); got != want {
+		t.Errorf("its replay sent %+v, want %+v", got, want)
+	}
+}
