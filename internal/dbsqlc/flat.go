@@ -82,6 +82,36 @@ func flatFor(conn *pgx.Conn) *flat {
 // flatFor).
 func CanSendFlat(conn *pgx.Conn) bool { return flatFor(conn) != nil }
 
+// CanBeginLate reports whether a batch sent on conn may begin its
+// transaction after other statements, which then run in it (the round
+// trip's implicit transaction, which BEGIN makes explicit): a plain
+// BEGIN, or one at the isolation level that the session's transactions
+// have anyway. It is true until BeganTooLate says otherwise.
+func CanBeginLate(conn *pgx.Conn) bool {
+	data := conn.PgConn().CustomData()
+	return data != nil && data[beginFirstKey] == nil
+}
+
+const beginFirstKey = "idem.beginFirst"
+
+// BeganTooLate reports whether err is that of a BEGIN sent after other
+// statements at an isolation level other than the session's (25001,
+// "SET TRANSACTION ISOLATION LEVEL must be called before any query"), and
+// if so notes that batches on conn begin first from now on (CanBeginLate).
+// Nothing of the round trip ran: the statements before it were in the
+// round trip's implicit transaction, rolled back, and those after it were
+// skipped.
+func BeganTooLate(conn *pgx.Conn, err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "25001" {
+		return false
+	}
+	if data := conn.PgConn().CustomData(); data != nil {
+		data[beginFirstKey] = true
+	}
+	return true
+}
+
 // SendFlat sends b on conn, as conn.SendBatch(ctx, b).Close() would, in
 // one round trip (and one more the first time a statement is sent on the
 // connection, to prepare it): the statements' callbacks (QueuedQuery's
@@ -290,11 +320,14 @@ func (br *flatResults) Exec() (pgconn.CommandTag, error) {
 	}
 	br.next++
 	if !br.mrr.NextResult() {
-		err := br.mrr.Close()
-		if err == nil {
-			err = errNoMoreResults
+		// The round trip's error (one that ended its results: a
+		// statement of no callback's, SendFlatOpen's loop or Close,
+		// stops at it), or none left.
+		br.err = br.mrr.Close()
+		if br.err == nil {
+			br.err = errNoMoreResults
 		}
-		return pgconn.CommandTag{}, err
+		return pgconn.CommandTag{}, br.err
 	}
 	tag, err := br.mrr.ResultReader().Close()
 	if err != nil {
