@@ -139,7 +139,11 @@ func checkFlowOptions(o *options) error {
 // The first Run for a key records in and runs the flow's function, with
 // in as a completer would get it back: decoded from the JSON that was
 // stored. A Run for a key whose flow completed returns its stored answer,
-// with Replayed set, and runs nothing. A Run for a flow that another
+// with Replayed set, and commits nothing. Run looks at the flow with the
+// function's first statement, not before the function runs: the code
+// before the flow's first step, and a first local step's up to its first
+// statement, run on every Run, replays included, and must have no
+// effect (see docs/flows.md). A Run for a flow that another
 // executor holds waits for it, under [WithWait], polling (it waits for no
 // lock), and replays its answer, or takes the flow over once that
 // executor's lease has run out; past the wait it returns [ErrInProgress].
@@ -198,13 +202,27 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 	// before its first step each time it looks, while the other
 	// executor's first step runs, but does start a flow whose first
 	// executor died or failed in its first step.
+	//
+	// A run's first look at the flow goes with its first statement (see
+	// flow_look.go): the run starts as if the key had no flow, and claim
+	// judges what the look found (seen) only if it found one.
 	deadline := time.Now().Add(o.wait)
 	var (
 		startAfter time.Time
 		startWait  time.Duration
+		seen       *dbsqlc.FlowGetRow
 	)
-	for reclaims := 0; ; {
-		r, stored, err := f.claim(ctx, db, k, input, &o, obs, deadline, startAfter)
+	for reclaims, looked := 0, false; ; looked = true {
+		var (
+			r      *flowRun
+			stored []byte
+		)
+		if looked {
+			r, stored, err = f.claim(ctx, db, k, input, &o, obs, deadline, startAfter, seen)
+			seen = nil
+		} else {
+			r = f.unlooked(db, k, input, &o, obs)
+		}
 		if err != nil {
 			return Result[Out]{}, err
 		}
@@ -222,6 +240,14 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 		}
 		res, err := f.execute(ctx, r, decoded.Value)
 		switch {
+		case errors.Is(err, errLooked):
+			// The flow was there: judged as a claim judges it, with what
+			// the look read (unless a replay must wait for a synchronous
+			// standby, which the look's transaction, rolled back, did not).
+			if !r.seen.StandbyWait {
+				seen = &r.seen
+			}
+			continue
 		case errors.Is(err, errTaken):
 			if time.Until(deadline) <= 0 {
 				obs.claimDone(outcomeInProgress)
@@ -260,7 +286,7 @@ const (
 // budget only, polling.
 // It returns the run to execute, or the stored answer to replay.
 func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation,
-	deadline, startAfter time.Time,
+	deadline, startAfter time.Time, seen *dbsqlc.FlowGetRow,
 ) (*flowRun, []byte, error) {
 	lease := pgtime.Interval(o.lease)
 	// start is false while another executor is known to hold the flow,
@@ -300,7 +326,10 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &c.steps)
 		}
 		sent := time.Now()
-		if err := sendFlowBatch(ctx, db, b); err != nil {
+		if attempt == 0 && seen != nil {
+			// Read by the run's first statement (see flow_look.go).
+			c.rec, c.found = *seen, true
+		} else if err := sendFlowBatch(ctx, db, b); err != nil {
 			return nil, nil, translate("idem: flow: claim key", err)
 		}
 		restarted, tookOver, found := c.restarted, c.tookOver, c.found
@@ -322,10 +351,7 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 			// No flow yet (or gone since the last look: ended, expired
 			// and purged): the run starts it with its first statement,
 			// and says so then.
-			r := newFlowRun(db, k, f.name, providerKeys{}, epoch, input, sent, nil, o, obs)
-			r.start = &dbsqlc.FlowStartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp, Input: string(input),
-				Epoch: epoch, Lease: lease, Retention: o.retentionInterval(), LockID: keylock.FlowID(k.scope, k.key)}
-			return r, nil, nil
+			return f.fresh(db, k, input, o, obs, epoch, sent), nil, nil
 		case rec.Expired && !full:
 			// Expired: start it again, at once.
 			full = true
@@ -373,6 +399,24 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 	}
 }
 
+// fresh returns the run that starts a flow that no one has started, under
+// epoch, with its first statement (see flowRun.start), at sent.
+func (f *Flow[In, Out]) fresh(db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation, epoch int64, sent time.Time) *flowRun {
+	r := newFlowRun(db, k, f.name, providerKeys{}, epoch, input, sent, nil, o, obs)
+	r.start = &dbsqlc.FlowStartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp, Input: string(input),
+		Epoch: epoch, Lease: pgtime.Interval(o.lease), Retention: o.retentionInterval(), LockID: keylock.FlowID(k.scope, k.key)}
+	return r
+}
+
+// unlooked returns a run that starts the flow, as fresh's, made before
+// anyone looked at it: it looks with its first statement (see
+// flow_look.go).
+func (f *Flow[In, Out]) unlooked(db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation) *flowRun {
+	r := f.fresh(db, k, input, o, obs, newEpoch(), time.Now())
+	r.unlooked = true
+	return r
+}
+
 // newEpoch returns a random epoch for an executor's claim. Epochs are
 // random, not drawn from a sequence, so that none is given twice even by a
 // standby promoted after an asynchronous failover, whose sequences may
@@ -408,6 +452,11 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 	r.steps = Steps{ctx: ctx, run: r}
 	out, err := f.fn(ctx, &r.steps, in)
 	r.returned.Store(true)
+	if lookErr := r.look(ctx); lookErr != nil && !errors.Is(lookErr, errLooked) {
+		// A function that took no step: what it returned is judged once
+		// the run knows the flow was not there.
+		return Result[Out]{}, fmt.Errorf("idem: flow %q: %w", f.name, lookErr)
+	}
 	if taken := r.takenError(); taken != nil {
 		// Another executor was starting the flow: this run committed
 		// nothing, and holds nothing to give up, whatever its function
@@ -527,6 +576,13 @@ type flowRun struct {
 	result *pendingStep
 	start  *dbsqlc.FlowStartParams
 	taken  error
+	// unlooked is set until a run that Run made before anyone looked at
+	// the flow has looked, with its first statement; seen is what the
+	// look read, and seenFound whether it found the flow (see
+	// flow_look.go).
+	unlooked  bool
+	seen      dbsqlc.FlowGetRow
+	seenFound bool
 	// flushBatch (flush's, under mu) and stepBatch (a local step's, in the
 	// function's goroutine) are reused from one round trip to the next,
 	// with the room for their statements (see newBatch).
@@ -550,7 +606,7 @@ type flowRun struct {
 // for its first statements.
 type reusedBatch struct {
 	b      pgx.Batch
-	queued [4]*pgx.QueuedQuery
+	queued [5]*pgx.QueuedQuery
 }
 
 // newBatch empties rb's batch, which was sent, for the next round trip,

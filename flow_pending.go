@@ -258,6 +258,9 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	if r.taken != nil {
 		return r.taken
 	}
+	if err := r.look(ctx); err != nil {
+		return err
+	}
 	b := r.flushBatch.newBatch()
 	leased := &r.flushLeased
 	*leased = true

@@ -58,9 +58,11 @@ const (
 // the executor, for the flow's [WithIdleTimeout] (1m by default): fn's
 // statements are not limited, only the gaps between them. A step whose
 // executor lost the lease runs no statement and returns [ErrLeaseLost]
-// (fn's statements return it too); fn itself may have started, up to its
-// first statement, so, as for a transaction that [WithTx] retries, fn must
-// have no effect outside its transaction. Serialization failures and
+// (fn's statements return it too); neither does a run's first step that
+// finds the flow there as it begins (a Run that replays, waits for or
+// resumes the flow, which gives the function's error no weight). fn itself
+// may have started, up to its first statement, so, as for a transaction
+// that [WithTx] retries, fn must have no effect outside its transaction. Serialization failures and
 // deadlocks are retried as [WithTx] retries them; fn's other errors are
 // returned, wrapped, and nothing of the step is committed.
 //
@@ -128,6 +130,9 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	if pipelined && opts.IsoLevel != pgx.Serializable {
 		kept = true // runLocalOpen's
 		return runLocalOpen(ctx, r, seq, name, fn, conn, pooled, opts)
+	}
+	if err := r.look(ctx); err != nil {
+		return zero, err
 	}
 	if r.result != nil && !pipelined {
 		if err := r.flush(ctx, nil); err != nil {
@@ -334,10 +339,12 @@ func queueBegin(b *pgx.Batch, conn *pgx.Conn, opts pgx.TxOptions) {
 	b.BeginTx(opts)
 }
 
-// sendBegin sends b, which queueBegin began, on conn, and returns the
+// sendBegin sends b, which begins a transaction (queueBegin, or a BEGIN
+// queued after the flow's lock, see newStepTx), on conn, and returns the
 // transaction, as conn.SendBatch's results do, and the batch's error.
-// Through dbsqlc.SendFlat, pgx's transaction over the one b began is that
-// of an empty batch that begins one, which sends nothing
+// Where the BEGIN was queued as any statement (through dbsqlc.SendFlat,
+// or after the lock), pgx's transaction over the one b began is that of
+// an empty batch that begins one, which sends nothing
 // (TestAnEmptyBatchBeginsNoTransaction).
 func (r *flowRun) sendBegin(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, opts pgx.TxOptions) (pgx.Tx, error) {
 	sent, err := dbsqlc.SendFlat(ctx, conn, b)
@@ -347,7 +354,8 @@ func (r *flowRun) sendBegin(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, o
 		if err = results.Close(); tx != nil {
 			return tx, err
 		}
-	} else {
+	}
+	if sent || conn.PgConn().TxStatus() != 'I' { // b's BEGIN: queued as any statement
 		if tx := txOver(ctx, conn, emptyBegin(opts)); tx != nil {
 			return tx, err
 		}

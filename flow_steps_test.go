@@ -195,8 +195,10 @@ func TestFlowStalledExecutorIsFencedAtItsNextStep(t *testing.T) {
 	var stalls atomic.Int64
 	flow := idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
 		if _, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int, error) {
-			steps.Add(1)
 			_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`, s.Scope(), s.Key(), in.Amount)
+			if err == nil {
+				steps.Add(1) // the step ran: its statement did
+			}
 			return 1, err
 		}); err != nil {
 			return "", err

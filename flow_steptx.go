@@ -16,7 +16,8 @@ import (
 // A local step whose transaction stays open (see flow_pending.go) begins
 // it with its function's first statement, in one round trip: BEGIN, the
 // lock of the flow (FlowLockStep, or FlowStartLockStep for a flow that no
-// one has started), then the statement. The lock fails when the flow is
+// one has started, after the run's look at the flow, see flow_look.go),
+// then the statement. The lock fails when the flow is
 // not the executor's, or not free to start, and the server runs nothing
 // sent after it: a fenced executor's statement never runs, and the
 // function gets ErrLeaseLost (or the run looks at the flow again, as a
@@ -44,6 +45,9 @@ type stepTx struct {
 	b         *pgx.Batch
 	starts    bool
 	namespace pgtype.UUID
+	// late is set when b begins the transaction after the lock (see
+	// newStepTx).
+	late bool
 	// tx is pgx's transaction, once the round trip that began it is over;
 	// err is why it did not begin: the flow not held (ErrLeaseLost), taken
 	// (errTaken), or the round trip's error.
@@ -54,24 +58,58 @@ type stepTx struct {
 }
 
 // newStepTx queues what begins a local step's transaction on conn, with
-// opts, which conn takes as SendFlat sends it: BEGIN, the idle timeout,
-// and the flow's lock.
+// opts: the flow's lock (after the run's look at the flow, for a run that
+// has not looked yet), BEGIN and the idle timeout. BEGIN goes after the
+// lock where it can (beginsLate, dbsqlc.CanBeginLate): the look and the
+// lock run in the round trip's implicit transaction, which BEGIN then
+// makes the step's (the lock held until it ends), or which ends with the
+// round trip when the lock failed, so that a run that found its flow
+// there, or lost it, leaves the connection idle, with no ROLLBACK to
+// send. On a session whose transactions have another isolation level,
+// that BEGIN fails, nothing of the round trip runs, and it is sent again
+// with BEGIN first, as on that connection from then on.
 func (r *flowRun) newStepTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) *stepTx {
-	t := &stepTx{r: r, ctx: ctx, conn: conn, opts: opts, b: r.stepBatch.newBatch()}
-	queueBegin(t.b, conn, opts)
-	r.queueIdleTimeout(t.b)
+	t := &stepTx{r: r, ctx: ctx, conn: conn, opts: opts, starts: r.start != nil}
+	t.queue()
+	return t
+}
+
+// queue queues what begins the transaction on a new batch, t.b.
+func (t *stepTx) queue() {
+	r := t.r
+	t.b = r.stepBatch.newBatch()
+	t.late = beginsLate(t.opts) && dbsqlc.CanBeginLate(t.conn)
+	if !t.late {
+		queueBegin(t.b, t.conn, t.opts)
+		r.queueIdleTimeout(t.b)
+	}
 	if p := r.start; p != nil {
-		t.starts = true
+		r.queueLook(t.b)
 		dbsqlc.QueueFlowStartLock(t.b, dbsqlc.FlowStartLockParams{Scope: p.Scope, Key: p.Key, LockID: p.LockID}, &t.namespace)
 	} else {
 		dbsqlc.QueueFlowLock(t.b, dbsqlc.FlowLockParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
 	}
-	return t
+	if t.late {
+		t.b.Queue(beginSQL(t.opts))
+		r.queueIdleTimeout(t.b)
+	}
+}
+
+// beginsLate reports whether a transaction begun with opts may begin
+// after other statements: one of the session's isolation level (the
+// default, read committed, where it is the session's).
+func beginsLate(opts pgx.TxOptions) bool {
+	return opts == pgx.TxOptions{} || opts == pgx.TxOptions{IsoLevel: pgx.ReadCommitted}
 }
 
 // judge turns the error of the statements that begin the transaction into
 // why it did not begin, and notes what the lock read.
 func (t *stepTx) judge(err error) error {
+	if t.starts && t.r.unlooked {
+		if err := t.r.looked(true, err); err != nil {
+			return err
+		}
+	}
 	switch {
 	case errors.Is(err, dbsqlc.ErrNotHeld) && t.starts:
 		t.r.taken = errTaken
@@ -111,6 +149,13 @@ func (t *stepTx) begin(ctx context.Context) (pgx.Tx, error) {
 		b := t.b
 		t.b = nil
 		tx, err := t.r.sendBegin(ctx, t.conn, b, t.opts)
+		if t.late && dbsqlc.BeganTooLate(t.conn, err) {
+			// Nothing ran: again, BEGIN first.
+			t.queue()
+			b = t.b
+			t.b = nil
+			tx, err = t.r.sendBegin(ctx, t.conn, b, t.opts)
+		}
 		t.tx = tx
 		if t.tx == nil {
 			t.RoundTripOver(err)
@@ -137,6 +182,14 @@ func (t *stepTx) sendWith(ctx context.Context, sql string, args []any) (open *db
 	b := t.b
 	b.Queue(sql, args...)
 	open, sent, err := dbsqlc.SendFlatOpen(ctx, t.conn, b, t)
+	if sent && t.late && dbsqlc.BeganTooLate(t.conn, err) {
+		// Nothing ran: again, BEGIN first.
+		t.queue()
+		t.tx = nil
+		b = t.b
+		b.Queue(sql, args...)
+		open, sent, err = dbsqlc.SendFlatOpen(ctx, t.conn, b, t)
+	}
 	if !sent {
 		b.QueuedQueries = b.QueuedQueries[:len(b.QueuedQueries)-1]
 		return nil, false

@@ -39,11 +39,12 @@ func countedPool(t *testing.T, ctx context.Context, count *testdb.WireCount, cha
 }
 
 // TestFlowLocalStepSendsItsBeginWithItsFirstStatement counts the round
-// trips of local–call–local on one warm connection: 5, each local step's
-// BEGIN and lock travelling with its first statement. On a connection
-// with a pgx tracer, which must see the step's statements as pgx sends
-// them, they are sent alone: 7, and the tracer sees both; as they are on
-// a connection of any exec mode but pgx's default (cache_statement), which
+// trips of local–call–local on one warm connection: 4, each local step's
+// BEGIN and lock (and the run's look at its flow, see flow_look.go)
+// travelling with its first statement. On a connection with a pgx
+// tracer, which must see the step's statements as pgx sends them, they
+// are sent alone: 6, and the tracer sees both; as they are on a
+// connection of any exec mode but pgx's default (cache_statement), which
 // the tests run in through PgBouncer.
 func TestFlowLocalStepSendsItsBeginWithItsFirstStatement(t *testing.T) {
 	ctx, _, scope, p := setupFlow(t)
@@ -53,9 +54,9 @@ func TestFlowLocalStepSendsItsBeginWithItsFirstStatement(t *testing.T) {
 		name   string
 		tracer *queryTracer
 		want   int64
-	}{{"untraced", nil, 5}, {"traced", &queryTracer{}, 7}} {
+	}{{"untraced", nil, 4}, {"traced", &queryTracer{}, 6}} {
 		if execMode(t) != pgx.QueryExecModeCacheStatement {
-			c.want = 7
+			c.want = 6
 		}
 		var count testdb.WireCount
 		pool := countedPool(t, ctx, &count, func(cfg *pgxpool.Config) {
