@@ -243,8 +243,9 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 		case errors.Is(err, errLooked):
 			// The flow was there: judged as a claim judges it, with what
 			// the look read (unless a replay must wait for a synchronous
-			// standby, which the look's transaction, rolled back, did not).
-			if !r.seen.StandbyWait {
+			// standby, which a look in a step's transaction, rolled back,
+			// did not wait for; one alone, committed, did).
+			if !r.seen.StandbyWait || r.seenAlone {
 				seen = &r.seen
 			}
 			continue
@@ -583,6 +584,9 @@ type flowRun struct {
 	unlooked  bool
 	seen      dbsqlc.FlowGetRow
 	seenFound bool
+	// seenAlone is set when the look went alone, in a transaction of its
+	// own, which committed.
+	seenAlone bool
 	// flushBatch (flush's, under mu) and stepBatch (a local step's, in the
 	// function's goroutine) are reused from one round trip to the next,
 	// with the room for their statements (see newBatch).

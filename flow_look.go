@@ -23,7 +23,10 @@ import (
 // nothing and ends, whatever its function makes of the error its step
 // returned (errLooked): Run then judges what the look read as the claim
 // judges what it reads, to replay the answer, refuse another request, or
-// wait for the executor that holds the flow, with no round trip more. So
+// wait for the executor that holds the flow, with no round trip more
+// (but for a replay that must wait for a synchronous standby, which a
+// look in a step's transaction, rolled back, did not: the claim reads the
+// flow again, alone). So
 // a new flow's claim costs no round trip of its own, and a replay still
 // one; but code before a flow's first step, and a first local step's up
 // to its first statement, run on every attempt, replays included: they
@@ -46,6 +49,7 @@ func (r *flowRun) look(ctx context.Context) error {
 	if err := sendFlowBatch(ctx, r.db, &b); err != nil {
 		return translate("idem: flow: claim key", err)
 	}
+	r.seenAlone = true
 	return r.looked(false, nil)
 }
 

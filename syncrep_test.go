@@ -233,18 +233,31 @@ func TestAReplayWritesAMarkerOnlyForASynchronousStandby(t *testing.T) {
 	scope := testdb.Name("cost")
 	var calls atomic.Int64
 	flow := idem.MustNewFlow(testdb.Name("double"), func(_ context.Context, _ *idem.Steps, in int64) (int64, error) { return 2 * in, nil })
+	local := idem.MustNewFlow(testdb.Name("local"), func(_ context.Context, s *idem.Steps, in int64) (int64, error) {
+		return idem.Local(s, "read", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			var v int64
+			err := tx.QueryRow(ctx, `SELECT $1::bigint`, 2*in).Scan(&v)
+			return v, err
+		})
+	})
 	replays := []struct {
 		name string
 		call func(ctx context.Context) (replayed bool, err error)
+		// inStep is set for a flow whose first local step reads the flow
+		// in its own transaction, which it rolls back when it finds the
+		// flow done (flow_look.go): with a synchronous standby, the
+		// claim reads it again, alone, in a second round trip, and that
+		// read's marker is the one that commits.
+		inStep bool
 	}{
 		{"Run", func(ctx context.Context) (bool, error) {
 			res, err := idem.Run(ctx, conn, scope, "k", fpA, pay(scope, "k", 100, &calls))
 			return res.Replayed, err
-		}},
+		}, false},
 		{"Run with WithLookupFirst", func(ctx context.Context) (bool, error) {
 			res, err := idem.Run(ctx, conn, scope, "k", fpA, pay(scope, "k", 100, &calls), idem.WithLookupFirst())
 			return res.Replayed, err
-		}},
+		}, false},
 		{"Do in WithTx", func(ctx context.Context) (replayed bool, err error) {
 			err = idem.WithTx(ctx, conn, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
 				res, err := idem.Do(ctx, tx, scope, "k", fpA, pay(scope, "k", 100, &calls))
@@ -252,11 +265,15 @@ func TestAReplayWritesAMarkerOnlyForASynchronousStandby(t *testing.T) {
 				return err
 			})
 			return replayed, err
-		}},
+		}, false},
 		{"a flow", func(ctx context.Context) (bool, error) {
 			res, err := flow.Run(ctx, conn, scope, "flow", nil, 1)
 			return res.Replayed, err
-		}},
+		}, false},
+		{"a flow of a local step", func(ctx context.Context) (bool, error) {
+			res, err := local.Run(ctx, conn, scope, "local", nil, 1)
+			return res.Replayed, err
+		}, true},
 	}
 	type cost struct{ roundTrips, statements, markers, walBytes int64 }
 	measure := func(call func(ctx context.Context) (bool, error)) cost {
@@ -330,15 +347,19 @@ func TestAReplayWritesAMarkerOnlyForASynchronousStandby(t *testing.T) {
 		w, s := without[r.name], with[r.name]
 		t.Logf("%s replay: %d round trips, %d statements, WAL: none without a synchronous standby (%d markers, %d bytes); with one, %d marker, %d bytes",
 			r.name, s.roundTrips, s.statements, w.markers, w.walBytes, s.markers, s.walBytes)
-		if w.roundTrips != s.roundTrips || w.statements != s.statements {
-			t.Errorf("%s replay: %d round trips and %d statements without a synchronous standby, %d and %d with one; want the same",
-				r.name, w.roundTrips, w.statements, s.roundTrips, s.statements)
+		extra, markers := int64(0), int64(1)
+		if r.inStep {
+			extra, markers = 1, 2 // the read again, alone; the step's marker, rolled back
+		}
+		if w.roundTrips+extra != s.roundTrips || w.statements+extra != s.statements {
+			t.Errorf("%s replay: %d round trips and %d statements without a synchronous standby, %d and %d with one; want %d more",
+				r.name, w.roundTrips, w.statements, s.roundTrips, s.statements, extra)
 		}
 		if w.markers != 0 || w.walBytes != 0 {
 			t.Errorf("%s replay without a synchronous standby: %d markers, %d bytes of WAL; want none", r.name, w.markers, w.walBytes)
 		}
-		if s.markers != 1 || s.walBytes == 0 {
-			t.Errorf("%s replay with a synchronous standby: %d markers, %d bytes; want one", r.name, s.markers, s.walBytes)
+		if s.markers != markers || s.walBytes == 0 {
+			t.Errorf("%s replay with a synchronous standby: %d markers, %d bytes; want %d", r.name, s.markers, s.walBytes, markers)
 		}
 	}
 	if c := with["Run"]; c.roundTrips != 2 {
