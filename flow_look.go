@@ -39,14 +39,17 @@ var errLooked = errors.New("idem: the flow was there when the run looked with it
 // look reads the flow alone, for an unlooked run whose first statement
 // cannot read it: errLooked when it is there, nil when it is not (the run
 // goes on, and starts it), or the round trip's error.
-func (r *flowRun) look(ctx context.Context) error {
+func (r *flowRun) look(ctx context.Context) error { return r.lookOn(ctx, r.db) }
+
+// lookOn is look on db: a connection the run holds already, so that it
+// never waits for its own pool.
+func (r *flowRun) lookOn(ctx context.Context, db TxBeginner) error {
 	if !r.unlooked {
 		return nil
 	}
-	r.unlooked = false
 	var b pgx.Batch
 	dbsqlc.QueueFlowGet(&b, dbsqlc.FlowGetParams{Scope: r.k.scope, Key: r.k.key}, &r.seen, &r.seenFound)
-	if err := sendFlowBatch(ctx, r.db, &b); err != nil {
+	if err := sendFlowBatch(ctx, db, &b); err != nil {
 		return translate("idem: flow: claim key", err)
 	}
 	r.seenAlone = true
@@ -66,8 +69,12 @@ func (r *flowRun) queueLook(b *pgx.Batch) {
 // look went alone otherwise): errLooked, noted on the run, when it found
 // the flow and nothing after it ran (the lock failed, or it went alone);
 // nil otherwise. A flow found though the lock was taken all the same
-// (its row purged since) is started by the run.
+// (its row purged since) is started by the run. A round trip that failed
+// otherwise leaves the run unlooked: its next statement looks again.
 func (r *flowRun) looked(locked bool, err error) error {
+	if err != nil && !errors.Is(err, dbsqlc.ErrNotHeld) {
+		return nil // the look may not have been read: the run looks again
+	}
 	r.unlooked = false
 	if r.seenFound && (!locked || errors.Is(err, dbsqlc.ErrNotHeld)) {
 		r.taken = errLooked

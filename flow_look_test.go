@@ -6,6 +6,7 @@ import (
 	"errors"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -120,5 +121,85 @@ func TestFlowStepsRunAtReadCommittedWhereSessionsDefaultToAnotherLevel(t *testin
 	}
 	if ran.Load() != 4 {
 		t.Fatalf("the steps' statements ran %d times, want 4", ran.Load())
+	}
+}
+
+// TestFlowStepWritingThroughItsConnectionCommitsNothingItShouldNot runs a
+// local step that writes through tx.Conn(), on a replay (its look found
+// the flow there) and in a fenced executor (its flow taken over during a
+// call). The flow's lock failed before BEGIN, so that no transaction was
+// open: the connection is left in one that failed, as with BEGIN first,
+// and the write fails rather than commits on its own.
+func TestFlowStepWritingThroughItsConnectionCommitsNothingItShouldNot(t *testing.T) {
+	ctx, pool, scope, _ := setupFlow(t)
+	write := func(ctx context.Context, s *idem.Steps, tx pgx.Tx, amount int64) (string, error) {
+		_, err := tx.Conn().Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`, s.Scope(), s.Key(), amount)
+		return "ok", err
+	}
+	replayed := idem.MustNewFlow(testdb.Name("conn"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		return idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (string, error) { return write(ctx, s, tx, in.Amount) })
+	})
+	for i := range 2 {
+		if res, err := replayed.Run(ctx, pool, scope, "replayed", nil, chargeIn{Amount: 1}); err != nil || res.Replayed != (i == 1) {
+			t.Fatalf("run %d: %+v, %v", i, res, err)
+		}
+	}
+	if n := countPayments(t, pool, scope); n != 1 {
+		t.Fatalf("%d payments after a run and its replay, want 1", n)
+	}
+
+	var fenced error
+	taken := idem.MustNewFlow(testdb.Name("conn-fenced"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		if _, err := idem.Call(s, "charge", func(ctx context.Context, _ string) (int, error) {
+			// Another executor takes the flow over meanwhile.
+			_, err := pool.Exec(ctx, `UPDATE idem_flow SET epoch = epoch + 1 WHERE scope = $1 AND key = $2`, s.Scope(), s.Key())
+			return 1, err
+		}); err != nil {
+			return "", err
+		}
+		return idem.Local(s, "record", func(ctx context.Context, tx pgx.Tx) (string, error) {
+			v, err := write(ctx, s, tx, in.Amount)
+			fenced = err
+			return v, err
+		})
+	})
+	if _, err := taken.Run(ctx, pool, scope, "fenced", nil, chargeIn{Amount: 1}, idem.WithWait(0)); err == nil || fenced == nil {
+		t.Fatalf("the fenced executor: %v, its write %v; want both to fail", err, fenced)
+	}
+	if n := countPayments(t, pool, scope); n != 1 {
+		t.Fatalf("%d payments, want 1: the fenced executor's write committed", n)
+	}
+	var idle int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction (aborted)'`).Scan(&idle); err != nil || idle != 0 {
+		t.Fatalf("%d connections left in a failed transaction, %v; want none", idle, err)
+	}
+}
+
+// TestFlowFirstStepOfAnotherKindLooksOnTheConnectionItHolds runs a flow
+// whose first local step begins its own transaction (serializable, or a
+// BeginQuery of the caller's) on a pool of one connection: the run's look
+// at the flow goes alone, on the connection the step holds, not on the
+// pool, which would wait for it.
+func TestFlowFirstStepOfAnotherKindLooksOnTheConnectionItHolds(t *testing.T) {
+	ctx, _, scope, _ := setupFlow(t)
+	pool := countedPool(t, ctx, new(testdb.WireCount), nil) // one connection
+	for name, opts := range map[string]pgx.TxOptions{
+		"serializable": {IsoLevel: pgx.Serializable},
+		"BeginQuery":   {BeginQuery: "begin isolation level read committed"},
+	} {
+		flow := idem.MustNewFlow(testdb.Name("held"), func(ctx context.Context, s *idem.Steps, in chargeIn) (int64, error) {
+			return idem.Local(s, "a", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+				var v int64
+				err := tx.QueryRow(ctx, `SELECT $1::bigint`, in.Amount).Scan(&v)
+				return v, err
+			})
+		}, idem.WithTxOptions(opts))
+		runCtx, cancel := context.WithTimeout(ctx, time.Minute)
+		for i := range 2 {
+			if res, err := flow.Run(runCtx, pool, scope, name, nil, chargeIn{Amount: 7}); err != nil || res.Value != 7 || res.Replayed != (i == 1) {
+				t.Fatalf("%s, run %d: %+v, %v", name, i, res, err)
+			}
+		}
+		cancel()
 	}
 }

@@ -131,7 +131,11 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		kept = true // runLocalOpen's
 		return runLocalOpen(ctx, r, seq, name, fn, conn, pooled, opts)
 	}
-	if err := r.look(ctx); err != nil {
+	var looker TxBeginner = r.db // on the connection held, if any
+	if conn != nil {
+		looker = conn
+	}
+	if err := r.lookOn(ctx, looker); err != nil {
 		return zero, err
 	}
 	if r.result != nil && !pipelined {

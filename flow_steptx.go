@@ -309,11 +309,25 @@ func (t *stepTx) LargeObjects() pgx.LargeObjects {
 }
 
 // Conn begins the transaction first, under the step's context: what the
-// function sends on the connection itself comes after.
+// function sends on the connection itself comes after. When it did not
+// begin because the lock failed before BEGIN (newStepTx), the connection
+// is left in a transaction that failed, as it would be with BEGIN first,
+// so that what the function sends on it fails rather than commits on its
+// own, and the step rolls it back.
 func (t *stepTx) Conn() *pgx.Conn {
-	_, _ = t.begin(t.ctx)
+	if _, err := t.begin(t.ctx); err != nil && t.conn.PgConn().TxStatus() == 'I' {
+		ctx, cancel := cleanupContext(t.ctx)
+		defer cancel()
+		_, _ = t.conn.PgConn().Exec(ctx, failedTxSQL).ReadAll()
+		if t.conn.PgConn().TxStatus() == 'E' {
+			t.tx = txOver(ctx, t.conn, emptyBegin(t.opts))
+		}
+	}
 	return t.conn
 }
+
+// failedTxSQL leaves a connection in a transaction that failed.
+const failedTxSQL = "BEGIN; SELECT 1 / 0"
 
 // errRows are the rows, or the row, of a statement that was not run.
 type errRows struct{ err error }
