@@ -610,7 +610,7 @@ type flowRun struct {
 // for its first statements.
 type reusedBatch struct {
 	b      pgx.Batch
-	queued [5]*pgx.QueuedQuery
+	queued [6]*pgx.QueuedQuery
 }
 
 // newBatch empties rb's batch, which was sent, for the next round trip,

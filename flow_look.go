@@ -13,9 +13,9 @@ import (
 // function runs: Flow.Run makes it as if the key had no flow (unlooked),
 // and the function runs up to its first step. A first local step whose
 // transaction stays open reads the flow (FlowGet) in the round trip that
-// begins it, after BEGIN and before the flow's advisory lock
-// (FlowStartLock), which fails when the flow is there, so that the step's
-// statement never runs (see flow_steptx.go). Any other first statement
+// begins it, after the flow's advisory lock (FlowStartLock) and before
+// the check that fails when the flow is there (FlowStartFree), so that
+// the step's statement never runs (see flow_steptx.go). Any other first statement
 // (a call's intent, a local step of another kind, the answer, the lease
 // given up) is preceded by the look alone (look), in a round trip of its
 // own, as the claim used to be. A run whose look found no flow goes on,

@@ -14,11 +14,11 @@ import (
 )
 
 // A local step whose transaction stays open (see flow_pending.go) begins
-// it with its function's first statement, in one round trip: BEGIN, the
-// lock of the flow (FlowLockStep, or FlowStartLockStep for a flow that no
-// one has started, after the run's look at the flow, see flow_look.go),
-// then the statement. The lock fails when the flow is
-// not the executor's, or not free to start, and the server runs nothing
+// it with its function's first statement, in one round trip: the lock of
+// the flow (FlowLock; for a flow that no one has started, FlowStartLock,
+// the run's look at the flow, see flow_look.go, and FlowStartFree),
+// BEGIN, then the statement. The lock fails when the flow is not the
+// executor's, or not free to start, and the server runs nothing
 // sent after it: a fenced executor's statement never runs, and the
 // function gets ErrLeaseLost (or the run looks at the flow again, as a
 // duplicate). The step's function may therefore start before the lock is
@@ -41,7 +41,7 @@ type stepTx struct {
 	opts pgx.TxOptions
 	// b is what begins the transaction, queued, until it is sent (nil
 	// after); starts is set when it takes the flow's advisory lock
-	// (FlowStartLockStep), which reads namespace.
+	// (FlowStartLock), which reads namespace.
 	b         *pgx.Batch
 	starts    bool
 	namespace pgtype.UUID
@@ -84,8 +84,11 @@ func (t *stepTx) queue() {
 		r.queueIdleTimeout(t.b)
 	}
 	if p := r.start; p != nil {
+		// The look and the check after the lock, with snapshots that see
+		// a row its previous holder committed.
+		dbsqlc.QueueFlowStartLock(t.b, p.LockID, &t.namespace)
 		r.queueLook(t.b)
-		dbsqlc.QueueFlowStartLock(t.b, dbsqlc.FlowStartLockParams{Scope: p.Scope, Key: p.Key, LockID: p.LockID}, &t.namespace)
+		dbsqlc.QueueFlowStartFree(t.b, dbsqlc.FlowStartFreeParams{Scope: p.Scope, Key: p.Key})
 	} else {
 		dbsqlc.QueueFlowLock(t.b, dbsqlc.FlowLockParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
 	}

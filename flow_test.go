@@ -351,9 +351,10 @@ func TestFlowDuplicateDuringASlowCallWaitsAndReplays(t *testing.T) {
 
 // TestFlowLooksAtItsFlowWithItsFirstStatement counts what a flow sends on
 // one warm connection. Its look at the flow (FlowGet) goes with its first
-// local step's BEGIN, lock and statement, so local–call–local sends 13
-// statements in 4 round trips: the look, the flow's advisory lock, BEGIN,
-// the idle timeout and the reserve; the flow's row and COMMIT; the lock
+// local step's BEGIN, lock and statement, so local–call–local sends 14
+// statements in 4 round trips: the flow's advisory lock, the look, the
+// check that the key has no flow, BEGIN, the idle timeout and the
+// reserve; the flow's row and COMMIT; the lock
 // of the flow's row, BEGIN, the idle timeout and the record; the answer
 // and COMMIT. A replay is one round trip: the look finds the flow, the
 // lock fails, and nothing after it runs, BEGIN included, so that there is
@@ -375,7 +376,7 @@ func TestFlowLooksAtItsFlowWithItsFirstStatement(t *testing.T) {
 	}
 	run("warm", false) // dialled, statements prepared
 	first := run("order", false)
-	if want := (testdb.Counts{RoundTrips: 4, Statements: 13}); execMode(t) == pgx.QueryExecModeCacheStatement && first != want {
+	if want := (testdb.Counts{RoundTrips: 4, Statements: 14}); execMode(t) == pgx.QueryExecModeCacheStatement && first != want {
 		t.Errorf("local–call–local sent %+v, want %+v", first, want)
 	}
 	if got := run("order", true); got.RoundTrips != 1 {

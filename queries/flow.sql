@@ -42,21 +42,28 @@ RETURNING provider_namespace, operation;
 -- started, on a connection that keeps its transaction open until the
 -- flow's next statement (see flow_pending.go): it takes the flow's
 -- advisory lock as FlowStart does, and for the same reasons, and returns
--- the installation's id, but writes nothing. The row is written once, by
+-- the installation's id, but writes nothing. It fails (division by zero,
+-- 22012) when another transaction holds the lock, so that the server runs
+-- none of the statements sent after it in the same round trip, the
+-- step's first included (see flow_steptx.go): the caller looks at the
+-- flow again, as a duplicate. FlowStartFree, the next statement, checks
+-- that the key has no flow, with a snapshot taken once the lock is held,
+-- which sees a row its previous holder committed (one statement's
+-- snapshot would be taken before its lock). The row is written once, by
 -- FlowStartHeld in the same transaction, with the step's record and what
 -- travels with it (the first call's intent), as the transaction commits.
--- It fails (division by zero, 22012) when another transaction holds the
--- lock, or a flow holds the key, so that the server runs none of the
--- statements sent after it in the same round trip, the step's first
--- included (see flow_steptx.go): the caller looks at the flow again, as a
--- duplicate.
 SELECT (SELECT id FROM idem_installation)::uuid AS provider_namespace
-WHERE 1 / (NOT EXISTS (
-        SELECT FROM idem_flow
-        WHERE scope = @scope::text
-          AND key = @key::text
-    )
-    AND pg_try_advisory_xact_lock(@lock_id::bigint))::int = 1;
+WHERE 1 / pg_try_advisory_xact_lock(@lock_id::bigint)::int = 1;
+
+-- name: FlowStartFree :exec
+-- FlowStartFree fails (division by zero, 22012) when the key has a flow,
+-- after FlowStartLock: the server then runs none of the statements sent
+-- after it in the same round trip.
+SELECT 1 / (NOT EXISTS (
+    SELECT FROM idem_flow
+    WHERE scope = @scope::text
+      AND key = @key::text
+))::int;
 
 -- name: FlowStartHeld :one
 -- FlowStartHeld is FlowStart in a transaction that FlowStartLock began,
@@ -66,8 +73,8 @@ WHERE 1 / (NOT EXISTS (
 -- it, if that is what the row travels with, so that the row is written
 -- once. A plain INSERT, which fails with a unique violation
 -- (idem_flow_pkey), and with it the transaction, the step's writes
--- included, when a row committed between FlowStartLock's snapshot and
--- its lock: a step's writes never commit without their flow. It returns
+-- included, should a row be there all the same (FlowStartFree checked):
+-- a step's writes never commit without their flow. It returns
 -- created_at, the transaction's now(), which the records' times count
 -- from (so the stamps in @steps are 0): when the call's first attempt was
 -- made, for an intent it carries. (No subquery, which Citus refuses in an

@@ -183,8 +183,8 @@ func QueueFlowStartHeld(b *pgx.Batch, arg FlowStartHeldParams, row *FlowStartHel
 // to start: the statements after them in the round trip did not run.
 var ErrNotHeld = errors.New("dbsqlc: the flow is not held")
 
-// notHeld turns the division by zero that FlowLock and FlowStartLock fail
-// with into ErrNotHeld.
+// notHeld turns the division by zero that FlowLock, FlowStartLock and
+// FlowStartFree fail with into ErrNotHeld.
 func notHeld(err error) error {
 	if err == nil {
 		return nil
@@ -198,11 +198,21 @@ func notHeld(err error) error {
 
 // QueueFlowStartLock queues FlowStartLock on b; namespace is filled in
 // when the batch's results are read, whose error is ErrNotHeld when it did
-// not get the lock, or the key has a flow.
-func QueueFlowStartLock(b *pgx.Batch, arg FlowStartLockParams, namespace *pgtype.UUID) {
-	q := &withArgs[FlowStartLockParams]{arg: arg}
-	b.Queue(flowStartLock, q.set(&q.arg.Scope, &q.arg.Key, &q.arg.LockID)...).Fn = func(br pgx.BatchResults) error {
+// not get the lock.
+func QueueFlowStartLock(b *pgx.Batch, lockID int64, namespace *pgtype.UUID) {
+	q := &withArgs[int64]{arg: lockID}
+	b.Queue(flowStartLock, q.set(&q.arg)...).Fn = func(br pgx.BatchResults) error {
 		return notHeld(br.QueryRow().Scan(namespace))
+	}
+}
+
+// QueueFlowStartFree queues FlowStartFree on b, whose batch's error is
+// ErrNotHeld when the key has a flow.
+func QueueFlowStartFree(b *pgx.Batch, arg FlowStartFreeParams) {
+	q := &withArgs[FlowStartFreeParams]{arg: arg}
+	b.Queue(flowStartFree, q.set(&q.arg.Scope, &q.arg.Key)...).Fn = func(br pgx.BatchResults) error {
+		_, err := br.Exec()
+		return notHeld(err)
 	}
 }
 

@@ -86,9 +86,12 @@ func TestQueuedArgumentsMatchTheGeneratedMethods(t *testing.T) {
 		{"FlowStartHeld", &FlowStartHeldParams{},
 			func(b *pgx.Batch, arg any) { QueueFlowStartHeld(b, *arg.(*FlowStartHeldParams), &row5, &ok) },
 			func(q *Queries, arg any) { _, _ = q.FlowStartHeld(context.Background(), *arg.(*FlowStartHeldParams)) }},
-		{"FlowStartLock", &FlowStartLockParams{},
-			func(b *pgx.Batch, arg any) { QueueFlowStartLock(b, *arg.(*FlowStartLockParams), &namespace) },
-			func(q *Queries, arg any) { _, _ = q.FlowStartLock(context.Background(), *arg.(*FlowStartLockParams)) }},
+		{"FlowStartLock", &lockID{},
+			func(b *pgx.Batch, arg any) { QueueFlowStartLock(b, arg.(*lockID).LockID, &namespace) },
+			func(q *Queries, arg any) { _, _ = q.FlowStartLock(context.Background(), arg.(*lockID).LockID) }},
+		{"FlowStartFree", &FlowStartFreeParams{},
+			func(b *pgx.Batch, arg any) { QueueFlowStartFree(b, *arg.(*FlowStartFreeParams)) },
+			func(q *Queries, arg any) { _ = q.FlowStartFree(context.Background(), *arg.(*FlowStartFreeParams)) }},
 		{"FlowLock", &FlowLockParams{},
 			func(b *pgx.Batch, arg any) { QueueFlowLock(b, *arg.(*FlowLockParams)) },
 			func(q *Queries, arg any) { _ = q.FlowLock(context.Background(), *arg.(*FlowLockParams)) }},
@@ -157,6 +160,9 @@ func TestQueuedArgumentsMatchTheGeneratedMethods(t *testing.T) {
 		}
 	}
 }
+
+// lockID is FlowStartLock's one parameter, as a struct for fillDistinct.
+type lockID struct{ LockID int64 }
 
 // fillDistinct gives each field of the struct v a value no other field of
 // it has.
