@@ -203,3 +203,45 @@ func TestFlowFirstStepOfAnotherKindLooksOnTheConnectionItHolds(t *testing.T) {
 		cancel()
 	}
 }
+
+// stepHoldsTheFlowsRow runs a flow whose second local step, while its
+// transaction is open, has another session try to take the flow over (a
+// new epoch, as FlowTakeOver writes): the step's lock of the flow's row
+// (FlowLock) holds until the step commits, so the takeover waits, and
+// times out. The lock follows BEGIN (see newStepTx): on Citus, a
+// statement before it would run on its worker as a transaction of its
+// own, and its row lock would end with it.
+func stepHoldsTheFlowsRow(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope string) {
+	t.Helper()
+	var takeErr error
+	flow := idem.MustNewFlow(testdb.Name("rowlock"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		if _, err := idem.Local(s, "a", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			var v int
+			err := tx.QueryRow(ctx, `SELECT $1::int`, 1).Scan(&v)
+			return v, err
+		}); err != nil {
+			return "", err
+		}
+		return idem.Local(s, "b", func(ctx context.Context, tx pgx.Tx) (string, error) {
+			if _, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`, s.Scope(), s.Key(), in.Amount); err != nil {
+				return "", err
+			}
+			tctx, cancel := context.WithTimeout(ctx, time.Second)
+			defer cancel()
+			_, takeErr = pool.Exec(tctx, `UPDATE idem_flow SET epoch = epoch + 1 WHERE scope = $1 AND key = $2`, s.Scope(), s.Key())
+			return "b", nil
+		})
+	})
+	res, err := flow.Run(ctx, pool, scope, "rowlock", nil, chargeIn{Amount: 1})
+	if takeErr == nil {
+		t.Fatalf("another session took the flow over while its step's transaction was open (the run: %+v, %v)", res, err)
+	}
+	if err != nil || res.Value != "b" {
+		t.Fatalf("the run: %+v, %v; want b", res, err)
+	}
+}
+
+func TestFlowLocalStepHoldsTheFlowsRowUntilItCommits(t *testing.T) {
+	ctx, pool, scope, _ := setupFlow(t)
+	stepHoldsTheFlowsRow(t, ctx, pool, scope)
+}

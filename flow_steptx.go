@@ -15,9 +15,9 @@ import (
 
 // A local step whose transaction stays open (see flow_pending.go) begins
 // it with its function's first statement, in one round trip: the lock of
-// the flow (FlowLock; for a flow that no one has started, FlowStartLock,
-// the run's look at the flow, see flow_look.go, and FlowStartFree),
-// BEGIN, then the statement. The lock fails when the flow is not the
+// the flow (BEGIN, then FlowLock; for a flow that no one has started,
+// FlowStartLock, the run's look at the flow, see flow_look.go, and
+// FlowStartFree, then BEGIN), then the statement. The lock fails when the flow is not the
 // executor's, or not free to start, and the server runs nothing
 // sent after it: a fenced executor's statement never runs, and the
 // function gets ErrLeaseLost (or the run looks at the flow again, as a
@@ -45,8 +45,8 @@ type stepTx struct {
 	b         *pgx.Batch
 	starts    bool
 	namespace pgtype.UUID
-	// late is set when b begins the transaction after the lock (see
-	// newStepTx).
+	// late is set when b begins the transaction after the flow's
+	// advisory lock (see newStepTx).
 	late bool
 	// tx is pgx's transaction, once the round trip that began it is over;
 	// err is why it did not begin: the flow not held (ErrLeaseLost), taken
@@ -58,16 +58,20 @@ type stepTx struct {
 }
 
 // newStepTx queues what begins a local step's transaction on conn, with
-// opts: the flow's lock (after the run's look at the flow, for a run that
-// has not looked yet), BEGIN and the idle timeout. BEGIN goes after the
-// lock where it can (beginsLate, dbsqlc.CanBeginLate): the look and the
-// lock run in the round trip's implicit transaction, which BEGIN then
-// makes the step's (the lock held until it ends), or which ends with the
-// round trip when the lock failed, so that a run that found its flow
-// there, or lost it, leaves the connection idle, with no ROLLBACK to
-// send. On a session whose transactions have another isolation level,
+// opts: BEGIN, the idle timeout and the flow's lock. For a flow that no
+// one has started, BEGIN goes after the flow's advisory lock, the run's
+// look at the flow and the check that it is not there, where it can
+// (beginsLate, dbsqlc.CanBeginLate): they run in the round trip's implicit
+// transaction, which BEGIN then makes the step's (the advisory lock held
+// until it ends), or which ends with the round trip when the lock or the
+// check failed, so that a run that found its flow there leaves the
+// connection idle, with no ROLLBACK to send: a replay stays one round
+// trip. On a session whose transactions have another isolation level,
 // that BEGIN fails, nothing of the round trip runs, and it is sent again
-// with BEGIN first, as on that connection from then on.
+// with BEGIN first, as on that connection from then on. The lock of the
+// flow's row (FlowLock) always comes after BEGIN: on Citus, a statement
+// of an implicit transaction runs on its worker as a transaction of its
+// own, whose row lock would end with it.
 func (r *flowRun) newStepTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) *stepTx {
 	t := &stepTx{r: r, ctx: ctx, conn: conn, opts: opts, starts: r.start != nil}
 	t.queue()
@@ -78,7 +82,7 @@ func (r *flowRun) newStepTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOpti
 func (t *stepTx) queue() {
 	r := t.r
 	t.b = r.stepBatch.newBatch()
-	t.late = beginsLate(t.opts) && dbsqlc.CanBeginLate(t.conn)
+	t.late = t.starts && beginsLate(t.opts) && dbsqlc.CanBeginLate(t.conn)
 	if !t.late {
 		queueBegin(t.b, t.conn, t.opts)
 		r.queueIdleTimeout(t.b)
