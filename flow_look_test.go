@@ -79,7 +79,9 @@ func TestFlowStepsRunAtReadCommittedWhereSessionsDefaultToAnotherLevel(t *testin
 	if _, err := db.ExecContext(ctx, `ALTER DATABASE `+pgx.Identifier{name}.Sanitize()+` SET default_transaction_isolation = 'repeatable read'`); err != nil {
 		t.Fatal(err)
 	}
-	cfg, err := pgxpool.ParseConfig(url)
+	// Sessions of the database's settings: behind a transaction pooler,
+	// the server's own (the pooler's were opened before the ALTER).
+	cfg, err := pgxpool.ParseConfig(testdb.DirectURL(t, url))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -115,6 +115,27 @@ func (e *Env) DirectPool(t testing.TB) *pgxpool.Pool {
 	return directPool
 }
 
+// DirectURL returns url, of a database of the tests' server, as it
+// reaches PostgreSQL itself: url without a pooler; behind one, the same
+// database on TEST_DIRECT_DATABASE_URL's server. A test of sessions (their
+// settings) takes it, since a transaction pooler gives a client's
+// transactions to sessions of its own.
+func DirectURL(t testing.TB, url string) string {
+	t.Helper()
+	if !BehindPooler() {
+		return url
+	}
+	direct := os.Getenv("TEST_DIRECT_DATABASE_URL")
+	if direct == "" {
+		t.Fatal("TEST_PGBOUNCER=1 needs TEST_DIRECT_DATABASE_URL: the server without the pooler")
+	}
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return testserver.WithDatabase(direct, cfg.Database)
+}
+
 // Pool returns the pool of the throwaway database. Under -short it skips
 // the test instead.
 func (e *Env) Pool(t testing.TB) *pgxpool.Pool {
