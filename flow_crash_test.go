@@ -477,30 +477,24 @@ func TestFlowCrashBeforeAFirstCallCallsOnceWithTheSameKey(t *testing.T) {
 }
 
 // TestFlowCrashAfterALocalStepsFirstStatementRunsTheStepOnce kills the
-// executor once its first step's first statement, sent with the step's
-// BEGIN and the flow's lock, has run: the step's writes, and the flow
-// with them, die with the process, and a retry runs the flow once.
+// executor once its first step's first statement, sent with the flow's
+// lock, the run's look at the flow and BEGIN, has run.
 func TestFlowCrashAfterALocalStepsFirstStatementRunsTheStepOnce(t *testing.T) {
-	ctx, pool, scope, p, providerURL, crash := setupCrash(t)
-	name := testdb.Name("crash")
-	crash(name, "k", crashInStep)
-	if countPayments(t, pool, scope) != 0 || p.calls.Load() != 0 || countFlows(t, pool, scope) != 0 {
-		t.Fatalf("before the retry: %d payments, %d calls, %d flows; want 0, 0, 0",
-			countPayments(t, pool, scope), p.calls.Load(), countFlows(t, pool, scope))
-	}
-	res, err := crashFlow(name, providerURL, "").Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
-	if err != nil || res.Value.ChargeID != "ch_1" {
-		t.Fatalf("the retry: %+v, %v", res, err)
-	}
-	checkOneCharge(t, pool, scope, "k", p, 1)
+	crashInFirstStepRunsItOnce(t, crashInStep)
 }
 
 func TestFlowCrashBeforeALocalStepCommitsRunsTheStepOnce(t *testing.T) {
+	crashInFirstStepRunsItOnce(t, crashBeforeCommit)
+}
+
+// crashInFirstStepRunsItOnce kills the executor at point, inside its first
+// step's open transaction: the step's writes, and the flow's row, which
+// the first step writes, die with the process, and a retry runs the flow
+// once.
+func crashInFirstStepRunsItOnce(t *testing.T, point string) {
 	ctx, pool, scope, p, providerURL, crash := setupCrash(t)
 	name := testdb.Name("crash")
-	crash(name, "k", crashBeforeCommit)
-	// The step's transaction was open: its writes died with the process,
-	// and so did the flow's row, which the flow's first step writes.
+	crash(name, "k", point)
 	if countPayments(t, pool, scope) != 0 || p.calls.Load() != 0 || countFlows(t, pool, scope) != 0 {
 		t.Fatalf("before the retry: %d payments, %d calls, %d flows; want 0, 0, 0",
 			countPayments(t, pool, scope), p.calls.Load(), countFlows(t, pool, scope))
