@@ -1,12 +1,19 @@
 package idem
 
 import (
+	"context"
+	"errors"
+	"hash/fnv"
 	"reflect"
 	"slices"
+	"strconv"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
 )
@@ -211,4 +218,71 @@ func setCitus(data map[string]any, citus bool) {
 	if data != nil {
 		data[citusKey] = citus
 	}
+}
+
+// namedStatements is the pgx.QueryRewriter of the statements that a
+// round trip may fail on purpose (the claim's: see flow_claim.go), given
+// as their first argument. In pgx's default exec mode (cache_statement),
+// pgx drops every statement of a batch that failed from its statement
+// cache, and prepares it again, after deallocating it, the next time it
+// is sent: two round trips more for whatever next uses the connection,
+// after each replay. So there they are prepared once per connection under
+// names of idem's (conn.Prepare, a round trip the first time, a lookup in
+// pgx's map after) and sent by name, which pgx's cache leaves alone. In
+// the other modes, which prepare nothing or behind a pooler must not,
+// they are sent as they are.
+type namedStatements struct{}
+
+func (namedStatements) RewriteQuery(ctx context.Context, conn *pgx.Conn, sql string, args []any) (string, []any, error) {
+	if conn.Config().DefaultQueryExecMode != pgx.QueryExecModeCacheStatement {
+		return sql, args, nil
+	}
+	name := statementName(sql)
+	if _, err := conn.Prepare(ctx, name, sql); err != nil {
+		return "", nil, err
+	}
+	return name, args, nil
+}
+
+// namedFor returns namedStatements for a pool or connection of pgx's,
+// whose batches take it, and nil for any other TxBeginner.
+func namedFor(db TxBeginner) pgx.QueryRewriter {
+	switch db.(type) {
+	case *pgxpool.Pool, *pgxpool.Conn, *pgx.Conn:
+		return namedStatements{}
+	}
+	return nil
+}
+
+// statementNames are the names namedStatements gives statements, by
+// their SQL.
+var statementNames sync.Map
+
+// statementName returns the name namedStatements prepares sql under.
+func statementName(sql string) string {
+	if name, ok := statementNames.Load(sql); ok {
+		return name.(string)
+	}
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(sql))
+	name := "idem_" + strconv.FormatUint(h.Sum64(), 36)
+	statementNames.Store(sql, name)
+	return name
+}
+
+// forgetNamed drops the statements namedStatements prepared on conn when
+// err says that one of them is stale (a table it reads changed since, or
+// a pooler or a DEALLOCATE behind pgx's back dropped it), so that they
+// are prepared again the next time they are sent.
+func forgetNamed(conn *pgx.Conn, err error) {
+	var pgErr *pgconn.PgError
+	if conn == nil || !errors.As(err, &pgErr) || (pgErr.Code != "0A000" && pgErr.Code != "26000") ||
+		conn.PgConn().TxStatus() != 'I' {
+		return
+	}
+	ctx, cancel := cleanupContext(context.Background())
+	defer cancel()
+	statementNames.Range(func(_, name any) bool {
+		return conn.Deallocate(ctx, name.(string)) == nil
+	})
 }

@@ -1,7 +1,6 @@
 package idem
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -19,8 +18,6 @@ import (
 	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/ident"
-	"github.com/pgidem/idem/internal/keylock"
-	"github.com/pgidem/idem/internal/pgtime"
 )
 
 // Flow is an operation made exactly-once per (scope, key), as [Run] makes
@@ -195,34 +192,12 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 	// over, or an operator ended it) looks at it again as a duplicate
 	// would: it answers its caller what a retry would get, the other
 	// executor's answer, rather than an error about leases. One whose
-	// flow another executor was starting (errTaken) looks again too,
-	// within the same wait budget; it starts the flow itself again only
-	// once startAfter has passed (50ms after the first errTaken, doubling
-	// with each), so that a duplicate does not run the function's code
-	// before its first step each time it looks, while the other
-	// executor's first step runs, but does start a flow whose first
-	// executor died or failed in its first step.
-	//
-	// A run's first look at the flow goes with its first statement (see
-	// flow_look.go): the run starts as if the key had no flow, and claim
-	// judges what the look found (seen) only if it found one.
+	// first statement found the flow taken by another executor starting
+	// it (errTaken: its claim's transaction was lost, see flow_claim.go)
+	// looks again too, within the same wait budget.
 	deadline := time.Now().Add(o.wait)
-	var (
-		startAfter time.Time
-		startWait  time.Duration
-		seen       *dbsqlc.FlowGetRow
-	)
-	for reclaims, looked := 0, false; ; looked = true {
-		var (
-			r      *flowRun
-			stored []byte
-		)
-		if looked {
-			r, stored, err = f.claim(ctx, db, k, input, &o, obs, deadline, startAfter, seen)
-			seen = nil
-		} else {
-			r = f.unlooked(db, k, input, &o, obs)
-		}
+	for reclaims := 0; ; {
+		r, stored, err := f.claim(ctx, db, k, input, &o, obs, deadline)
 		if err != nil {
 			return Result[Out]{}, err
 		}
@@ -236,26 +211,16 @@ func (f *Flow[In, Out]) Run(ctx context.Context, db TxBeginner, scope, key strin
 		decoded, err := replayed[In](r.input, scope, &o)
 		if err != nil {
 			r.release(ctx, err.Error())
+			r.discard(ctx)
 			return Result[Out]{}, fmt.Errorf("idem: flow %q: input: %w", f.name, err)
 		}
 		res, err := f.execute(ctx, r, decoded.Value)
 		switch {
-		case errors.Is(err, errLooked):
-			// The flow was there: judged as a claim judges it, with what
-			// the look read (unless a replay must wait for a synchronous
-			// standby, which a look in a step's transaction, rolled back,
-			// did not wait for; one alone, committed, did).
-			if !r.seen.StandbyWait || r.seenAlone {
-				seen = &r.seen
-			}
-			continue
 		case errors.Is(err, errTaken):
 			if time.Until(deadline) <= 0 {
 				obs.claimDone(outcomeInProgress)
 				return Result[Out]{}, fmt.Errorf("%w: flow %q is being started elsewhere past the wait budget", ErrInProgress, f.name)
 			}
-			startWait = max(2*startWait, firstStartWait)
-			startAfter = time.Now().Add(startWait)
 			continue
 		case !errors.Is(err, ErrLeaseLost) || reclaims == maxReclaims || ctx.Err() != nil:
 			return res, err
@@ -276,160 +241,12 @@ const (
 	flowEnded     = "ended"
 )
 
-// claim finds k's flow, in one round trip (FlowGet): none yet, and it
-// returns a run that starts it with its first statement (FlowStart, see
-// flowRun.start); or its answer, to replay. A flow that expired, or that
-// its executor abandoned, takes a second round trip, which starts it
-// again (FlowRestart) or takes it over (FlowTakeOver) and reads its steps
-// (FlowSteps). While another executor holds the flow, claim looks again,
-// until deadline, the end of the wait budget. None of the statements
-// waits for a row another transaction holds: a duplicate waits under its
-// budget only, polling.
-// It returns the run to execute, or the stored answer to replay.
-func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation,
-	deadline, startAfter time.Time, seen *dbsqlc.FlowGetRow,
-) (*flowRun, []byte, error) {
-	lease := pgtime.Interval(o.lease)
-	// start is false while another executor is known to hold the flow,
-	// which FlowRestart would not change. full is set once the flow was
-	// seen to need what only the whole batch does (an expired flow to
-	// start again, an abandoned one to take over): until then a look is
-	// FlowGet alone, which is all a new flow, a replay or a duplicate
-	// polling a held flow needs.
-	start, full := true, false
-	// What the claim's statements read, in one allocation, and its batch,
-	// made for its four statements.
-	var c struct {
-		restarted, tookOver, found bool
-		restartRow                 dbsqlc.FlowRestartRow
-		takenRow                   dbsqlc.FlowTakeOverRow
-		rec                        dbsqlc.FlowGetRow
-		steps                      []dbsqlc.FlowStepsRow
-		queued                     [4]*pgx.QueuedQuery
-		b                          pgx.Batch
-	}
-	for attempt := 0; ; attempt++ {
-		c.restarted, c.tookOver, c.found = false, false, false
-		c.restartRow, c.takenRow, c.rec, c.steps = dbsqlc.FlowRestartRow{}, dbsqlc.FlowTakeOverRow{}, dbsqlc.FlowGetRow{}, nil
-		c.b = pgx.Batch{QueuedQueries: c.queued[:0]}
-		epoch := newEpoch()
-		b := &c.b
-		if full && start {
-			dbsqlc.QueueFlowRestart(b, dbsqlc.FlowRestartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
-				Input: string(input), Epoch: epoch, Lease: lease, Retention: o.retentionInterval()}, &c.restartRow, &c.restarted)
-		}
-		if full {
-			dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Epoch: epoch, Lease: lease, Scope: k.scope, Key: k.key, FlowName: f.name,
-				Fingerprint: k.fp}, &c.takenRow, &c.tookOver)
-		}
-		dbsqlc.QueueFlowGet(b, dbsqlc.FlowGetParams{Scope: k.scope, Key: k.key}, &c.rec, &c.found)
-		if full {
-			dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &c.steps)
-		}
-		sent := time.Now()
-		if attempt == 0 && seen != nil {
-			// Read by the run's first statement (see flow_look.go).
-			c.rec, c.found = *seen, true
-		} else if err := sendFlowBatch(ctx, db, b); err != nil {
-			return nil, nil, translate("idem: flow: claim key", err)
-		}
-		restarted, tookOver, found := c.restarted, c.tookOver, c.found
-		restartRow, takenRow, rec, steps := c.restartRow, c.takenRow, c.rec, c.steps
-		switch {
-		case restarted:
-			obs.claimDone(outcomeClaimed)
-			keys := providerKeys{namespace: restartRow.ProviderNamespace, operation: restartRow.Operation}
-			return newFlowRun(db, k, f.name, keys, epoch, input, sent, nil, o, obs), nil, nil
-		case tookOver:
-			obs.claimDone(outcomeResumed)
-			keys := providerKeys{namespace: takenRow.ProviderNamespace, operation: takenRow.Operation}
-			return newFlowRun(db, k, f.name, keys, epoch, takenRow.Input, sent, steps, o, obs), nil, nil
-		case !found && time.Now().Before(startAfter):
-			// Another executor was starting the flow when this caller's
-			// run tried to (errTaken), and its first step has not
-			// committed: look again rather than run the function again.
-		case !found:
-			// No flow yet (or gone since the last look: ended, expired
-			// and purged): the run starts it with its first statement,
-			// and says so then.
-			return f.fresh(db, k, input, o, obs, epoch, sent), nil, nil
-		case rec.Expired && !full:
-			// Expired: start it again, at once.
-			full = true
-			continue
-		case rec.Expired:
-			// Expired, with another caller starting the key's next
-			// operation (FlowRestart skipped its row): look again.
-			start = true
-		case rec.Name != f.name || !bytes.Equal(rec.Fingerprint, k.fp):
-			obs.claimDone(outcomeMismatch)
-			return nil, nil, ErrFingerprintMismatch
-		case rec.State == flowDone:
-			// The claim's batch committed before it answered: under
-			// synchronous replication, once the standby had the answer
-			// (FlowGet's standby_wait, syncrep.go).
-			if err := replayConfirmed(ctx); err != nil {
-				return nil, nil, err
-			}
-			obs.claimDone(outcomeReplayed)
-			return nil, rec.Output, nil
-		case rec.State == flowAttention:
-			obs.claimDone(outcomeStopped)
-			return nil, nil, fmt.Errorf("%w: it needs attention: %s", ErrFlowStopped, openText(rec.LastError.String, k.scope, o))
-		case rec.State == flowEnded:
-			obs.claimDone(outcomeStopped)
-			return nil, nil, fmt.Errorf("%w: an operator ended it: %s", ErrFlowStopped, openText(rec.LastError.String, k.scope, o))
-		case !rec.Leased && !full:
-			// Running, its lease run out: take it over, at once.
-			full = true
-			continue
-		default:
-			// Another executor holds the flow: wait for it to finish, or
-			// for its lease to run out.
-			start = false
-		}
-		// Look again, within the wait budget.
-		remaining := time.Until(deadline)
-		if remaining <= 0 {
-			obs.claimDone(outcomeInProgress)
-			return nil, nil, fmt.Errorf("%w: flow %q is running elsewhere past the wait budget", ErrInProgress, f.name)
-		}
-		if err := backoff.Sleep(ctx, min(pollDelay(attempt), remaining)); err != nil {
-			return nil, nil, err
-		}
-	}
-}
-
-// fresh returns the run that starts a flow that no one has started, under
-// epoch, with its first statement (see flowRun.start), at sent.
-func (f *Flow[In, Out]) fresh(db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation, epoch int64, sent time.Time) *flowRun {
-	r := newFlowRun(db, k, f.name, providerKeys{}, epoch, input, sent, nil, o, obs)
-	r.start = &dbsqlc.FlowStartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp, Input: string(input),
-		Epoch: epoch, Lease: pgtime.Interval(o.lease), Retention: o.retentionInterval(), LockID: keylock.FlowID(k.scope, k.key)}
-	return r
-}
-
-// unlooked returns a run that starts the flow, as fresh's, made before
-// anyone looked at it: it looks with its first statement (see
-// flow_look.go).
-func (f *Flow[In, Out]) unlooked(db TxBeginner, k keyRef, input []byte, o *options, obs *flowObservation) *flowRun {
-	r := f.fresh(db, k, input, o, obs, newEpoch(), time.Now())
-	r.unlooked = true
-	return r
-}
-
 // newEpoch returns a random epoch for an executor's claim. Epochs are
 // random, not drawn from a sequence, so that none is given twice even by a
 // standby promoted after an asynchronous failover, whose sequences may
 // hand out numbers the lost primary already gave, and so that no sequence
 // is needed on a distributed database.
 func newEpoch() int64 { return int64(rand.Uint64()>>1) | 1 }
-
-// firstStartWait is how long a caller that found another executor
-// starting its flow (errTaken) waits before it starts the flow itself
-// again, if the flow's row has not appeared by then; each errTaken
-// doubles it.
-const firstStartWait = 50 * time.Millisecond
 
 // pollDelay is how long a duplicate waits before it looks at a flow that
 // another executor holds again: 5ms, doubling to 100ms, jittered.
@@ -453,11 +270,6 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 	r.steps = Steps{ctx: ctx, run: r}
 	out, err := f.fn(ctx, &r.steps, in)
 	r.returned.Store(true)
-	if lookErr := r.look(ctx); lookErr != nil && !errors.Is(lookErr, errLooked) {
-		// A function that took no step: what it returned is judged once
-		// the run knows the flow was not there.
-		return Result[Out]{}, fmt.Errorf("idem: flow %q: %w", f.name, lookErr)
-	}
 	if taken := r.takenError(); taken != nil {
 		// Another executor was starting the flow: this run committed
 		// nothing, and holds nothing to give up, whatever its function
@@ -567,62 +379,28 @@ type flowRun struct {
 	// the last call's result, not recorded yet (see flow_pending.go).
 	// failed is the error of an open step that committed alone
 	// (commitIdle). start is the flow's row, for a flow that no one had
-	// started when the executor claimed it: it travels with the flow's
-	// first statement (FlowStart), and is nil once it committed; taken is
-	// errTaken once that statement found the flow taken. mu guards the
-	// five.
+	// started when the executor claimed it: written by the flow's first
+	// statement, in the claim's transaction (FlowStartHeld), or, once
+	// that is lost, in a transaction that takes the flow's lock again
+	// (FlowStart), and nil once it committed; taken is errTaken once
+	// that statement found the flow taken. mu guards the five.
 	mu     sync.Mutex
 	open   *openStep
 	failed error
 	result *pendingStep
 	start  *dbsqlc.FlowStartParams
 	taken  error
-	// unlooked is set until a run that Run made before anyone looked at
-	// the flow has looked, with its first statement; seen is what the
-	// look read, and seenFound whether it found the flow (see
-	// flow_look.go).
-	unlooked  bool
-	seen      dbsqlc.FlowGetRow
-	seenFound bool
-	// seenAlone is set when the look went alone, in a transaction of its
-	// own, which committed.
-	seenAlone bool
-	// flushBatch (flush's, under mu) and stepBatch (a local step's, in the
-	// function's goroutine) are reused from one round trip to the next,
-	// with the room for their statements (see newBatch).
-	flushBatch, stepBatch reusedBatch
 	// flushLeased and commitTag are what flush's statements read
-	// (noteCommit the latter), idleTimeout TxIdleTimeout's argument, made
-	// from WithIdleTimeout.
+	// (noteCommit the latter).
 	flushLeased bool
 	commitTag   pgconn.CommandTag
 	noteCommit  func(pgconn.CommandTag) error
-	idleTimeout *dbsqlc.IdleTimeout
 	// stepLeased is what a local step's renewal of the lease found;
 	// steps is what the function takes its steps with.
 	stepLeased bool
 	steps      Steps
 	// resultStore holds result, the call's result not recorded yet.
 	resultStore pendingStep
-}
-
-// reusedBatch is a batch reused from one round trip to the next, and room
-// for its first statements.
-type reusedBatch struct {
-	b      pgx.Batch
-	queued [6]*pgx.QueuedQuery
-}
-
-// newBatch empties rb's batch, which was sent, for the next round trip,
-// and returns it.
-func (rb *reusedBatch) newBatch() *pgx.Batch {
-	queued := rb.b.QueuedQueries
-	if cap(queued) == 0 {
-		queued = rb.queued[:0]
-	}
-	clear(queued)
-	rb.b = pgx.Batch{QueuedQueries: queued[:0]}
-	return &rb.b
 }
 
 // newFlowRun returns the run of the executor that claimed the flow under
@@ -634,9 +412,6 @@ func newFlowRun(db TxBeginner, k keyRef, flow string, keys providerKeys, epoch i
 	r.noteCommit = func(tag pgconn.CommandTag) error {
 		r.commitTag = tag
 		return nil
-	}
-	if o.idleTimeout > 0 {
-		r.idleTimeout = dbsqlc.NewIdleTimeout(millis(o.idleTimeout))
 	}
 	r.scratch, r.patch = r.records[:0:128], r.records[128:128]
 	r.lease.init(o.lease)

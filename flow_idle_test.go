@@ -16,7 +16,8 @@ import (
 
 // TestFlowIdleTimeoutBoundsEachLocalStepsTransaction reads, in a local
 // step, the idle_in_transaction_session_timeout in force: a flow's default
-// (a minute) without the option, the option's value with it, and the
+// (a third of its lease, up to a minute) without the option, the option's
+// value with it, and the
 // session's own with zero or a negative value; with the step's BEGIN
 // pipelined, and with a BeginQuery of the caller's, which is not. It is
 // the transaction's alone: the connection has the session's back after
@@ -38,7 +39,7 @@ func TestFlowIdleTimeoutBoundsEachLocalStepsTransaction(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if session == "1min" {
+	if session == "1min" || session == "3334ms" {
 		t.Fatalf("the session's own idle_in_transaction_session_timeout is the flows' default, %s: the test could not tell them apart", session)
 	}
 	flow := idem.MustNewFlow(testdb.Name("idle"), func(_ context.Context, s *idem.Steps, _ int) (string, error) {
@@ -48,7 +49,8 @@ func TestFlowIdleTimeoutBoundsEachLocalStepsTransaction(t *testing.T) {
 		opts []idem.FlowOption
 		want string
 	}{
-		{nil, "1min"},
+		{nil, "3334ms"}, // the default lease, 10s, by 3
+		{[]idem.FlowOption{idem.WithLease(time.Hour)}, "1min"},
 		{[]idem.FlowOption{idem.WithIdleTimeout(2500 * time.Millisecond)}, "2500ms"},
 		{[]idem.FlowOption{idem.WithIdleTimeout(0)}, session},
 		{[]idem.FlowOption{idem.WithIdleTimeout(-time.Second)}, session},

@@ -33,7 +33,6 @@ const (
 	outcomeStopped   = "stopped"    // the flow needs a person's decision
 	outcomeCompleted = "completed"  // the flow's answer was recorded
 	outcomeLeaseLost = "lease_lost" // the executor lost the flow to another
-	outcomeFound     = "found"      // a first local step that found the flow there, as it began: not run (see flow_look.go)
 )
 
 // flowObservation is one run of a flow being observed; its methods do
@@ -115,13 +114,6 @@ func (obs *flowObservation) step(ctx context.Context, kind, spanName, name, prov
 	return ctx, func(err error) {
 		outcome := "done"
 		switch {
-		case errors.Is(err, errLooked):
-			// Not an attempt: the run's look found the flow there.
-			if span != nil {
-				span.SetAttributes(attribute.String("idem.outcome", outcomeFound))
-				span.End()
-			}
-			return
 		case errors.Is(err, ErrLeaseLost):
 			outcome = outcomeLeaseLost
 		case err != nil:

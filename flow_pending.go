@@ -161,10 +161,24 @@ type openStep struct {
 	// flow's lock as it began (FlowStartLock), and writes the flow's row
 	// (flowRun.start) as it commits (FlowStartHeld).
 	carries, starts bool
+	// namespace is what the claim's FlowStartLock read, the namespace of
+	// the flow's provider keys, for an openStep that is the claim's
+	// transaction (see claim).
+	namespace pgtype.UUID
 	// timer commits the transaction alone when the next step is late
 	// (commitIdle).
 	timer *time.Timer
 }
+
+// claim reports whether o is the claim's transaction, which holds the
+// flow's lock and no step yet (see flow_claim.go): the flow's first local
+// step runs in it, and what commits it writes the flow's row.
+func (o *openStep) claim() bool { return o.name == "" }
+
+// idle reports whether o's connection is in no transaction: the one the
+// step left open ended. On a TxBeginner that is no pgx connection it is
+// never known, and a rollback is sent all the same.
+func (o *openStep) idle() bool { return o.conn != nil && o.conn.PgConn().TxStatus() == 'I' }
 
 // maxOpenStep bounds how long a local step's transaction stays open after
 // its function returned, waiting for the flow's next step: past a third of
@@ -210,19 +224,26 @@ func (r *flowRun) commitIdle(open *openStep) {
 	}
 }
 
-// flushOpen commits the open step's transaction alone, if there is one,
-// and reports the error of one that committed alone.
-func (r *flowRun) flushOpen(ctx context.Context) error {
+// claimedOrFlushed returns the claim's transaction, still open, for the
+// flow's first local step to run in, and no longer the run's to commit;
+// otherwise it commits the open step's transaction alone, if there is
+// one, and reports the error of one that committed alone.
+func (r *flowRun) claimedOrFlushed(ctx context.Context) (*openStep, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if err := r.failed; err != nil {
 		r.failed = nil
-		return err
+		return nil, err
 	}
-	if r.open == nil {
-		return nil
+	switch open := r.open; {
+	case open == nil:
+		return nil, nil
+	case open.claim():
+		r.open = nil
+		open.timer.Stop()
+		return open, nil
 	}
-	return r.flushLocked(ctx, nil)
+	return nil, r.flushLocked(ctx, nil)
 }
 
 // flush commits what is pending with the statements queue queues (nil for
@@ -256,12 +277,12 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 		open.timer.Stop()
 	}
 	if r.taken != nil {
+		if open != nil {
+			r.discardOpen(ctx, open)
+		}
 		return r.taken
 	}
-	if err := r.look(ctx); err != nil {
-		return err
-	}
-	b := r.flushBatch.newBatch()
+	b := &pgx.Batch{}
 	leased := &r.flushLeased
 	*leased = true
 	carried := r.result != nil && (open == nil || open.carries)
@@ -277,7 +298,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	steps.b = r.patch[:0]
 	defer func() { r.patch = steps.b[:0] }()
 	steps.starting = held
-	if open != nil {
+	if open != nil && !open.claim() {
 		if open.record.row {
 			dbsqlc.QueueFlowStepRecord(b, open.record.rowParams(r.k))
 		} else {
@@ -324,7 +345,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	}
 	sent := time.Now()
 	if open == nil {
-		if err := r.started(st, sendFlowBatch(ctx, r.db, b)); errors.Is(err, errTaken) {
+		if err := r.started(st, sendBatch(ctx, r.db, b)); errors.Is(err, errTaken) {
 			return err
 		} else if err != nil {
 			return translate("record the call's result", err)
@@ -345,10 +366,20 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	}
 	defer releaseConn(open.pooled)
 	r.commitTag = pgconn.CommandTag{}
-	dbsqlc.QueueTxCommit(b).Exec(r.noteCommit)
-	err := r.started(st, sendOnConn(ctx, open.conn, open.tx, b))
+	var err error
+	if open.conn != nil {
+		dbsqlc.QueueTxCommit(b).Exec(r.noteCommit)
+		err = r.started(st, open.tx.SendBatch(ctx, b).Close())
+	} else if err = r.started(st, open.tx.SendBatch(ctx, b).Close()); err == nil {
+		// A TxBeginner that is no pgx connection: COMMIT through it.
+		err = open.tx.Commit(ctx)
+		r.commitTag = pgconn.NewCommandTag("COMMIT")
+		if errors.Is(err, pgx.ErrTxCommitRollback) {
+			err, r.commitTag = nil, pgconn.NewCommandTag("ROLLBACK")
+		}
+	}
 	commit := r.commitTag
-	if open.conn.PgConn().TxStatus() != 'I' {
+	if !open.idle() && (open.conn != nil || err != nil) {
 		rollback(ctx, open.tx)
 	}
 	switch {
@@ -379,9 +410,15 @@ func (r *flowRun) discard(ctx context.Context) {
 	defer r.mu.Unlock()
 	if open := r.open; open != nil {
 		r.open = nil
-		open.timer.Stop()
-		rollback(ctx, open.tx)
-		releaseConn(open.pooled)
+		r.discardOpen(ctx, open)
 	}
 	r.result = nil
+}
+
+// discardOpen rolls open back, no longer the run's, and gives its
+// connection back.
+func (r *flowRun) discardOpen(ctx context.Context, open *openStep) {
+	open.timer.Stop()
+	rollback(ctx, open.tx)
+	releaseConn(open.pooled)
 }

@@ -14,8 +14,11 @@ func TestAnOpenStepCommitsWellWithinItsIdleTimeout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if flow.idleTimeout != DefaultFlowIdleTimeout {
-		t.Fatalf("a flow's idle timeout is %s by default, want %s", flow.idleTimeout, DefaultFlowIdleTimeout)
+	if flow.idleTimeout != DefaultLease/3 {
+		t.Fatalf("a flow's idle timeout is %s by default, want a third of its lease, %s", flow.idleTimeout, DefaultLease/3)
+	}
+	if long, err := newOptions([]FlowOption{WithLease(time.Hour)}); err != nil || long.idleTimeout != DefaultFlowIdleTimeout {
+		t.Fatalf("with a lease of an hour, a flow's idle timeout is %s (%v), want %s", long.idleTimeout, err, DefaultFlowIdleTimeout)
 	}
 	for _, c := range []struct {
 		lease, idle, want time.Duration

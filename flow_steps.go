@@ -5,10 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
@@ -98,74 +98,61 @@ func Local[T any](s *Steps, name string, fn func(ctx context.Context, tx pgx.Tx)
 // runLocal is one attempt of a local step. On a connection it drives (a
 // pool's, with neither a BeginQuery nor a CommitQuery of the caller's, and
 // an isolation level below serializable, whose COMMIT can fail after the
-// step has returned), runLocalOpen runs it: BEGIN with the flow's row
-// locked sent with fn's first statement, and the transaction left open
+// step has returned), runLocalOpen runs it: the transaction is left open
 // with the step's record still to send (and the last call's result, if
-// it is not recorded yet): the flow's next statement records them in the
-// flow's row and commits them (flowRun.flush). Otherwise it sends BEGIN
-// with the flow's row locked (FlowLock), in one round trip, then runs fn,
-// and renews the lease, for the
-// steps after this one, recording them in the same write (FlowLeaseSteps),
-// with COMMIT, in one round trip where it can; a BeginQuery or CommitQuery of the caller's (WithTxOptions) is
-// run as given, through pgx, as Run runs it.
+// it is not recorded yet), and the flow's next statement records them in
+// the flow's row and commits them (flowRun.flush). Otherwise the step
+// begins its transaction with the flow's row locked (FlowLock), in one
+// round trip, before fn runs, and once fn has returned renews the lease,
+// for the steps after this one, recording them in the same write
+// (FlowLeaseSteps), with COMMIT, in one round trip where it can; a
+// BeginQuery or CommitQuery of the caller's (WithTxOptions) is run as
+// given, through pgx, as Run runs it. The flow's first local step runs in
+// the claim's transaction, which holds the flow's lock, and writes the
+// flow's row as it commits (FlowStartHeld).
 func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	var zero T
-	// The step before this one, if local, commits first (and the error of
-	// one that committed alone is reported).
-	if err := r.flushOpen(ctx); err != nil {
+	// The claim's transaction, for the flow's first step; or the step
+	// before this one, if local, commits first (and the error of one that
+	// committed alone is reported).
+	claimed, err := r.claimedOrFlushed(ctx)
+	if err != nil {
 		return zero, err
 	}
-	conn, pooled, err := stepConn(ctx, r.db)
-	if err != nil {
+	var conn *pgx.Conn
+	var pooled *pgxpool.Conn
+	if claimed != nil {
+		conn, pooled = claimed.conn, claimed.pooled
+	} else if conn, pooled, err = stepConn(ctx, r.db); err != nil {
 		return zero, fmt.Errorf("acquire connection: %w", err)
 	}
-	kept := false
-	defer func() {
-		if !kept {
-			releaseConn(pooled)
-		}
-	}()
 	opts := r.o.txOptions
 	pipelined := conn != nil && opts.BeginQuery == "" && opts.CommitQuery == ""
 	if pipelined && opts.IsoLevel != pgx.Serializable {
-		kept = true // runLocalOpen's
-		return runLocalOpen(ctx, r, seq, name, fn, conn, pooled, opts)
+		return runLocalOpen(ctx, r, seq, name, fn, conn, pooled, opts, claimed)
 	}
-	var looker TxBeginner = r.db // on the connection held, if any
-	if conn != nil {
-		looker = conn
-	}
-	if err := r.lookOn(ctx, looker); err != nil {
-		return zero, err
-	}
-	if r.result != nil && !pipelined {
-		if err := r.flush(ctx, nil); err != nil {
-			return zero, err
-		}
-	}
+	defer releaseConn(pooled)
 	lease := dbsqlc.FlowLeaseStepsParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	lock := dbsqlc.FlowLockParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
 	var tx pgx.Tx
-	leased := &r.stepLeased
-	*leased = false
 	var st *starting
 	carries := r.result != nil
 	sent := time.Now()
 	switch {
+	case claimed != nil:
+		// The claim's transaction, begun with opts, holds the flow's lock:
+		// the row is written as the step commits (FlowStartHeld).
+		tx = claimed.tx
 	case pipelined:
-		b := r.stepBatch.newBatch()
-		queueBegin(b, conn, opts)
-		r.queueIdleTimeout(b)
-		// The flow's row locked first (FlowLock), not written: the
-		// step's one write of it, once its function has returned, renews
-		// the lease and records the step, and the call's result that is
-		// still to record. A flow not started yet is started here
-		// instead, leased (a call's result is never pending then: its
-		// intent started the flow).
+		b := &pgx.Batch{}
+		b.BeginTx(opts)
+		queueIdleTimeout(b, r.o, namedFor(r.db))
 		if st = r.queueStart(b, name); st == nil {
 			dbsqlc.QueueFlowLock(b, lock)
 		}
-		tx, err = r.sendBegin(ctx, conn, b, opts)
+		results := conn.SendBatch(ctx, b)
+		tx = results.Tx()
+		err = results.Close()
 	default:
 		var beginner TxBeginner = r.db
 		if conn != nil {
@@ -173,7 +160,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		}
 		if tx, err = beginner.BeginTx(ctx, opts); err == nil {
 			b := &pgx.Batch{}
-			r.queueIdleTimeout(b)
+			queueIdleTimeout(b, r.o, namedFor(r.db))
 			if st = r.queueStart(b, name); st == nil {
 				dbsqlc.QueueFlowLock(b, lock)
 			}
@@ -181,10 +168,9 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		}
 	}
 	err = r.started(st, err)
-	*leased = err == nil
 	ended := false
 	defer func() {
-		if !ended && tx != nil && (!pipelined || conn.PgConn().TxStatus() != 'I') {
+		if !ended && tx != nil && (conn == nil || conn.PgConn().TxStatus() != 'I') {
 			rollback(ctx, tx)
 		}
 	}()
@@ -196,14 +182,21 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	case err != nil:
 		return zero, translate("begin, locking the flow", err)
 	}
-	if !*leased {
-		return zero, r.lostError()
-	}
 	if st != nil {
 		r.lease.renewed(sent) // FlowStart leased the flow; FlowLock renews nothing
 	}
 
-	value, err := fn(ctx, tx)
+	// On a TxBeginner that is no pgx connection (idemsql's, whose Unwrap
+	// needs its own transaction), fn gets that transaction, which the
+	// step commits as soon as fn returns, and which refuses what comes
+	// after.
+	stx := r.openStepTx(ctx, conn, tx, claimed != nil)
+	var ftx pgx.Tx = stx
+	if conn == nil {
+		ftx = tx
+	}
+	value, err := fn(ctx, ftx)
+	stx.closed.Store(true)
 	if err != nil {
 		return zero, err
 	}
@@ -213,7 +206,8 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}
 	// The flow's row is locked since the step began, so the renewal finds
 	// the lease as the step's first statement left it; it records the
-	// step in the same write.
+	// step in the same write. A row still to write (the claim's) carries
+	// the records instead.
 	sent = time.Now()
 	steps := stepPatch{base: r.base.Load()}
 	if !record.row {
@@ -223,70 +217,43 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		steps.put(r.result.seq, &r.result.rec, r.result.rec.inRow)
 	}
 	lease.Steps = steps.text()
-	if !pipelined {
-		q := dbsqlc.New(tx)
-		if record.row {
-			if err := q.FlowStepRecord(ctx, record.rowParams(r.k)); err != nil {
-				return zero, translate("record step", err)
-			}
-		}
-		if len(steps.updates) > 0 {
-			if _, err := q.FlowStepRowsUpdate(ctx, dbsqlc.FlowStepRowsUpdateParams{Steps: string(steps.updates) + "}",
-				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}); err != nil {
-				return zero, translate("record step", err)
-			}
-		}
-		var err error
-		if steps.empty() {
-			_, err = q.FlowLease(ctx, bareLease(lease))
-		} else {
-			_, err = q.FlowLeaseSteps(ctx, lease)
-		}
-		if err != nil {
-			return zero, translate("record step", err)
-		}
-		ended = true
-		if err := tx.Commit(ctx); err != nil {
-			return zero, translate("commit", err)
-		}
-		if st != nil {
-			r.startCommitted()
-		}
-		r.lease.renewed(sent)
-		return decodedResult[T](r, encoded)
-	}
-	b := r.stepBatch.newBatch()
+	b := &pgx.Batch{}
 	if record.row {
 		dbsqlc.QueueFlowStepRecord(b, record.rowParams(r.k))
 	}
-	rowStatements := r.queueStepRows(b, &steps)
-	queueLease(b, lease, &steps, leased)
-	dbsqlc.QueueTxCommit(b)
-	results := tx.SendBatch(ctx, b)
-	var recordErr error
-	if record.row {
-		_, recordErr = results.Exec()
+	r.queueStepRows(b, &steps)
+	leased := &r.stepLeased
+	*leased = false
+	if claimed != nil {
+		st = r.queueStartHeld(b, name, steps.text())
+	} else {
+		queueLease(b, lease, &steps, leased)
 	}
-	for range rowStatements {
-		if _, err := results.Exec(); recordErr == nil {
-			recordErr = err
+	var commitTag pgconn.CommandTag
+	if pipelined {
+		dbsqlc.QueueTxCommit(b).Exec(func(tag pgconn.CommandTag) error {
+			commitTag = tag
+			return nil
+		})
+	}
+	err = r.started(st, tx.SendBatch(ctx, b).Close())
+	if !pipelined && err == nil {
+		ended = true
+		if err = tx.Commit(ctx); err != nil {
+			return zero, translate("commit", err)
 		}
+		commitTag = pgconn.NewCommandTag("COMMIT")
 	}
-	if _, err := results.Exec(); recordErr == nil { // FlowLeaseSteps: the row is held, it renews and records
-		recordErr = err
-	}
-	tag, commitErr := results.Exec()
-	closeErr := results.Close()
-	ended = conn.PgConn().TxStatus() == 'I'
+	ended = ended || conn.PgConn().TxStatus() == 'I'
 	switch {
-	case recordErr != nil:
-		return zero, translate("record step", recordErr)
-	case commitErr != nil:
-		return zero, translate("commit", commitErr)
-	case closeErr != nil:
-		return zero, translate("commit", closeErr)
-	case tag.String() == "ROLLBACK":
+	case errors.Is(err, errTaken):
+		return zero, err
+	case err != nil:
+		return zero, translate("record step", err)
+	case commitTag.String() == "ROLLBACK":
 		return zero, translate("commit", pgx.ErrTxCommitRollback)
+	case claimed == nil && !*leased:
+		return zero, r.lostError()
 	}
 	if carries {
 		r.result = nil
@@ -296,6 +263,64 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}
 	r.lease.renewed(sent)
 	return decodedResult[T](r, encoded)
+}
+
+// runLocalOpen is an attempt of a local step whose transaction stays open
+// when its function returns (see runLocal), on conn, pooled's (nil for
+// none), which it gives back unless the step is left open: the claim's
+// transaction, for the flow's first step (claimed), or one that begins
+// with the function's first statement (stepTx). It is left open, its
+// record unsent, for the flow's next statement to commit
+// (flowRun.flush).
+func runLocalOpen[T any](ctx context.Context, r *flowRun, seq int32, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error),
+	conn *pgx.Conn, pooled *pgxpool.Conn, opts pgx.TxOptions, claimed *openStep) (T, error) {
+	var zero T
+	var t *stepTx
+	if claimed != nil {
+		t = r.openStepTx(ctx, conn, claimed.tx, true)
+	} else {
+		t = r.newStepTx(ctx, conn, opts)
+	}
+	kept := false
+	defer func() {
+		if kept {
+			return
+		}
+		_ = t.over(nil)
+		if t.tx != nil && conn.PgConn().TxStatus() != 'I' {
+			rollback(ctx, t.tx)
+		}
+		releaseConn(pooled)
+	}()
+	carries := r.result != nil
+	value, err := fn(ctx, t)
+	t.closed.Store(true)
+	if err != nil && t.b != nil {
+		return zero, err // nothing was sent
+	}
+	if t.first != nil {
+		// Rows fn left open: the step fails, as its commit would on
+		// pgx's transaction (the deferred cleanup closes them).
+		return zero, errStepConnBusy
+	}
+	if _, beginErr := t.begin(ctx); beginErr != nil {
+		return zero, beginErr
+	}
+	if err != nil {
+		return zero, err
+	}
+	record, encoded, err := localRecord(r, seq, name, value)
+	if err != nil {
+		return zero, err
+	}
+	value, err = decodedResult[T](r, encoded)
+	if err != nil {
+		return zero, err
+	}
+	lease := dbsqlc.FlowLeaseStepsParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
+	r.keepOpen(&openStep{name: name, conn: conn, pooled: pooled, tx: t.tx, record: record, lease: lease, carries: carries, starts: t.starts})
+	kept = true
+	return value, nil
 }
 
 // localRecord is the record of a local step that returned value, and the
@@ -328,100 +353,6 @@ func stepConn(ctx context.Context, db TxBeginner) (conn *pgx.Conn, pooled *pgxpo
 func releaseConn(pooled *pgxpool.Conn) {
 	if pooled != nil {
 		pooled.Release()
-	}
-}
-
-// queueBegin queues on b, empty, what begins a local step's transaction
-// with opts, on conn: the statement itself when conn takes batches through
-// dbsqlc.SendFlat (sendBegin makes the pgx.Tx), otherwise
-// pgx.Batch.BeginTx.
-func queueBegin(b *pgx.Batch, conn *pgx.Conn, opts pgx.TxOptions) {
-	if dbsqlc.CanSendFlat(conn) {
-		b.Queue(beginSQL(opts))
-		return
-	}
-	b.BeginTx(opts)
-}
-
-// sendBegin sends b, which begins a transaction (queueBegin, or a BEGIN
-// queued after the flow's lock, see newStepTx), on conn, and returns the
-// transaction, as conn.SendBatch's results do, and the batch's error.
-// Where the BEGIN was queued as any statement (through dbsqlc.SendFlat,
-// or after the lock), pgx's transaction over the one b began is that of
-// an empty batch that begins one, which sends nothing
-// (TestAnEmptyBatchBeginsNoTransaction).
-func (r *flowRun) sendBegin(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, opts pgx.TxOptions) (pgx.Tx, error) {
-	sent, err := dbsqlc.SendFlat(ctx, conn, b)
-	if !sent {
-		results := conn.SendBatch(ctx, b)
-		tx := results.Tx()
-		if err = results.Close(); tx != nil {
-			return tx, err
-		}
-	}
-	if sent || conn.PgConn().TxStatus() != 'I' { // b's BEGIN: queued as any statement
-		if tx := txOver(ctx, conn, emptyBegin(opts)); tx != nil {
-			return tx, err
-		}
-	}
-	// pgx made no transaction of b, or of an empty batch: one of its own,
-	// over the one b began, if b did (a BEGIN in a transaction only warns),
-	// at the cost of a round trip.
-	if conn.PgConn().TxStatus() == 'I' {
-		return nil, err
-	}
-	tx, beginErr := conn.BeginTx(ctx, opts)
-	if beginErr != nil && err == nil {
-		err = beginErr
-	}
-	return tx, err
-}
-
-// emptyBegin returns an empty batch that begins a transaction with opts:
-// one per opts, made once, and shared (pgx only reads a batch it sends).
-func emptyBegin(opts pgx.TxOptions) *pgx.Batch {
-	emptyBegins.mu.RLock()
-	b, ok := emptyBegins.m[opts]
-	emptyBegins.mu.RUnlock()
-	if ok {
-		return b
-	}
-	b = &pgx.Batch{}
-	b.BeginTx(opts)
-	b.QueuedQueries = nil
-	emptyBegins.mu.Lock()
-	defer emptyBegins.mu.Unlock()
-	if emptyBegins.m == nil {
-		emptyBegins.m = make(map[pgx.TxOptions]*pgx.Batch)
-	}
-	emptyBegins.m[opts] = b
-	return b
-}
-
-// emptyBegins are emptyBegin's batches, by their options, which a program
-// has a few of.
-var emptyBegins struct {
-	mu sync.RWMutex
-	m  map[pgx.TxOptions]*pgx.Batch
-}
-
-// txOver returns pgx's transaction over the one conn is in: that of
-// empty, an empty batch that begins one (emptyBegin), or nil if pgx makes
-// none of it. It is closed when conn is in no transaction.
-func txOver(ctx context.Context, conn *pgx.Conn, empty *pgx.Batch) pgx.Tx {
-	results := conn.SendBatch(ctx, empty)
-	tx := results.Tx()
-	_ = results.Close()
-	return tx
-}
-
-// queueIdleTimeout queues, at the start of a local step's transaction,
-// the bound of how long it may sit idle (WithIdleTimeout), if any: an
-// executor frozen in the step, or before its next statement commits it,
-// holds the flow's row until the server ends its session.
-func (r *flowRun) queueIdleTimeout(b *pgx.Batch) {
-	if r.o.idleTimeout > 0 {
-		dbsqlc.QueueTxIdleTimeout(b, r.idleTimeout)
 	}
 }
 

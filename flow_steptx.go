@@ -3,141 +3,105 @@ package idem
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/dbsqlc"
-	"github.com/pgidem/idem/internal/pgtime"
 )
 
-// A local step whose transaction stays open (see flow_pending.go) begins
-// it with its function's first statement, in one round trip: the lock of
-// the flow (BEGIN, then FlowLock; for a flow that no one has started,
-// FlowStartLock, the run's look at the flow, see flow_look.go, and
-// FlowStartFree, then BEGIN), then the statement. The lock fails when the flow is not the
-// executor's, or not free to start, and the server runs nothing
-// sent after it: a fenced executor's statement never runs, and the
-// function gets ErrLeaseLost (or the run looks at the flow again, as a
-// duplicate). The step's function may therefore start before the lock is
-// taken, up to its first statement; it never runs a statement without it.
+// A local step's function gets a stepTx, the step's transaction, which
+// stops working once the function returns: every method then returns
+// pgx.ErrTxClosed, so that a statement sent later (by a goroutine the
+// step started, or on a Tx kept in a struct) runs nowhere, rather than on
+// a connection that idem commits, or has given back to its pool.
 //
-// The statement travels so when it has arguments (pgx runs a statement
-// without arguments through the simple protocol, which may hold several),
-// no options, and the connection has no tracer (which would not see it):
-// see dbsqlc.SendFlatOpen for the rest. Otherwise, and for anything else
-// the function does with the transaction, the BEGIN and the lock are sent
-// first, alone, as they would be without this.
+// A step whose transaction is not open yet (every local step of a flow
+// but its first, which runs in the claim's: see flow_claim.go) begins it
+// with its function's first statement, in one round trip, through pgx's
+// batch: BEGIN, the idle timeout and the lock of the flow's row
+// (FlowLock; for a flow whose claim's transaction was lost, its advisory
+// lock and the check that it has no row, FlowStartLock and FlowStartFree),
+// then the statement. The lock fails when the flow is not the executor's,
+// and the server runs nothing sent after it: a fenced executor's
+// statement never runs, and the function gets ErrLeaseLost. The step's
+// function is entered only once the run knows it holds the flow (its
+// lease holds by its own clock, see Local), but may run up to its first
+// statement before the server has checked it. The statement travels so
+// when it has arguments (pgx runs a statement without arguments through
+// the simple protocol, which may hold several) and no options of pgx's;
+// otherwise, and for anything else the function does with the
+// transaction, BEGIN and the lock are sent first, alone.
 
-// stepTx is the pgx.Tx a local step's function gets when the step's
-// transaction stays open: it begins the transaction with the function's
-// first statement.
+// stepTx is the pgx.Tx a local step's function gets.
 type stepTx struct {
 	r    *flowRun
 	ctx  context.Context // the step's, for what has no context of its own
 	conn *pgx.Conn
-	opts pgx.TxOptions
 	// b is what begins the transaction, queued, until it is sent (nil
-	// after); starts is set when it takes the flow's advisory lock
-	// (FlowStartLock), which reads namespace.
+	// after, and for a transaction that was open already); starts is set
+	// when it takes the flow's advisory lock (FlowStartLock), which reads
+	// namespace.
 	b         *pgx.Batch
 	starts    bool
 	namespace pgtype.UUID
-	// late is set when b begins the transaction after the flow's
-	// advisory lock (see newStepTx).
-	late bool
-	// tx is pgx's transaction, once the round trip that began it is over;
-	// err is why it did not begin: the flow not held (ErrLeaseLost), taken
-	// (errTaken), or the round trip's error.
+	// tx is pgx's transaction, once it began; err is why it did not: the
+	// flow not held (ErrLeaseLost), taken (errTaken), or the round trip's
+	// error.
 	tx  pgx.Tx
 	err error
-	// open is the first statement's result while it is read.
-	open *dbsqlc.Open
+	// first is the round trip of the function's first statement while
+	// its result is read.
+	first pgx.BatchResults
+	// closed is set when the function returns.
+	closed atomic.Bool
 }
 
-// newStepTx queues what begins a local step's transaction on conn, with
-// opts: BEGIN, the idle timeout and the flow's lock. For a flow that no
-// one has started, BEGIN goes after the flow's advisory lock, the run's
-// look at the flow and the check that it is not there, where it can
-// (beginsLate, dbsqlc.CanBeginLate): they run in the round trip's implicit
-// transaction, which BEGIN then makes the step's (the advisory lock held
-// until it ends), or which ends with the round trip when the lock or the
-// check failed, so that a run that found its flow there leaves the
-// connection idle, with no ROLLBACK to send: a replay stays one round
-// trip. On a session whose transactions have another isolation level,
-// that BEGIN fails, nothing of the round trip runs, and it is sent again
-// with BEGIN first, as on that connection from then on. The lock of the
-// flow's row (FlowLock) always comes after BEGIN: on Citus, a statement
-// of an implicit transaction runs on its worker as a transaction of its
-// own, whose row lock would end with it.
+// newStepTx returns the transaction of a local step that begins it on
+// conn with opts, with the function's first statement: BEGIN, the idle
+// timeout and the flow's lock queued. A flow not started yet (its claim's
+// transaction lost to an earlier step that failed) takes its advisory
+// lock instead, and checks that it has no row.
 func (r *flowRun) newStepTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) *stepTx {
-	t := &stepTx{r: r, ctx: ctx, conn: conn, opts: opts, starts: r.start != nil}
-	t.queue()
-	return t
-}
-
-// queue queues what begins the transaction on a new batch, t.b.
-func (t *stepTx) queue() {
-	r := t.r
-	t.b = r.stepBatch.newBatch()
-	t.late = t.starts && beginsLate(t.opts) && dbsqlc.CanBeginLate(t.conn)
-	if !t.late {
-		queueBegin(t.b, t.conn, t.opts)
-		r.queueIdleTimeout(t.b)
-	}
+	t := &stepTx{r: r, ctx: ctx, conn: conn, starts: r.start != nil, b: &pgx.Batch{}}
+	t.b.BeginTx(opts)
+	queueIdleTimeout(t.b, r.o, namedFor(r.db))
 	if p := r.start; p != nil {
-		// The look and the check after the lock, with snapshots that see
-		// a row its previous holder committed.
-		dbsqlc.QueueFlowStartLock(t.b, p.LockID, &t.namespace)
-		r.queueLook(t.b)
-		dbsqlc.QueueFlowStartFree(t.b, dbsqlc.FlowStartFreeParams{Scope: p.Scope, Key: p.Key})
+		dbsqlc.QueueFlowStartLock(t.b, nil, p.LockID, &t.namespace)
+		dbsqlc.QueueFlowStartFree(t.b, nil, dbsqlc.FlowStartFreeParams{Scope: p.Scope, Key: p.Key})
 	} else {
 		dbsqlc.QueueFlowLock(t.b, dbsqlc.FlowLockParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
 	}
-	if t.late {
-		t.b.Queue(beginSQL(t.opts))
-		r.queueIdleTimeout(t.b)
-	}
+	return t
 }
 
-// beginsLate reports whether a transaction begun with opts may begin
-// after other statements: one of the session's isolation level (the
-// default, read committed, where it is the session's).
-func beginsLate(opts pgx.TxOptions) bool {
-	return opts == pgx.TxOptions{} || opts == pgx.TxOptions{IsoLevel: pgx.ReadCommitted}
+// openStepTx returns the transaction of a local step that runs in tx,
+// open already, on conn (nil for a TxBeginner that is no pgx connection):
+// the claim's, which holds the flow's lock, when starts is set.
+func (r *flowRun) openStepTx(ctx context.Context, conn *pgx.Conn, tx pgx.Tx, starts bool) *stepTx {
+	return &stepTx{r: r, ctx: ctx, conn: conn, tx: tx, starts: starts}
 }
 
 // judge turns the error of the statements that begin the transaction into
 // why it did not begin, and notes what the lock read.
 func (t *stepTx) judge(err error) error {
-	if t.starts && t.r.unlooked {
-		if err := t.r.looked(true, err); err != nil {
-			return err
-		}
-	}
 	switch {
 	case errors.Is(err, dbsqlc.ErrNotHeld) && t.starts:
+		t.r.mu.Lock()
 		t.r.taken = errTaken
+		t.r.mu.Unlock()
 		return errTaken
 	case errors.Is(err, dbsqlc.ErrNotHeld):
 		return t.r.lostError()
 	case err != nil:
 		return translate("begin, locking the flow", err)
 	}
-	if t.starts {
+	if t.starts && t.b == nil && t.namespace.Valid {
 		t.r.keys = providerKeys{namespace: t.namespace}
 	}
 	return nil
-}
-
-// RoundTripOver notes that the round trip that began the transaction is
-// over: pgx's transaction over it, closed if it is not open (made of an
-// empty batch, which sends nothing, so under no context).
-func (t *stepTx) RoundTripOver(error) {
-	t.open = nil
-	t.tx = txOver(context.Background(), t.conn, emptyBegin(t.opts))
 }
 
 // errStepConnBusy is what a statement gets while the rows of the step's
@@ -149,77 +113,106 @@ var errStepConnBusy = errors.New("idem: conn busy: the rows of the step's first 
 // and returns pgx's transaction, or why the transaction did not begin, or
 // errStepConnBusy while the first statement's rows are open.
 func (t *stepTx) begin(ctx context.Context) (pgx.Tx, error) {
-	if t.open != nil {
+	if t.first != nil {
 		return nil, errStepConnBusy
 	}
-	if t.b != nil {
-		b := t.b
+	if b := t.b; b != nil {
+		results := t.conn.SendBatch(ctx, b)
+		t.tx = results.Tx()
 		t.b = nil
-		tx, err := t.r.sendBegin(ctx, t.conn, b, t.opts)
-		if t.late && dbsqlc.BeganTooLate(t.conn, err) {
-			// Nothing ran: again, BEGIN first.
-			t.queue()
-			b = t.b
-			t.b = nil
-			tx, err = t.r.sendBegin(ctx, t.conn, b, t.opts)
-		}
-		t.tx = tx
-		if t.tx == nil {
-			t.RoundTripOver(err)
-		}
-		t.err = t.judge(err)
+		t.err = t.judge(results.Close())
 	}
 	return t.tx, t.err
 }
 
-// sendWith sends what begins the transaction with the statement sql, args,
-// in one round trip, and returns the statement's result to read, or ok
-// false when nothing was sent and the statement is to be sent otherwise.
-// t.err is set when the transaction did not begin (open is nil then).
-func (t *stepTx) sendWith(ctx context.Context, sql string, args []any) (open *dbsqlc.Open, ok bool) {
-	if t.b == nil || t.conn.Config().Tracer != nil {
-		return nil, false
+// sendWith sends what begins the transaction with the statement sql,
+// args, in one round trip, reads the results of what begins it, and
+// reports whether it did: then the statement's result is to read from
+// t.first, or, when the transaction did not begin, t.err says why. When
+// it did not send (nothing to begin, options, no arguments, or arguments
+// pgx could not encode), the statement is to be sent otherwise.
+func (t *stepTx) sendWith(ctx context.Context, sql string, args []any) bool {
+	if t.b == nil || len(args) == 0 || queryTracedOnly(t.conn) {
+		return false
 	}
 	for _, arg := range args {
 		switch arg.(type) {
 		case pgx.QueryExecMode, pgx.QueryRewriter, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
-			return nil, false
+			return false
 		}
 	}
 	b := t.b
+	n := len(b.QueuedQueries)
 	b.Queue(sql, args...)
-	open, sent, err := dbsqlc.SendFlatOpen(ctx, t.conn, b, t)
-	if sent && t.late && dbsqlc.BeganTooLate(t.conn, err) {
-		// Nothing ran: again, BEGIN first.
-		t.queue()
-		t.tx = nil
-		b = t.b
-		b.Queue(sql, args...)
-		open, sent, err = dbsqlc.SendFlatOpen(ctx, t.conn, b, t)
+	results := t.conn.SendBatch(ctx, b)
+	var err error
+	for _, q := range b.QueuedQueries[:n] {
+		if q.Fn != nil {
+			err = q.Fn(results)
+		} else {
+			_, err = results.Exec()
+		}
+		if err != nil {
+			break
+		}
 	}
-	if !sent {
-		b.QueuedQueries = b.QueuedQueries[:len(b.QueuedQueries)-1]
-		return nil, false
+	if err != nil {
+		closeErr := results.Close()
+		if errors.As(err, new(pgx.ErrPreprocessingBatch)) && t.conn.PgConn().TxStatus() == 'I' {
+			// Nothing was sent: the statement could not be prepared or
+			// its arguments encoded. What begins the transaction goes
+			// alone, and the statement fails on its own.
+			b.QueuedQueries = b.QueuedQueries[:n]
+			return false
+		}
+		t.b = nil
+		t.tx = results.Tx()
+		if closeErr != nil && !errors.Is(err, dbsqlc.ErrNotHeld) {
+			err = closeErr
+		}
+		t.err = t.judge(err)
+		return true
 	}
 	t.b = nil
-	if t.err = t.judge(err); t.err != nil {
-		if t.tx == nil { // failed before the round trip (a prepare)
-			t.RoundTripOver(err)
-		}
-		return nil, true
+	t.tx = results.Tx()
+	t.err = t.judge(nil)
+	t.first = results
+	return true
+}
+
+// queryTracedOnly reports whether conn's tracer traces statements sent
+// alone but not batches, which would not see the function's statement if
+// it went with a batch.
+func queryTracedOnly(conn *pgx.Conn) bool {
+	tracer := conn.Config().Tracer
+	_, batches := tracer.(pgx.BatchTracer)
+	return tracer != nil && !batches
+}
+
+// over ends the first statement's round trip, once its result is read,
+// and returns err, or the round trip's error.
+func (t *stepTx) over(err error) error {
+	if t.first == nil {
+		return err
 	}
-	t.open = open
-	return open, true
+	closeErr := t.first.Close()
+	t.first = nil
+	if err == nil {
+		err = closeErr
+	}
+	return err
 }
 
 func (t *stepTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if len(args) > 0 {
-		if open, ok := t.sendWith(ctx, sql, args); ok {
-			if open == nil {
-				return pgconn.CommandTag{}, t.err
-			}
-			return open.Exec()
+	if t.closed.Load() {
+		return pgconn.CommandTag{}, pgx.ErrTxClosed
+	}
+	if t.sendWith(ctx, sql, args) {
+		if t.first == nil {
+			return pgconn.CommandTag{}, t.err
 		}
+		tag, err := t.first.Exec()
+		return tag, t.over(err)
 	}
 	tx, err := t.begin(ctx)
 	if err != nil {
@@ -229,11 +222,20 @@ func (t *stepTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.Comm
 }
 
 func (t *stepTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if open, ok := t.sendWith(ctx, sql, args); ok {
-		if open == nil {
+	if t.closed.Load() {
+		return errRows{pgx.ErrTxClosed}, pgx.ErrTxClosed
+	}
+	if t.sendWith(ctx, sql, args) {
+		if t.first == nil {
 			return errRows{t.err}, t.err
 		}
-		return open.Query()
+		rows, err := t.first.Query()
+		if err != nil {
+			rows.Close()
+			err = t.over(err)
+			return errRows{err}, err
+		}
+		return &firstRows{Rows: rows, t: t}, nil
 	}
 	tx, err := t.begin(ctx)
 	if err != nil {
@@ -243,11 +245,14 @@ func (t *stepTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 }
 
 func (t *stepTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if open, ok := t.sendWith(ctx, sql, args); ok {
-		if open == nil {
+	if t.closed.Load() {
+		return errRows{pgx.ErrTxClosed}
+	}
+	if t.sendWith(ctx, sql, args) {
+		if t.first == nil {
 			return errRows{t.err}
 		}
-		return open.QueryRow()
+		return firstRow{row: t.first.QueryRow(), t: t}
 	}
 	tx, err := t.begin(ctx)
 	if err != nil {
@@ -256,31 +261,83 @@ func (t *stepTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 	return tx.QueryRow(ctx, sql, args...)
 }
 
+// firstRows are the rows of the step's first statement: closing them, or
+// reading past the last, ends its round trip.
+type firstRows struct {
+	pgx.Rows
+	t    *stepTx
+	done bool
+}
+
+func (r *firstRows) end() {
+	if !r.done {
+		r.done = true
+		r.Rows.Close()
+		_ = r.t.over(nil)
+	}
+}
+
+func (r *firstRows) Next() bool {
+	if r.done {
+		return false
+	}
+	if !r.Rows.Next() {
+		r.end()
+		return false
+	}
+	return true
+}
+
+func (r *firstRows) Close() { r.end() }
+
+// firstRow is the row of the step's first statement: scanning it ends its
+// round trip.
+type firstRow struct {
+	row pgx.Row
+	t   *stepTx
+}
+
+func (r firstRow) Scan(dest ...any) error { return r.t.over(r.row.Scan(dest...)) }
+
 func (t *stepTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if t.closed.Load() {
+		return nil, pgx.ErrTxClosed
+	}
 	tx, err := t.begin(ctx)
 	if err != nil {
 		return nil, err
 	}
-	return tx.Begin(ctx)
-}
-
-func (t *stepTx) Commit(ctx context.Context) error {
-	tx, err := t.begin(ctx)
+	nested, err := tx.Begin(ctx)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	return tx.Commit(ctx)
+	return &nestedStepTx{Tx: nested, step: t}, nil
 }
 
-func (t *stepTx) Rollback(ctx context.Context) error {
-	tx, err := t.begin(ctx)
-	if tx == nil {
-		return err
+// Commit and Rollback refuse: the step's transaction commits with the
+// step's record, or not at all, which returning an error from the
+// function asks for.
+func (t *stepTx) Commit(context.Context) error {
+	if t.closed.Load() {
+		return pgx.ErrTxClosed
 	}
-	return tx.Rollback(ctx)
+	return errStepTxEnd
 }
+
+func (t *stepTx) Rollback(context.Context) error {
+	if t.closed.Load() {
+		return pgx.ErrTxClosed
+	}
+	return errStepTxEnd
+}
+
+// errStepTxEnd is what Commit and Rollback return on a step's transaction.
+var errStepTxEnd = errors.New("idem: a local step's transaction commits with the step, when its function returns nil: return an error to roll it back")
 
 func (t *stepTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
+	if t.closed.Load() {
+		return 0, pgx.ErrTxClosed
+	}
 	tx, err := t.begin(ctx)
 	if err != nil {
 		return 0, err
@@ -289,6 +346,9 @@ func (t *stepTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnN
 }
 
 func (t *stepTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if t.closed.Load() {
+		return pgx.FailedBatchResults(b, pgx.ErrTxClosed)
+	}
 	tx, err := t.begin(ctx)
 	if err != nil {
 		return pgx.FailedBatchResults(b, err)
@@ -297,6 +357,9 @@ func (t *stepTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 }
 
 func (t *stepTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if t.closed.Load() {
+		return nil, pgx.ErrTxClosed
+	}
 	tx, err := t.begin(ctx)
 	if err != nil {
 		return nil, err
@@ -306,35 +369,119 @@ func (t *stepTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Stateme
 
 // LargeObjects begins the transaction first, under the step's context: a
 // transaction that did not begin is closed, and its large objects fail;
-// while the first statement's rows are open, they are closed first.
+// while the first statement's rows are open, they are closed first. The
+// large objects, pgx's, do not know when the function returns: they must
+// not outlive it.
 func (t *stepTx) LargeObjects() pgx.LargeObjects {
-	if t.open != nil {
-		t.open.Close()
+	if t.first != nil {
+		_ = t.over(nil)
+	}
+	if t.closed.Load() {
+		return closedTx.LargeObjects()
 	}
 	tx, _ := t.begin(t.ctx)
+	if tx == nil {
+		return closedTx.LargeObjects()
+	}
 	return tx.LargeObjects()
 }
 
+// closedTx is a pgx.Tx that is closed: its methods return pgx.ErrTxClosed.
+var closedTx = func() pgx.Tx {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	return pgx.FailedBatchResults(b, pgx.ErrTxClosed).Tx()
+}()
+
 // Conn begins the transaction first, under the step's context: what the
-// function sends on the connection itself comes after. When it did not
-// begin because the lock failed before BEGIN (newStepTx), the connection
-// is left in a transaction that failed, as it would be with BEGIN first,
-// so that what the function sends on it fails rather than commits on its
-// own, and the step rolls it back.
+// function sends on the connection itself comes after. The connection is
+// the transaction's only while the function runs: what is sent on it
+// after, idem cannot stop.
 func (t *stepTx) Conn() *pgx.Conn {
-	if _, err := t.begin(t.ctx); err != nil && t.conn.PgConn().TxStatus() == 'I' {
-		ctx, cancel := cleanupContext(t.ctx)
-		defer cancel()
-		_, _ = t.conn.PgConn().Exec(ctx, failedTxSQL).ReadAll()
-		if t.conn.PgConn().TxStatus() == 'E' {
-			t.tx = txOver(ctx, t.conn, emptyBegin(t.opts))
-		}
-	}
+	_, _ = t.begin(t.ctx)
 	return t.conn
 }
 
-// failedTxSQL leaves a connection in a transaction that failed.
-const failedTxSQL = "BEGIN; SELECT 1 / 0"
+// nestedStepTx is a transaction nested in a step's (a savepoint), which
+// stops working once the step's function returns, as the step's does.
+type nestedStepTx struct {
+	pgx.Tx
+	step *stepTx
+}
+
+func (n *nestedStepTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if n.step.closed.Load() {
+		return pgconn.CommandTag{}, pgx.ErrTxClosed
+	}
+	return n.Tx.Exec(ctx, sql, args...)
+}
+
+func (n *nestedStepTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if n.step.closed.Load() {
+		return errRows{pgx.ErrTxClosed}, pgx.ErrTxClosed
+	}
+	return n.Tx.Query(ctx, sql, args...)
+}
+
+func (n *nestedStepTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if n.step.closed.Load() {
+		return errRows{pgx.ErrTxClosed}
+	}
+	return n.Tx.QueryRow(ctx, sql, args...)
+}
+
+func (n *nestedStepTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if n.step.closed.Load() {
+		return pgx.FailedBatchResults(b, pgx.ErrTxClosed)
+	}
+	return n.Tx.SendBatch(ctx, b)
+}
+
+func (n *nestedStepTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
+	if n.step.closed.Load() {
+		return 0, pgx.ErrTxClosed
+	}
+	return n.Tx.CopyFrom(ctx, tableName, columnNames, rowSrc)
+}
+
+func (n *nestedStepTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if n.step.closed.Load() {
+		return nil, pgx.ErrTxClosed
+	}
+	return n.Tx.Prepare(ctx, name, sql)
+}
+
+func (n *nestedStepTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if n.step.closed.Load() {
+		return nil, pgx.ErrTxClosed
+	}
+	nested, err := n.Tx.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &nestedStepTx{Tx: nested, step: n.step}, nil
+}
+
+func (n *nestedStepTx) Commit(ctx context.Context) error {
+	if n.step.closed.Load() {
+		return pgx.ErrTxClosed
+	}
+	return n.Tx.Commit(ctx)
+}
+
+func (n *nestedStepTx) Rollback(ctx context.Context) error {
+	if n.step.closed.Load() {
+		return pgx.ErrTxClosed
+	}
+	return n.Tx.Rollback(ctx)
+}
+
+func (n *nestedStepTx) LargeObjects() pgx.LargeObjects {
+	if n.step.closed.Load() {
+		return closedTx.LargeObjects()
+	}
+	return n.Tx.LargeObjects()
+}
 
 // errRows are the rows, or the row, of a statement that was not run.
 type errRows struct{ err error }
@@ -349,56 +496,3 @@ func (r errRows) Values() ([]any, error)                       { return nil, r.e
 func (r errRows) RawValues() [][]byte                          { return nil }
 func (r errRows) Conn() *pgx.Conn                              { return nil }
 func (r errRows) TypeMap() *pgtype.Map                         { return nil }
-
-// runLocalOpen is an attempt of a local step whose transaction stays open
-// when its function returns (see runLocal), on conn, pooled's (nil for
-// none), which it gives back unless the step is left open: the
-// transaction begins with the function's first statement (stepTx), and
-// is left open, its record unsent, for the flow's next statement to
-// commit (flowRun.flush).
-func runLocalOpen[T any](ctx context.Context, r *flowRun, seq int32, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error),
-	conn *pgx.Conn, pooled *pgxpool.Conn, opts pgx.TxOptions) (T, error) {
-	var zero T
-	kept := false
-	t := r.newStepTx(ctx, conn, opts)
-	defer func() {
-		if kept {
-			return
-		}
-		if t.open != nil {
-			t.open.Close()
-		}
-		if t.tx != nil && conn.PgConn().TxStatus() != 'I' {
-			rollback(ctx, t.tx)
-		}
-		releaseConn(pooled)
-	}()
-	carries := r.result != nil
-	value, err := fn(ctx, t)
-	if err != nil && t.b != nil {
-		return zero, err // nothing was sent
-	}
-	if t.open != nil {
-		// Rows fn left open: the step fails, as its commit would on
-		// pgx's transaction (the deferred cleanup closes them).
-		return zero, errStepConnBusy
-	}
-	if _, beginErr := t.begin(ctx); beginErr != nil {
-		return zero, beginErr
-	}
-	if err != nil {
-		return zero, err
-	}
-	record, encoded, err := localRecord(r, seq, name, value)
-	if err != nil {
-		return zero, err
-	}
-	value, err = decodedResult[T](r, encoded)
-	if err != nil {
-		return zero, err
-	}
-	lease := dbsqlc.FlowLeaseStepsParams{Lease: pgtime.Interval(r.o.lease), Step: name, Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}
-	r.keepOpen(&openStep{name: name, conn: conn, pooled: pooled, tx: t.tx, record: record, lease: lease, carries: carries, starts: t.starts})
-	kept = true
-	return value, nil
-}

@@ -38,47 +38,38 @@ func countedPool(t *testing.T, ctx context.Context, count *testdb.WireCount, cha
 	return pool
 }
 
-// TestFlowLocalStepSendsItsBeginWithItsFirstStatement counts the round
-// trips of local–call–local on one warm connection: 4, each local step's
-// BEGIN and lock (and the run's look at its flow, see flow_look.go)
-// travelling with its first statement. On a connection with a pgx
-// tracer, which must see the step's statements as pgx sends them, they
-// are sent alone: 6, and the tracer sees both; as they are on a
-// connection of any exec mode but pgx's default (cache_statement), which
-// the tests run in through PgBouncer.
-func TestFlowLocalStepSendsItsBeginWithItsFirstStatement(t *testing.T) {
+// TestFlowStepsStatementsGoAloneForAQueryTracer counts the round trips of
+// local–call–local on one warm connection whose pgx tracer traces
+// statements but not batches: a local step's first statement, which would
+// go with the batch of its BEGIN and lock, goes alone, where the tracer
+// sees it, at the cost of a round trip (6, not 5), and the tracer sees
+// every statement of the steps. (TestFlowRoundTripsOnEveryConnection
+// counts the rest.)
+func TestFlowStepsStatementsGoAloneForAQueryTracer(t *testing.T) {
 	ctx, _, scope, p := setupFlow(t)
 	var steps atomic.Int64
 	flow := chargeFlow(p, &steps)
-	for _, c := range []struct {
-		name   string
-		tracer *queryTracer
-		want   int64
-	}{{"untraced", nil, 4}, {"traced", &queryTracer{}, 6}} {
-		if execMode(t) != pgx.QueryExecModeCacheStatement {
-			c.want = 6
+	var count testdb.WireCount
+	tracer := &queryTracer{}
+	pool := countedPool(t, ctx, &count, func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = tracer })
+	run := func(key string) int64 {
+		t.Helper()
+		before := count.Counts()
+		if res, err := flow.Run(ctx, pool, scope, key, nil, chargeIn{Amount: 100}); err != nil || res.Replayed {
+			t.Fatalf("%s: %+v, %v; want a first execution", key, res, err)
 		}
-		var count testdb.WireCount
-		pool := countedPool(t, ctx, &count, func(cfg *pgxpool.Config) {
-			if c.tracer != nil {
-				cfg.ConnConfig.Tracer = c.tracer
-			}
-		})
-		run := func(key string) int64 {
-			t.Helper()
-			before := count.Counts()
-			if res, err := flow.Run(ctx, pool, scope, c.name+key, nil, chargeIn{Amount: 100}); err != nil || res.Replayed {
-				t.Fatalf("%s %s: %+v, %v; want a first execution", c.name, key, res, err)
-			}
-			return count.Counts().RoundTrips - before.RoundTrips
-		}
-		run("-warm") // dialled, statements prepared
-		if got := run("-k"); got != c.want {
-			t.Errorf("%s: local–call–local took %d round trips, want %d", c.name, got, c.want)
-		}
-		if c.tracer != nil && c.tracer.payments.Load() != 4 {
-			t.Errorf("the tracer saw %d of the steps' statements, want 4", c.tracer.payments.Load())
-		}
+		return count.Counts().RoundTrips - before.RoundTrips
+	}
+	run("warm") // dialled, statements prepared
+	want := int64(6)
+	if execMode(t) == pgx.QueryExecModeDescribeExec {
+		want = 11 // each batch described first
+	}
+	if got := run("k"); got != want {
+		t.Errorf("local–call–local took %d round trips, want %d", got, want)
+	}
+	if tracer.payments.Load() != 4 {
+		t.Errorf("the tracer saw %d of the steps' statements, want 4", tracer.payments.Load())
 	}
 }
 
@@ -317,46 +308,6 @@ func TestFlowLocalStepsFirstStatementRunsAsPgxRunsIt(t *testing.T) {
 				t.Errorf("%s: %+v, %v; want %d", name, res, err, c.want)
 			}
 		}
-	}
-}
-
-// TestFlowLocalStepsPrepareABoundedNumberOfTheirStatements runs local
-// steps whose first statements are all different on one connection: past
-// 64 of them, the connection prepares no more of them itself (pgx's
-// statement cache, which is bounded, prepares them), and every step runs.
-// On a connection of another exec mode than pgx's default, it prepares
-// none of them.
-func TestFlowLocalStepsPrepareABoundedNumberOfTheirStatements(t *testing.T) {
-	ctx, _, scope := setup(t)
-	var count testdb.WireCount
-	pool := countedPool(t, ctx, &count, nil)
-	const steps = 80
-	flow := idem.MustNewFlow(testdb.Name("many"), func(ctx context.Context, s *idem.Steps, in int) (int64, error) {
-		return idem.Local(s, "step", func(ctx context.Context, tx pgx.Tx) (int64, error) {
-			var n int64
-			if err := tx.QueryRow(ctx, fmt.Sprintf(`SELECT $1::bigint AS c%d`, in), in).Scan(&n); err != nil {
-				return 0, err
-			}
-			var prepared int64
-			err := tx.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements
-				WHERE name LIKE 'idem_flat_%' AND statement LIKE 'SELECT $1::bigint AS c%'`).Scan(&prepared)
-			return prepared, err
-		})
-	})
-	var prepared int64
-	for i := range steps {
-		res, err := flow.Run(ctx, pool, scope, fmt.Sprintf("k%d", i), nil, i)
-		if err != nil {
-			t.Fatalf("step %d: %v", i, err)
-		}
-		prepared = res.Value
-	}
-	want := int64(64)
-	if execMode(t) != pgx.QueryExecModeCacheStatement {
-		want = 0
-	}
-	if prepared != want {
-		t.Errorf("the connection prepared %d of the steps' statements itself, want %d", prepared, want)
 	}
 }
 

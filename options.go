@@ -130,16 +130,25 @@ func newOptions[O interface{ apply(*options) error }](opts []O) (options, error)
 		providerWindow:  DefaultProviderWindow,
 		callTimeout:     DefaultCallTimeout,
 	}
-	if _, flow := any(opts).([]FlowOption); flow {
-		o.idleTimeout = DefaultFlowIdleTimeout
+	_, flow := any(opts).([]FlowOption)
+	if flow {
+		o.idleTimeout = idleTimeoutUnset
 	}
 	for _, opt := range opts {
 		if err := opt.apply(&o); err != nil {
 			return o, err
 		}
 	}
+	if o.idleTimeout == idleTimeoutUnset {
+		o.idleTimeout = min(o.lease/3, DefaultFlowIdleTimeout)
+	}
 	return o, nil
 }
+
+// idleTimeoutUnset is a flow's idle timeout until the options are
+// applied: WithIdleTimeout's, or, unless it is given, a third of the
+// lease (see DefaultFlowIdleTimeout).
+const idleTimeoutUnset = -1
 
 // CheckOptions reports the first of opts that was made from a value that
 // cannot work, with the error that a call given it would return, which
@@ -232,7 +241,8 @@ func millis(d time.Duration) string {
 // function makes between two statements. Zero or a negative value means no
 // bound of idem's (the server's or role's own setting applies); values
 // beyond the setting's range (about 24 days) are rejected. Defaults to
-// none for a call, and to 1m for a flow ([DefaultFlowIdleTimeout]).
+// none for a call, and for a flow to a third of its lease, up to 1m
+// ([DefaultFlowIdleTimeout]).
 func WithIdleTimeout(d time.Duration) SharedOption {
 	if d > maxWait {
 		return sharedOption{refused("WithIdleTimeout", "must not exceed %s, got %s", maxWait, d)}
@@ -369,11 +379,12 @@ const (
 	// [WithCallTimeout] says otherwise.
 	DefaultCallTimeout = time.Minute
 
-	// DefaultFlowIdleTimeout is how long a flow's local step's transaction
-	// may sit idle, waiting for its executor, before the server ends it,
-	// unless [WithIdleTimeout] says otherwise: an executor frozen in a
-	// local step holds its flow no longer. It is not tied to the lease,
-	// which a local step may outlast (its transaction holds the flow).
+	// DefaultFlowIdleTimeout is the longest a flow's transaction (its
+	// claim's, a local step's) may sit idle, waiting for its executor,
+	// before the server ends it, unless [WithIdleTimeout] says otherwise:
+	// a third of the flow's lease ([WithLease]), up to this. An executor
+	// frozen in a local step holds its flow no longer, so that a
+	// duplicate or a completer takes it over once its lease has run out.
 	DefaultFlowIdleTimeout = time.Minute
 )
 

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/backoff"
 	"github.com/pgidem/idem/internal/dberr"
@@ -123,35 +122,6 @@ func sendBatch(ctx context.Context, db TxBeginner, b *pgx.Batch) error {
 	return WithTx(ctx, db, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(ctx context.Context, tx pgx.Tx) error {
 		return tx.SendBatch(ctx, b).Close()
 	})
-}
-
-// sendFlowBatch is sendBatch for a flow's batches: on a pool or a
-// connection whose settings allow it (dbsqlc.SendFlat), it sends b through
-// pgconn's batch rather than pgx's pipeline, which allocates less.
-func sendFlowBatch(ctx context.Context, db TxBeginner, b *pgx.Batch) error {
-	switch d := db.(type) {
-	case *pgxpool.Pool:
-		conn, err := d.Acquire(ctx)
-		if err != nil {
-			return err
-		}
-		defer conn.Release()
-		return sendOnConn(ctx, conn.Conn(), conn, b)
-	case *pgxpool.Conn:
-		return sendOnConn(ctx, d.Conn(), d, b)
-	case *pgx.Conn:
-		return sendOnConn(ctx, d, d, b)
-	}
-	return sendBatch(ctx, db, b)
-}
-
-// sendOnConn sends b on conn, through dbsqlc.SendFlat when it can, else
-// through pgx, on via (conn, or a transaction of it).
-func sendOnConn(ctx context.Context, conn *pgx.Conn, via batchSender, b *pgx.Batch) error {
-	if sent, err := dbsqlc.SendFlat(ctx, conn, b); sent {
-		return err
-	}
-	return via.SendBatch(ctx, b).Close()
 }
 
 // onDB runs fn's statement on db, in a transaction of its own: on a pool or

@@ -246,18 +246,17 @@ func (br *batchResults) QueryRow() pgx.Row {
 }
 
 // Close runs the statements not read yet, calling their callbacks, and
-// returns the first error.
+// returns the first error: a callback's own, when it returns one, as pgx
+// does (it may make a statement's error its caller's).
 func (br *batchResults) Close() error {
 	for !br.closed && br.err == nil && br.next < len(br.queued) {
 		qq := br.queued[br.next]
-		var err error
 		if qq.Fn != nil {
-			err = qq.Fn(br)
+			if err := qq.Fn(br); err != nil {
+				br.err = err
+			}
 		} else {
-			_, err = br.Exec()
-		}
-		if err != nil && br.err == nil {
-			br.err = err
+			_, _ = br.Exec()
 		}
 	}
 	br.closed = true

@@ -172,14 +172,17 @@ SELECT name, fingerprint, state, output, last_error,
        coalesce(leased_until > clock_timestamp(), false)::bool AS leased,
        coalesce(expires_at <= now(), false)::bool AS expired,
        -- As KeyGet's standby_wait: a completed flow's answer is replayed
-       -- once a synchronous standby has it.
+       -- once a synchronous standby has it. With @mark false (the claim's
+       -- look in a round trip that rolls back when it finds the flow, see
+       -- flow_claim.go) it only says so, and writes no marker, which
+       -- would not commit: the claim reads the flow again, alone.
        CASE
            WHEN state = 'done'
             AND expires_at > now()
             AND current_setting('synchronous_standby_names') <> ''
             AND current_setting('synchronous_commit') IN ('on', 'remote_write', 'remote_apply')
             AND NOT pg_is_in_recovery()
-           THEN pg_logical_emit_message(true, 'idem'::text, ''::text) IS NOT NULL
+           THEN NOT @mark::bool OR pg_logical_emit_message(true, 'idem'::text, ''::text) IS NOT NULL
            ELSE false
        END::bool AS standby_wait
 FROM idem_flow

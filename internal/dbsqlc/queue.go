@@ -40,23 +40,20 @@ func (r errRow) Scan(...any) error { return r.err }
 // command tag.
 func QueueTxCommit(b *pgx.Batch) *pgx.QueuedQuery { return b.Queue(txCommit) }
 
-// IdleTimeout is TxIdleTimeout's argument, made once (NewIdleTimeout)
-// and queued as often as needed (QueueTxIdleTimeout), without an
-// allocation each time.
-type IdleTimeout struct {
-	timeout string
-	args    [1]any
+// QueueTxIdleTimeout queues TxIdleTimeout on b, with timeout; rw (nil
+// for none) rewrites its SQL as it is sent.
+func QueueTxIdleTimeout(b *pgx.Batch, rw pgx.QueryRewriter, timeout string) {
+	b.Queue(txIdleTimeout, withRewriter(rw, timeout)...)
 }
 
-// NewIdleTimeout returns timeout as TxIdleTimeout's argument.
-func NewIdleTimeout(timeout string) *IdleTimeout {
-	t := &IdleTimeout{timeout: timeout}
-	t.args[0] = &t.timeout
-	return t
+// withRewriter returns args, after rw, unless rw is nil: pgx takes a
+// QueryRewriter as a queued statement's first argument.
+func withRewriter(rw pgx.QueryRewriter, args ...any) []any {
+	if rw == nil {
+		return args
+	}
+	return append([]any{rw}, args...)
 }
-
-// QueueTxIdleTimeout queues TxIdleTimeout on b, with t.
-func QueueTxIdleTimeout(b *pgx.Batch, t *IdleTimeout) { b.Queue(txIdleTimeout, t.args[:]...) }
 
 // QueueKeyLock queues KeyLock on b; row is filled in when the batch's
 // results are read (BatchResults.Close).
@@ -198,19 +195,18 @@ func notHeld(err error) error {
 
 // QueueFlowStartLock queues FlowStartLock on b; namespace is filled in
 // when the batch's results are read, whose error is ErrNotHeld when it did
-// not get the lock.
-func QueueFlowStartLock(b *pgx.Batch, lockID int64, namespace *pgtype.UUID) {
-	q := &withArgs[int64]{arg: lockID}
-	b.Queue(flowStartLock, q.set(&q.arg)...).Fn = func(br pgx.BatchResults) error {
+// not get the lock. rw (nil for none) rewrites its SQL as it is sent.
+func QueueFlowStartLock(b *pgx.Batch, rw pgx.QueryRewriter, lockID int64, namespace *pgtype.UUID) {
+	b.Queue(flowStartLock, withRewriter(rw, lockID)...).Fn = func(br pgx.BatchResults) error {
 		return notHeld(br.QueryRow().Scan(namespace))
 	}
 }
 
 // QueueFlowStartFree queues FlowStartFree on b, whose batch's error is
-// ErrNotHeld when the key has a flow.
-func QueueFlowStartFree(b *pgx.Batch, arg FlowStartFreeParams) {
-	q := &withArgs[FlowStartFreeParams]{arg: arg}
-	b.Queue(flowStartFree, q.set(&q.arg.Scope, &q.arg.Key)...).Fn = func(br pgx.BatchResults) error {
+// ErrNotHeld when the key has a flow. rw (nil for none) rewrites its SQL
+// as it is sent.
+func QueueFlowStartFree(b *pgx.Batch, rw pgx.QueryRewriter, arg FlowStartFreeParams) {
+	b.Queue(flowStartFree, withRewriter(rw, arg.Scope, arg.Key)...).Fn = func(br pgx.BatchResults) error {
 		_, err := br.Exec()
 		return notHeld(err)
 	}
@@ -252,10 +248,10 @@ func QueueFlowAdopt(b *pgx.Batch, arg FlowAdoptParams, row *FlowAdoptRow, adopte
 }
 
 // QueueFlowGet queues FlowGet on b; row is filled in and found set when the
-// batch's results are read. No flow is not an error.
-func QueueFlowGet(b *pgx.Batch, arg FlowGetParams, row *FlowGetRow, found *bool) {
-	q := &withArgs[FlowGetParams]{arg: arg}
-	b.Queue(flowGet, q.set(&q.arg.Scope, &q.arg.Key)...).Fn = func(br pgx.BatchResults) error {
+// batch's results are read. No flow is not an error. rw (nil for none)
+// rewrites its SQL as it is sent.
+func QueueFlowGet(b *pgx.Batch, rw pgx.QueryRewriter, arg FlowGetParams, row *FlowGetRow, found *bool) {
+	b.Queue(flowGet, withRewriter(rw, arg.Mark, arg.Scope, arg.Key)...).Fn = func(br pgx.BatchResults) error {
 		r := br.QueryRow()
 		return noRow(r.Scan(&row.Name, &row.Fingerprint, &row.State, &row.Output, &row.LastError, &row.Leased, &row.Expired, &row.StandbyWait), found)
 	}

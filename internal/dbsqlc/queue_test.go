@@ -72,7 +72,7 @@ func TestQueuedArgumentsMatchTheGeneratedMethods(t *testing.T) {
 			func(b *pgx.Batch, arg any) { QueueFlowTakeOver(b, *arg.(*FlowTakeOverParams), &row3, &ok) },
 			func(q *Queries, arg any) { _, _ = q.FlowTakeOver(context.Background(), *arg.(*FlowTakeOverParams)) }},
 		{"FlowGet", &FlowGetParams{},
-			func(b *pgx.Batch, arg any) { QueueFlowGet(b, *arg.(*FlowGetParams), &row4, &ok) },
+			func(b *pgx.Batch, arg any) { QueueFlowGet(b, nil, *arg.(*FlowGetParams), &row4, &ok) },
 			func(q *Queries, arg any) { _, _ = q.FlowGet(context.Background(), *arg.(*FlowGetParams)) }},
 		{"FlowSteps", &FlowStepsParams{},
 			func(b *pgx.Batch, arg any) { QueueFlowSteps(b, *arg.(*FlowStepsParams), &steps) },
@@ -87,10 +87,10 @@ func TestQueuedArgumentsMatchTheGeneratedMethods(t *testing.T) {
 			func(b *pgx.Batch, arg any) { QueueFlowStartHeld(b, *arg.(*FlowStartHeldParams), &row5, &ok) },
 			func(q *Queries, arg any) { _, _ = q.FlowStartHeld(context.Background(), *arg.(*FlowStartHeldParams)) }},
 		{"FlowStartLock", &lockID{},
-			func(b *pgx.Batch, arg any) { QueueFlowStartLock(b, arg.(*lockID).LockID, &namespace) },
+			func(b *pgx.Batch, arg any) { QueueFlowStartLock(b, nil, arg.(*lockID).LockID, &namespace) },
 			func(q *Queries, arg any) { _, _ = q.FlowStartLock(context.Background(), arg.(*lockID).LockID) }},
 		{"FlowStartFree", &FlowStartFreeParams{},
-			func(b *pgx.Batch, arg any) { QueueFlowStartFree(b, *arg.(*FlowStartFreeParams)) },
+			func(b *pgx.Batch, arg any) { QueueFlowStartFree(b, nil, *arg.(*FlowStartFreeParams)) },
 			func(q *Queries, arg any) { _ = q.FlowStartFree(context.Background(), *arg.(*FlowStartFreeParams)) }},
 		{"FlowLock", &FlowLockParams{},
 			func(b *pgx.Batch, arg any) { QueueFlowLock(b, *arg.(*FlowLockParams)) },
@@ -183,6 +183,8 @@ func fillDistinct(t *testing.T, v reflect.Value) {
 			*x = pgtype.Interval{Microseconds: n, Valid: true}
 		case *pgtype.Text:
 			*x = pgtype.Text{String: fmt.Sprintf("field %d", i), Valid: true}
+		case *bool:
+			*x = true
 		case *pgtype.UUID:
 			*x = pgtype.UUID{Bytes: [16]byte{byte(i), 1}, Valid: true}
 		default:
