@@ -74,7 +74,8 @@ type Event struct {
 	// [Delivery.Type]).
 	Type string
 
-	// Body is the delivery's body, byte for byte what was signed.
+	// Body is the delivery's body, byte for byte what was signed; an
+	// empty body is an empty slice, never nil.
 	Body []byte
 
 	// SignedAt is the time the signature covers; zero when the scheme
