@@ -95,8 +95,9 @@ const (
 //     parked at once ([Park]), for someone to look at, and Requeue.
 //
 // A failed attempt's error, which the relay logs and stores as the
-// message's last_error, names the URL without its query and the answer's
-// status, with the first bytes of its body. NewWebhookHandler checks cfg
+// message's last_error, names the URL without its userinfo or query
+// (wherever it shows it, net/http's own errors included) and the
+// answer's status, with the first bytes of its body. NewWebhookHandler checks cfg
 // once, and refuses a field that cannot work with an error that names it
 // and wraps [idem.ErrInvalidOption].
 func NewWebhookHandler(cfg WebhookConfig) (Handler, error) {
@@ -140,7 +141,7 @@ func NewWebhookHandler(cfg WebhookConfig) (Handler, error) {
 // endpoint is a WebhookEndpoint checked.
 type endpoint struct {
 	url      string
-	shownURL string // without its query, for errors
+	shownURL string // without its userinfo or query, for errors
 	keys     webhooksig.Keys
 }
 
@@ -198,7 +199,7 @@ func (s *webhookSender) deliver(ctx context.Context, msg Message) error {
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, ep.url, bytes.NewReader(msg.Payload))
 	if err != nil {
-		return Park(fmt.Errorf("outbox: webhook to %s: %w", ep.shownURL, err))
+		return Park(fmt.Errorf("outbox: webhook to %s: %w", ep.shownURL, redactURL(err, ep.shownURL)))
 	}
 	now := time.Now()
 	req.Header.Set(webhooksig.HeaderID, msg.IdempotencyKey)
@@ -207,7 +208,7 @@ func (s *webhookSender) deliver(ctx context.Context, msg Message) error {
 	req.Header.Set("Content-Type", s.contentType)
 	res, err := s.client.Do(req)
 	if err != nil {
-		return fmt.Errorf("outbox: webhook to %s: %w", ep.shownURL, err)
+		return fmt.Errorf("outbox: webhook to %s: %w", ep.shownURL, redactURL(err, ep.shownURL))
 	}
 	defer func() {
 		_, _ = io.Copy(io.Discard, io.LimitReader(res.Body, answerDrain))
@@ -227,6 +228,19 @@ func (s *webhookSender) deliver(ctx context.Context, msg Message) error {
 		return err
 	}
 	return Park(err)
+}
+
+// redactURL replaces the URL of every *url.Error in err's chain, which
+// net/http gives whole, its userinfo and query included, with shown, and
+// returns err: the error keeps its types, and shows no credential of the
+// URL.
+func redactURL(err error, shown string) error {
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		if urlErr, ok := e.(*url.Error); ok {
+			urlErr.URL = shown
+		}
+	}
+	return err
 }
 
 // retryAfter reads a Retry-After field, delta-seconds or an HTTP-date, as

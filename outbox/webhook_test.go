@@ -7,8 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -214,6 +216,53 @@ func TestWebhookHandlerAttemptIsBounded(t *testing.T) {
 	err := handler(context.Background(), outbox.Message{IdempotencyKey: "k"})
 	if park, _ := outbox.Classified(err); !errors.Is(err, context.DeadlineExceeded) || park {
 		t.Errorf("a receiver that never answers: %v, want a deadline exceeded, retried", err)
+	}
+}
+
+// An attempt's error, which the relay logs and stores as last_error,
+// shows the URL without its userinfo or query, which may hold a token:
+// also the errors of net/http, which name the URL they were given.
+func TestWebhookHandlerErrorsShowNoCredentialOfTheURL(t *testing.T) {
+	t.Parallel()
+	symmetric, _, _ := webhookSecrets(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := ln.Addr().String()
+	ln.Close()
+	hangs := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() }))
+	defer hangs.Close()
+	answers, _ := capture(t, http.StatusServiceUnavailable)
+	for name, base := range map[string]string{
+		"connection refused": "http://" + refused,
+		"timed out":          hangs.URL,
+		"answered 503":       answers.URL,
+	} {
+		u := strings.Replace(base, "//", "//hook-user:hunter2@", 1) + "/hooks/42?token=s3cret"
+		for _, cfg := range []outbox.WebhookConfig{
+			{URL: u, Secrets: []string{symmetric}, Timeout: 100 * time.Millisecond},
+			{Endpoint: func(context.Context, outbox.Message) (outbox.WebhookEndpoint, error) {
+				return outbox.WebhookEndpoint{URL: u, Secrets: []string{symmetric}}, nil
+			}, Timeout: 100 * time.Millisecond},
+		} {
+			handler, err := outbox.NewWebhookHandler(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = handler(context.Background(), outbox.Message{IdempotencyKey: "k"})
+			if err == nil {
+				t.Fatalf("%s: delivered", name)
+			}
+			if text := err.Error(); strings.Contains(text, "s3cret") || strings.Contains(text, "hunter2") || strings.Contains(text, "hook-user") ||
+				!strings.Contains(text, "/hooks/42") {
+				t.Errorf("%s: %q; want the URL's path, and neither its userinfo nor its query", name, text)
+			}
+			var urlErr *url.Error
+			if name != "answered 503" && !errors.As(err, &urlErr) {
+				t.Errorf("%s: %v; want net/http's *url.Error still in the chain", name, err)
+			}
+		}
 	}
 }
 
