@@ -201,8 +201,10 @@ type Config struct {
 	TxOptions pgx.TxOptions
 
 	// Logger receives the failures a client cannot be told about: database
-	// errors, answers that cannot be stored and answers too large to store.
-	// Defaults to slog.Default().
+	// errors, answers that cannot be stored and answers too large to store,
+	// at WARN and ERROR; and, at INFO, the flows that did not complete
+	// (UNAVAILABLE operation-incomplete), which the client's retry
+	// continues. Defaults to slog.Default().
 	Logger *slog.Logger
 }
 

@@ -224,8 +224,9 @@ func (i *interceptor) flowError(ctx context.Context, v callValues, err error) er
 		// The flow's own error: a call failed, or its outcome is unknown,
 		// whatever the error it returned says (a provider's connection
 		// refused is no database outage). It stays resumable, and nothing
-		// of the error is kept or sent.
-		i.logger.LogAttrs(ctx, slog.LevelWarn, "idemgrpc: flow did not complete; a retry continues it",
+		// of the error is kept or sent. An outcome the client's retry
+		// mends, not a failure for a person: INFO.
+		i.logger.LogAttrs(ctx, slog.LevelInfo, "idemgrpc: flow did not complete; a retry continues it",
 			slog.String("method", v.method), slog.Any("error", err))
 		setMetadata(v.stream, nil, metadata.Pairs("grpc-retry-pushback-ms", strconv.FormatInt(incompleteRetryDelay.Milliseconds(), 10)))
 		return newStatus(codes.Unavailable, ReasonOperationIncomplete,

@@ -1,10 +1,14 @@
 package idemgrpc_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -153,4 +157,49 @@ func holdFlow(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope, key 
 	if err != nil || tag.RowsAffected() != 1 {
 		t.Fatalf("hold the flow: %v, %d rows", err, tag.RowsAffected())
 	}
+}
+
+// A flow that did not complete is an outcome its client's retry mends,
+// not a failure for a person: it is logged at INFO, not WARN.
+func TestFlowMethodLogsAnIncompleteFlowAtInfo(t *testing.T) {
+	ctx, pool, tenant := setup(t)
+	var logs lockedBuffer
+	conn, p := serveFlow(t, pool, idemgrpc.Config{Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+	p.fail = func(attempt int64) error {
+		if attempt == 1 {
+			return errors.New("provider timeout")
+		}
+		return nil
+	}
+	req := &testpb.PayRequest{AmountCents: 2500}
+	wantReason(t, pay(ctx, conn, tenant, "k", req).err, codes.Unavailable, idemgrpc.ReasonOperationIncomplete)
+	if err := pay(ctx, conn, tenant, "k", req).err; err != nil {
+		t.Fatalf("the retry: %v", err)
+	}
+	text := logs.String()
+	if !strings.Contains(text, `level=INFO msg="idemgrpc: flow did not complete; a retry continues it"`) || !strings.Contains(text, "provider timeout") {
+		t.Errorf("logs %q; want the incomplete flow at INFO, with its error", text)
+	}
+	if strings.Contains(text, "level=WARN") || strings.Contains(text, "level=ERROR") {
+		t.Errorf("logs %q; want nothing at WARN or above", text)
+	}
+}
+
+// lockedBuffer is a log sink that the server's goroutines and the test
+// may share.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }

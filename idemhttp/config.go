@@ -195,8 +195,10 @@ type Config struct {
 	TxOptions pgx.TxOptions
 
 	// Logger receives the failures a client cannot be told about: handler
-	// panics, database errors and answers too large to store. Defaults to
-	// slog.Default().
+	// panics, database errors and answers too large to store, at WARN and
+	// ERROR; and, at INFO, the flows that did not complete (503
+	// operation-incomplete), which the client's retry continues. Defaults
+	// to slog.Default().
 	Logger *slog.Logger
 }
 

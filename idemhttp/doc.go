@@ -131,8 +131,9 @@ keys, scopes, fingerprints and problems; a flow that did not complete is
 [http.Client]: it gives each request without a key a fresh one and retries
 the request with that key and the same body (network errors, 409 with
 Retry-After, 5xx; never another 4xx) within the deadline of the request's
-context. Its documentation states its rules; [Attempts] reports the key and
-the attempts of an answer.
+context; a request of a flow's call that carries no key is sent once,
+without one. Its documentation states its rules; [Attempts] reports the
+key and the attempts of an answer.
 
 # Privacy and observability
 

@@ -121,9 +121,10 @@ func (m *Middleware) writeFlowError(w http.ResponseWriter, r *http.Request, err 
 		// The flow's own error (idem.ErrFlowIncomplete): a call failed, or
 		// its outcome is unknown, whatever the error it returned says (a
 		// provider's connection refused is no database outage). It stays
-		// resumable, and nothing of the error is kept.
+		// resumable, and nothing of the error is kept. An outcome the
+		// client's retry mends, not a failure for a person: INFO.
 		if r.Context().Err() == nil {
-			m.logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: flow did not complete; a retry continues it",
+			m.logger.LogAttrs(r.Context(), slog.LevelInfo, "idemhttp: flow did not complete; a retry continues it",
 				slog.String("method", r.Method), slog.String("uri", r.URL.RequestURI()), slog.Any("error", err))
 		}
 		w.Header().Set("Retry-After", "1")

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -150,6 +151,33 @@ func TestFlowHandlerAnswers503WhenACallFailsAndTheRetryContinues(t *testing.T) {
 	}
 	if p.charges.Load() != 1 || p.calls.Load() != 3 || countPayments(t, pool, tenant) != 1 {
 		t.Fatalf("%d charges, %d calls, %d payments; want 1, 3, 1", p.charges.Load(), p.calls.Load(), countPayments(t, pool, tenant))
+	}
+}
+
+// A flow that did not complete is an outcome its client's retry mends,
+// not a failure for a person: it is logged at INFO, not WARN, and so are
+// none of the answers a client causes (a key reused, a replay).
+func TestFlowHandlerLogsAnIncompleteFlowAtInfo(t *testing.T) {
+	var logs syncBuffer
+	_, _, tenant, p, srv := setupFlow(t, idemhttp.Config{Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+	p.fail = func(attempt int64) error {
+		if attempt == 1 {
+			return errors.New("provider timeout")
+		}
+		return nil
+	}
+	wantProblem(t, post(t, srv, "/payments", tenant, "k", `{"amount_cents": 2500}`), 503, idemhttp.DefaultProblemTypeBase, idemhttp.ProblemOperationIncomplete)
+	if got := post(t, srv, "/payments", tenant, "k", `{"amount_cents": 2500}`); got.status != http.StatusCreated {
+		t.Fatalf("the retry: %d %s", got.status, got.body)
+	}
+	post(t, srv, "/payments", tenant, "k", `{"amount_cents": 2500}`)
+	wantProblem(t, post(t, srv, "/payments", tenant, "k", `{"amount_cents": 9900}`), 422, idemhttp.DefaultProblemTypeBase, idemhttp.ProblemKeyReused)
+	text := logs.String()
+	if !strings.Contains(text, `level=INFO msg="idemhttp: flow did not complete; a retry continues it"`) || !strings.Contains(text, "provider timeout") {
+		t.Errorf("logs %q; want the incomplete flow at INFO, with its error", text)
+	}
+	if strings.Contains(text, "level=WARN") || strings.Contains(text, "level=ERROR") {
+		t.Errorf("logs %q; want nothing at WARN or above", text)
 	}
 }
 

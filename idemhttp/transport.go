@@ -1,7 +1,6 @@
 package idemhttp
 
 import (
-	"bytes"
 	"cmp"
 	"context"
 	"crypto/tls"
@@ -23,7 +22,8 @@ import (
 // Transport is an [http.RoundTripper] for the clients of an idemhttp
 // server: it gives each request without an idempotency key a fresh one, and
 // sends the request again, with the same key and the same body, until it
-// gets an answer that another attempt would not change. Its rules are
+// gets an answer that another attempt would not change. A request made
+// from a flow's call is the exception: see "Flows". Its rules are
 // stated here, once; the section "The client: idemhttp.Transport" of
 // docs/http.md places it among the other clients and measures it. Put it
 // in an [http.Client]:
@@ -75,8 +75,9 @@ import (
 // name, and the same key set twice is sent once, so that the server never
 // sees two keys. A request whose field holds two different keys is refused
 // before anything is sent, with an error that wraps [idem.ErrInvalidKey].
-// Otherwise the Transport sets one from [Transport.NewKey], as an RFC 8941
-// sf-string, as the IETF draft specifies. GET, HEAD, OPTIONS and TRACE
+// Otherwise, unless the request is made from a flow's call, the Transport
+// sets one from [Transport.NewKey], as an RFC 8941 sf-string, as the IETF
+// draft specifies. GET, HEAD, OPTIONS and TRACE
 // requests, safe by definition, get no key; they are retried as they are.
 // Each request the Transport is given is one logical operation: an
 // [http.Client] that follows a redirect sends a new request, which gets a
@@ -84,20 +85,40 @@ import (
 //
 // # Flows
 //
-// With [Transport.UseProviderKey], a request made from a flow's call
-// ([idem.Call]: the context its function gets, or one derived from it,
-// carries the call's provider key) is sent with that key, as it is,
-// unquoted, under Header (say "Cko-Idempotency-Key" or "PayPal-Request-Id"
-// for the provider that expects it), instead of one from NewKey: so the
-// call's function need not copy the key into the request, and cannot
-// forget it. A request that already carries the call's key keeps it; one
-// that carries another is refused before anything is sent, with an error
-// that wraps [ErrKeyConflict]. A request whose context carries no
-// provider key, and one of a safe method, such as a [idem.Reconcile]
-// lookup's GET, are sent as without the option. One call is one provider
-// key: a call whose function sends two requests of side effects through
-// the Transport sends both under its key, which a provider answers as a
-// key reused with another request; give such requests a call each.
+// A request made from a flow's call ([idem.Call]: the context its function
+// gets, or one derived from it, carries the call's provider key,
+// [idem.ProviderKeyFromContext]) never gets a key from NewKey: the call's
+// next attempt, which the flow makes after a crash or an uncertain
+// failure, would send another, so a key of the Transport's own would
+// protect only its own retries, and only at a provider that honours keys.
+// Such a request, unless its method is safe, is sent:
+//
+//   - with [Transport.UseProviderKey], under the call's provider key, as
+//     it is, unquoted, under Header (say "Cko-Idempotency-Key" or
+//     "PayPal-Request-Id" for the provider that expects it), and retried
+//     by the rules above: so every attempt of the call, in every process,
+//     reaches the provider with the same key, and the call's function need
+//     not copy the key into the request, and cannot forget it. A request
+//     that already carries the call's key keeps it; one that carries
+//     another is refused before anything is sent, with an error that wraps
+//     [ErrKeyConflict]. Set it only for a provider that honours keys;
+//   - without UseProviderKey, with the key the caller set, if any, and
+//     retried by the rules above;
+//   - without UseProviderKey and without a key: once, whatever
+//     MaxAttempts says, with no key field, so that net/http does not send
+//     it again by itself either (see "Go's own re-send"). This is the
+//     client for a provider that ignores keys, which applies every
+//     request it gets, and for a call that must not be made twice
+//     ([idem.AtMostOnce]): whether the call is made again is the flow's
+//     decision, and its error wraps [idem.ErrNotSent] when the request
+//     surely never left.
+//
+// A request whose context carries no provider key, and one of a safe
+// method, such as a [idem.Reconcile] lookup's GET, are sent as anywhere
+// else. One call is one provider key: a call whose function sends two
+// requests of side effects through the Transport sends both under its
+// key, which a provider answers as a key reused with another request; give
+// such requests a call each.
 //
 // # Errors that prove a request never left
 //
@@ -144,7 +165,9 @@ import (
 // be sent again, as the Transport's attempts always can (Request.isReplayable
 // and persistConn.shouldRetryRequest in net/http, as of Go 1.26; see "Go's
 // net/http retries for you" in docs/http.md). Such a re-send carries the
-// same key and body, is safe, and is not counted among the attempts.
+// same key and body, is safe, and is not counted among the attempts. A
+// request of a flow's call sent without a key (see "Flows") carries no
+// such field: net/http re-sends it only when it wrote no byte of it.
 //
 // # Configuration
 //
@@ -209,10 +232,11 @@ type Transport struct {
 
 	// UseProviderKey makes the Transport send, on a request made from a
 	// flow's call (whose context carries the call's provider key,
-	// [idem.ProviderKeyFromContext]), that key under Header instead of one
-	// from NewKey, so that every attempt of the call, in every process,
-	// reaches the provider with the same key without the call's function
-	// naming it. See "Flows" above. Defaults to false.
+	// [idem.ProviderKeyFromContext]), that key under Header, and retry it,
+	// so that every attempt of the call, in every process, reaches the
+	// provider with the same key without the call's function naming it;
+	// for a provider that honours keys. See "Flows" above. Defaults to
+	// false: such a request that carries no key is sent once, without one.
 	UseProviderKey bool
 
 	// MaxBodyBytes is the largest request body read whole to be sent again,
@@ -310,10 +334,13 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if out.Header == nil {
 		out.Header = make(http.Header)
 	}
-	key, err := s.setKey(out)
+	key, once, err := s.setKey(out)
 	if err != nil {
 		closeBody(req)
 		return nil, unsent(err)
+	}
+	if once {
+		s.maxAttempts = 1
 	}
 	body, err := s.replayable(req, out)
 	if err != nil {
@@ -351,39 +378,44 @@ func Attempts(resp *http.Response) (key string, n int) {
 	return a.key, a.n
 }
 
-// setKey gives out a fresh key, unless it has one or its method is safe,
-// and returns the key as the server reads it. A key the caller set under
-// another spelling of the field's name is moved to the canonical one, and
-// one set twice is sent once; a field that holds two different keys is
-// refused.
-func (s *transportSettings) setKey(out *http.Request) (string, error) {
+// setKey gives out a fresh key, unless it has one, its method is safe, or
+// it is a request of a flow's call, and returns the key as the server
+// reads it. A key the caller set under another spelling of the field's
+// name is moved to the canonical one, and one set twice is sent once; a
+// field that holds two different keys is refused. once reports a request
+// of a flow's call that carries no key, to be sent once (see "Flows" at
+// [Transport]).
+func (s *transportSettings) setKey(out *http.Request) (key string, once bool, err error) {
 	values, others := fieldValues(out.Header, s.header)
 	for _, name := range others {
 		delete(out.Header, name)
 	}
 	if providerKey, ok := s.providerKey(out); ok {
-		return providerKey, s.setProviderKey(out, providerKey, values)
+		return providerKey, false, s.setProviderKey(out, providerKey, values)
 	}
 	if len(values) > 0 {
 		key := callersKey(values[0])
 		for _, v := range values[1:] {
 			if callersKey(v) != key {
-				return "", fmt.Errorf("idemhttp: Transport: the request's %s header field holds two different keys (under the names %q): "+
+				return "", false, fmt.Errorf("idemhttp: Transport: the request's %s header field holds two different keys (under the names %q): "+
 					"a request is one operation, with one key: %w", s.header, append([]string{s.header}, others...), idem.ErrInvalidKey)
 			}
 		}
 		out.Header[s.header] = values[:1]
-		return key, nil
+		return key, false, nil
 	}
 	if isSafe(out.Method) {
-		return "", nil
+		return "", false, nil
 	}
-	key := s.newKey()
+	if inCall(out) {
+		return "", true, nil
+	}
+	key = s.newKey()
 	if problem := checkNewKey(key); problem != "" {
-		return "", &idem.FieldError{Package: "idemhttp", Field: "Transport.NewKey", Problem: problem, Err: idem.ErrInvalidKey}
+		return "", false, &idem.FieldError{Package: "idemhttp", Field: "Transport.NewKey", Problem: problem, Err: idem.ErrInvalidKey}
 	}
 	out.Header.Set(s.header, sfString(key))
-	return key, nil
+	return key, false, nil
 }
 
 // isSafe reports whether method is safe by definition, so that its
@@ -435,55 +467,6 @@ func sfString(key string) string {
 	}
 	b.WriteByte('"')
 	return b.String()
-}
-
-// bodySource returns the body of each attempt, numbered from 1.
-type bodySource func(n int) (io.ReadCloser, error)
-
-// replayable makes out's body one that every attempt can send whole, and
-// net/http too when it re-sends an attempt: req's GetBody when it has one,
-// or else req's body read whole. It closes req's body when it returns an
-// error.
-func (s *transportSettings) replayable(req, out *http.Request) (bodySource, error) {
-	if req.Body == nil || req.Body == http.NoBody {
-		return func(int) (io.ReadCloser, error) { return req.Body, nil }, nil
-	}
-	if req.GetBody != nil {
-		return func(n int) (io.ReadCloser, error) {
-			if n == 1 {
-				return req.Body, nil
-			}
-			return req.GetBody()
-		}, nil
-	}
-	defer req.Body.Close()
-	tooLarge := func() error {
-		return fmt.Errorf("idemhttp: Transport: the request body is larger than Transport.MaxBodyBytes and has no GetBody, "+
-			"so it could not be sent again: %w", &http.MaxBytesError{Limit: s.maxBodyBytes})
-	}
-	if req.ContentLength > s.maxBodyBytes {
-		return nil, tooLarge()
-	}
-	limit := s.maxBodyBytes
-	if limit < math.MaxInt64 {
-		limit++ // one byte more tells a body over the limit from one at it
-	}
-	body, err := io.ReadAll(io.LimitReader(req.Body, limit))
-	switch {
-	case err != nil:
-		return nil, fmt.Errorf("idemhttp: Transport: reading the request body: %w", err)
-	case int64(len(body)) > s.maxBodyBytes:
-		return nil, tooLarge()
-	}
-	getBody := func() (io.ReadCloser, error) {
-		if len(body) == 0 {
-			return http.NoBody, nil
-		}
-		return io.NopCloser(bytes.NewReader(body)), nil
-	}
-	out.GetBody = getBody
-	out.ContentLength = int64(len(body))
-	return func(int) (io.ReadCloser, error) { return getBody() }, nil
 }
 
 // send makes the attempts of out.

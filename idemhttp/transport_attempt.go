@@ -1,10 +1,13 @@
 package idemhttp
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"math"
+	"net/http"
 	"net/http/httptrace"
 	"strings"
 	"sync/atomic"
@@ -12,8 +15,57 @@ import (
 	"github.com/pgidem/idem"
 )
 
-// This file holds what the Transport keeps of one attempt: its timeout,
-// the connections it asked for and got, and its error.
+// This file holds what the Transport keeps of one attempt: its body, its
+// timeout, the connections it asked for and got, and its error.
+
+// bodySource returns the body of each attempt, numbered from 1.
+type bodySource func(n int) (io.ReadCloser, error)
+
+// replayable makes out's body one that every attempt can send whole, and
+// net/http too when it re-sends an attempt: req's GetBody when it has one,
+// or else req's body read whole. It closes req's body when it returns an
+// error.
+func (s *transportSettings) replayable(req, out *http.Request) (bodySource, error) {
+	if req.Body == nil || req.Body == http.NoBody {
+		return func(int) (io.ReadCloser, error) { return req.Body, nil }, nil
+	}
+	if req.GetBody != nil {
+		return func(n int) (io.ReadCloser, error) {
+			if n == 1 {
+				return req.Body, nil
+			}
+			return req.GetBody()
+		}, nil
+	}
+	defer req.Body.Close()
+	tooLarge := func() error {
+		return fmt.Errorf("idemhttp: Transport: the request body is larger than Transport.MaxBodyBytes and has no GetBody, "+
+			"so it could not be sent again: %w", &http.MaxBytesError{Limit: s.maxBodyBytes})
+	}
+	if req.ContentLength > s.maxBodyBytes {
+		return nil, tooLarge()
+	}
+	limit := s.maxBodyBytes
+	if limit < math.MaxInt64 {
+		limit++ // one byte more tells a body over the limit from one at it
+	}
+	body, err := io.ReadAll(io.LimitReader(req.Body, limit))
+	switch {
+	case err != nil:
+		return nil, fmt.Errorf("idemhttp: Transport: reading the request body: %w", err)
+	case int64(len(body)) > s.maxBodyBytes:
+		return nil, tooLarge()
+	}
+	getBody := func() (io.ReadCloser, error) {
+		if len(body) == 0 {
+			return http.NoBody, nil
+		}
+		return io.NopCloser(bytes.NewReader(body)), nil
+	}
+	out.GetBody = getBody
+	out.ContentLength = int64(len(body))
+	return func(int) (io.ReadCloser, error) { return getBody() }, nil
+}
 
 // attemptContext returns the context of an attempt, which ends
 // AttemptTimeout after it begins, and the function that releases it.

@@ -29,6 +29,16 @@ func (s *transportSettings) providerKey(out *http.Request) (string, bool) {
 	return idem.ProviderKeyFromContext(out.Context())
 }
 
+// inCall reports whether out is made from a flow's call: its context
+// carries the call's provider key. Such a request that carries no key
+// gets none of the Transport's own, and one attempt: a key of its own
+// would differ on the call's next attempt, and a provider that ignores
+// keys would apply each retry.
+func inCall(out *http.Request) bool {
+	_, ok := idem.ProviderKeyFromContext(out.Context())
+	return ok
+}
+
 // setProviderKey sends providerKey, as it is, under the key's field of
 // out, whose values are those the caller set: none, or the same key.
 func (s *transportSettings) setProviderKey(out *http.Request, providerKey string, values []string) error {

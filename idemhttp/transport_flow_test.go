@@ -1,10 +1,12 @@
 package idemhttp_test
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -214,20 +216,103 @@ func TestTransportRefusesAFlowCallsRequestThatCarriesAnotherKey(t *testing.T) {
 	}
 }
 
-func TestTransportWithoutUseProviderKeyGivesAFlowCallAKeyOfItsOwn(t *testing.T) {
-	ctx, pool, scope := setup(t)
-	p := newKeyedProvider(t, idemhttp.DefaultHeader)
-	client := &http.Client{Transport: &idemhttp.Transport{}}
-	flow := idem.MustNewFlow(testdb.Name("no-stamp"), func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
-		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
-			return postCharge(ctx, client, p.url, amount, nil)
-		})
-	})
-	if _, err := flow.Run(ctx, pool, scope, "k", nil, 100); err != nil {
-		t.Fatal(err)
+// keylessProvider is a provider that ignores idempotency keys: it charges
+// every request it reads, and answers the first with 502, as a gateway
+// that lost the answer does. It records the key field of each request.
+type keylessProvider struct {
+	mu      sync.Mutex
+	keys    [][]string
+	charges int
+}
+
+func (p *keylessProvider) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	_, _ = io.Copy(io.Discard, r.Body)
+	p.mu.Lock()
+	p.charges++
+	n := p.charges
+	p.keys = append(p.keys, r.Header.Values(idemhttp.DefaultHeader))
+	p.mu.Unlock()
+	if n == 1 {
+		http.Error(w, "bad gateway", http.StatusBadGateway)
+		return
 	}
-	want := testdb.FlowStep(t, ctx, pool, scope, "k", "charge").ProviderKey
-	if keys, _ := p.seen(); len(keys) != 1 || !uuidV4.MatchString(strings.Trim(keys[0], `"`)) || strings.Contains(keys[0], want) {
-		t.Fatalf("the provider saw %q; want a fresh key of the Transport's, not the provider key %q", keys, want)
+	_, _ = io.WriteString(w, "ch_"+strconv.Itoa(n))
+}
+
+func (p *keylessProvider) seen() ([][]string, int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([][]string(nil), p.keys...), p.charges
+}
+
+// A flow's call whose requests carry no key (the Transport without
+// UseProviderKey, for a provider that ignores keys) is made once per
+// attempt of the call: the Transport retries none of its answers, and
+// sends no key of its own, which would let net/http send it again by
+// itself. What happens next is the flow's to decide: an AtMostOnce call
+// that may have been applied stops for a person, rather than charge
+// twice.
+func TestTransportSendsAFlowCallsRequestWithoutAKeyOnce(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	p := &keylessProvider{}
+	srv := httptest.NewServer(p)
+	t.Cleanup(srv.Close)
+	client := &http.Client{Transport: &idemhttp.Transport{BaseDelay: -1}}
+	flow := idem.MustNewFlow(testdb.Name("keyless"), func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
+		return idem.Call(s, "charge", func(ctx context.Context, _ string) (string, error) {
+			return postCharge(ctx, client, srv.URL, amount, nil)
+		}, idem.AtMostOnce())
+	})
+	_, err := flow.Run(ctx, pool, scope, "k", nil, 100)
+	if !errors.Is(err, idem.ErrFlowIncomplete) || errors.Is(err, idem.ErrNotSent) {
+		t.Fatalf("the first run: %v; want the call's 502, incomplete and uncertain", err)
+	}
+	if keys, charges := p.seen(); charges != 1 || len(keys[0]) != 0 {
+		t.Fatalf("the provider charged %d times, the keys %q; want one request, without a key", charges, keys)
+	}
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, 100); !errors.Is(err, idem.ErrFlowStopped) {
+		t.Fatalf("the next run: %v; want the at-most-once call that may have been applied stopped for a person", err)
+	}
+	if _, charges := p.seen(); charges != 1 {
+		t.Fatalf("the provider charged %d times; want once", charges)
+	}
+}
+
+// A request of a flow's call without a key is not one that net/http sends
+// again by itself when its kept-alive connection breaks after the server
+// read it: that needs a key field, which the Transport does not set.
+func TestTransportSendsNoKeyThatNetHTTPWouldReSendAFlowCallsRequestOn(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	var reads atomic.Int64
+	// The first request is answered on a kept-alive connection; the
+	// second goes out on it, is read, and the connection is cut.
+	addr := rawServer(t, func(_ int, conn net.Conn, _ net.Listener) {
+		r := bufio.NewReader(conn)
+		for n := 0; ; n++ {
+			if readRequest(r) != nil {
+				return
+			}
+			if reads.Add(1); n == 1 {
+				return
+			}
+			_, _ = io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nch_1")
+		}
+	})
+	client := &http.Client{Transport: &idemhttp.Transport{Base: &http.Transport{}, BaseDelay: -1}}
+	flow := idem.MustNewFlow(testdb.Name("keyless-resend"), func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
+		for _, step := range []string{"first", "second"} {
+			if _, err := idem.Call(s, step, func(ctx context.Context, _ string) (string, error) {
+				return postCharge(ctx, client, "http://"+addr+"/pay", amount, nil)
+			}); err != nil {
+				return "", err
+			}
+		}
+		return "done", nil
+	})
+	if _, err := flow.Run(ctx, pool, scope, "k", nil, 100); !errors.Is(err, idem.ErrFlowIncomplete) || errors.Is(err, idem.ErrNotSent) {
+		t.Fatalf("the run: %v; want the second call cut, incomplete and uncertain", err)
+	}
+	if n := reads.Load(); n != 2 {
+		t.Fatalf("the provider read %d requests; want 2: the second sent once", n)
 	}
 }

@@ -12,9 +12,9 @@ import (
 
 // Beginner returns db as an [idem.TxBeginner], for the calls of idem and
 // its packages that begin transactions of their own: [idem.Flow]'s Run
-// and Resume, idemhttp.New, [idem.Inspect], [idem.Purge]. The transactions
-// it begins are database/sql's; a function that idem runs in one gets it
-// as a pgx.Tx, and [Unwrap] returns its *sql.Tx.
+// and Resume, idemhttp.NewMiddleware, [idem.Inspect], [idem.Purge]. The
+// transactions it begins are database/sql's; a function that idem runs in
+// one gets it as a pgx.Tx, and [Unwrap] returns its *sql.Tx.
 //
 // database/sql expresses a pgx.TxOptions' IsoLevel and AccessMode; a
 // DeferrableMode, BeginQuery or CommitQuery cannot be carried, and

@@ -18,7 +18,7 @@ it:
 [Do], [Once], [OnceEach] and [Advance] run in the caller's *sql.Tx; [Run] and
 [WithTx] begin their own on a *sql.DB; [Local] is a flow's local step;
 [Beginner] hands a *sql.DB to the calls that begin transactions
-themselves (a flow's Run and Resume, idemhttp.New, idem.Inspect), and
+themselves (a flow's Run and Resume, idemhttp.NewMiddleware, idem.Inspect), and
 [Unwrap] returns the *sql.Tx of the pgx.Tx such a call gives a function
 (idemhttp.Tx in a handler). The semantics, options and errors are those of
 the idem calls of the same names: the same claim, the same waits, the same

@@ -94,8 +94,9 @@
 // [NewWebhookHandler] is a ready Handler that POSTs each message to a URL
 // as a signed Standard Webhooks delivery (webhook-id, webhook-timestamp,
 // webhook-signature), its id the message's idempotency key, and reads the
-// answer as the specification describes: 2xx delivered, 5xx, 429 and
-// timeouts retried (honouring Retry-After), other 4xx parked. The
+// answer as the specification describes: 2xx delivered, 410 parked,
+// every other answer, timeout and connection error retried (honouring
+// Retry-After). The
 // receiving end, idem's or anyone's, deduplicates on webhook-id; idem's
 // is idemhttp/webhook.
 //

@@ -85,18 +85,22 @@ const (
 // It reads the answer as the specification describes:
 //
 //   - 2xx: delivered;
-//   - 408, 409, 425, 429, any 5xx, any 3xx, a timeout, a connection that
-//     failed: the attempt failed, and the relay retries it with its
-//     backoff (Config.RetryDelay, Config.MaxRetryDelay), no sooner than
-//     the answer's Retry-After asks (see [RetryAfter]), until
-//     Config.MaxAttempts;
-//   - any other 4xx: the receiver refused the message for good (a bad
-//     signature, a payload it does not take, 410 Gone): the message is
-//     parked at once ([Park]), for someone to look at, and Requeue.
+//   - 410 Gone: the receiver wants no more deliveries: the message is
+//     parked at once ([Park]), for someone to look at, and Requeue;
+//   - any other answer (3xx, since redirects are not followed, and every
+//     other 4xx and 5xx), a timeout, a connection that failed: the
+//     attempt failed, and the relay retries it with its backoff
+//     (Config.RetryDelay, Config.MaxRetryDelay), no sooner than the
+//     answer's Retry-After asks (see [RetryAfter]), until
+//     Config.MaxAttempts, and then parks it. So a refusal that time
+//     mends, such as idem's receiver's 400 webhook-stale while a clock is
+//     off, or a 401 while a secret is being rotated, is delivered once it
+//     is mended, without a Requeue.
 //
 // A failed attempt's error, which the relay logs and stores as the
-// message's last_error, names the URL without its query and the answer's
-// status, with the first bytes of its body. NewWebhookHandler checks cfg
+// message's last_error, names the URL without its userinfo or query
+// (wherever it shows it, net/http's own errors included) and the
+// answer's status, with the first bytes of its body. NewWebhookHandler checks cfg
 // once, and refuses a field that cannot work with an error that names it
 // and wraps [idem.ErrInvalidOption].
 func NewWebhookHandler(cfg WebhookConfig) (Handler, error) {
@@ -140,7 +144,7 @@ func NewWebhookHandler(cfg WebhookConfig) (Handler, error) {
 // endpoint is a WebhookEndpoint checked.
 type endpoint struct {
 	url      string
-	shownURL string // without its query, for errors
+	shownURL string // without its userinfo or query, for errors
 	keys     webhooksig.Keys
 }
 
@@ -198,7 +202,7 @@ func (s *webhookSender) deliver(ctx context.Context, msg Message) error {
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, ep.url, bytes.NewReader(msg.Payload))
 	if err != nil {
-		return Park(fmt.Errorf("outbox: webhook to %s: %w", ep.shownURL, err))
+		return Park(fmt.Errorf("outbox: webhook to %s: %w", ep.shownURL, redactURL(err, ep.shownURL)))
 	}
 	now := time.Now()
 	req.Header.Set(webhooksig.HeaderID, msg.IdempotencyKey)
@@ -207,7 +211,7 @@ func (s *webhookSender) deliver(ctx context.Context, msg Message) error {
 	req.Header.Set("Content-Type", s.contentType)
 	res, err := s.client.Do(req)
 	if err != nil {
-		return fmt.Errorf("outbox: webhook to %s: %w", ep.shownURL, err)
+		return fmt.Errorf("outbox: webhook to %s: %w", ep.shownURL, redactURL(err, ep.shownURL))
 	}
 	defer func() {
 		_, _ = io.Copy(io.Discard, io.LimitReader(res.Body, answerDrain))
@@ -218,15 +222,26 @@ func (s *webhookSender) deliver(ctx context.Context, msg Message) error {
 	}
 	excerpt, _ := io.ReadAll(io.LimitReader(res.Body, answerExcerpt))
 	err = fmt.Errorf("outbox: webhook to %s: %s: %s", ep.shownURL, res.Status, strings.TrimSpace(string(excerpt)))
-	switch code := res.StatusCode; {
-	case code >= 500, code < 400,
-		code == http.StatusRequestTimeout, code == http.StatusConflict, code == http.StatusTooEarly, code == http.StatusTooManyRequests:
-		if d, ok := retryAfter(res.Header.Get("Retry-After"), now); ok {
-			return RetryAfter(err, d)
-		}
-		return err
+	if res.StatusCode == http.StatusGone {
+		return Park(err)
 	}
-	return Park(err)
+	if d, ok := retryAfter(res.Header.Get("Retry-After"), now); ok {
+		return RetryAfter(err, d)
+	}
+	return err
+}
+
+// redactURL replaces the URL of every *url.Error in err's chain, which
+// net/http gives whole, its userinfo and query included, with shown, and
+// returns err: the error keeps its types, and shows no credential of the
+// URL.
+func redactURL(err error, shown string) error {
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		if urlErr, ok := e.(*url.Error); ok {
+			urlErr.URL = shown
+		}
+	}
+	return err
 }
 
 // retryAfter reads a Retry-After field, delta-seconds or an HTTP-date, as

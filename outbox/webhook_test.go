@@ -7,13 +7,18 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp/webhook"
@@ -103,8 +108,8 @@ func TestWebhookHandlerDeliversSignedStandardWebhooks(t *testing.T) {
 }
 
 // Each answer is read as the Standard Webhooks specification describes:
-// 2xx delivered, 408/409/425/429, 5xx and 3xx retried (no sooner than
-// Retry-After), any other 4xx parked.
+// 2xx delivered, 410 parked, every other answer retried (no sooner than
+// Retry-After).
 func TestWebhookHandlerReadsAnswersAsTheSpecificationSays(t *testing.T) {
 	t.Parallel()
 	symmetric, _, _ := webhookSecrets(t)
@@ -140,12 +145,12 @@ func TestWebhookHandlerReadsAnswersAsTheSpecificationSays(t *testing.T) {
 		{status: 204, delivered: true},
 		{status: 301},
 		{status: 302},
-		{status: 400, park: true},
-		{status: 401, park: true},
-		{status: 404, park: true},
+		{status: 400},
+		{status: 401},
+		{status: 404},
 		{status: 410, park: true},
-		{status: 413, park: true},
-		{status: 422, park: true},
+		{status: 413},
+		{status: 422},
 		{status: 408},
 		{status: 409},
 		{status: 425},
@@ -214,6 +219,121 @@ func TestWebhookHandlerAttemptIsBounded(t *testing.T) {
 	err := handler(context.Background(), outbox.Message{IdempotencyKey: "k"})
 	if park, _ := outbox.Classified(err); !errors.Is(err, context.DeadlineExceeded) || park {
 		t.Errorf("a receiver that never answers: %v, want a deadline exceeded, retried", err)
+	}
+}
+
+// An attempt's error, which the relay logs and stores as last_error,
+// shows the URL without its userinfo or query, which may hold a token:
+// also the errors of net/http, which name the URL they were given.
+func TestWebhookHandlerErrorsShowNoCredentialOfTheURL(t *testing.T) {
+	t.Parallel()
+	symmetric, _, _ := webhookSecrets(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := ln.Addr().String()
+	ln.Close()
+	hangs := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() }))
+	defer hangs.Close()
+	answers, _ := capture(t, http.StatusServiceUnavailable)
+	for name, base := range map[string]string{
+		"connection refused": "http://" + refused,
+		"timed out":          hangs.URL,
+		"answered 503":       answers.URL,
+	} {
+		u := strings.Replace(base, "//", "//hook-user:hunter2@", 1) + "/hooks/42?token=s3cret"
+		for _, cfg := range []outbox.WebhookConfig{
+			{URL: u, Secrets: []string{symmetric}, Timeout: 100 * time.Millisecond},
+			{Endpoint: func(context.Context, outbox.Message) (outbox.WebhookEndpoint, error) {
+				return outbox.WebhookEndpoint{URL: u, Secrets: []string{symmetric}}, nil
+			}, Timeout: 100 * time.Millisecond},
+		} {
+			handler, err := outbox.NewWebhookHandler(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = handler(context.Background(), outbox.Message{IdempotencyKey: "k"})
+			if err == nil {
+				t.Fatalf("%s: delivered", name)
+			}
+			if text := err.Error(); strings.Contains(text, "s3cret") || strings.Contains(text, "hunter2") || strings.Contains(text, "hook-user") ||
+				!strings.Contains(text, "/hooks/42") {
+				t.Errorf("%s: %q; want the URL's path, and neither its userinfo nor its query", name, text)
+			}
+			var urlErr *url.Error
+			if name != "answered 503" && !errors.As(err, &urlErr) {
+				t.Errorf("%s: %v; want net/http's *url.Error still in the chain", name, err)
+			}
+		}
+	}
+}
+
+// idem's receiver refuses a delivery signed outside its tolerance, 400
+// webhook-stale, as when its clock is minutes off: the sender retries it,
+// as the specification retries every answer but 2xx and 410, rather than
+// park it, and the message is delivered once the clock is right, without
+// anyone calling Requeue.
+func TestAReceiverWhoseClockIsOffGetsTheMessageOnceItIsRight(t *testing.T) {
+	ctx, pool, scope, dest := setup(t)
+	symmetric, _, _ := webhookSecrets(t)
+	scheme, _ := webhook.NewStandardWebhooks(symmetric)
+	var slow atomic.Int64 // how far behind the receiver's clock is
+	slow.Store(int64(10 * time.Minute))
+	var applied atomic.Int64
+	recv, err := webhook.NewReceiver(pool, func(context.Context, pgx.Tx, webhook.Event) error {
+		applied.Add(1)
+		return nil
+	}, webhook.Config{
+		Scheme: scheme,
+		Scope:  func(*http.Request) (string, error) { return "webhook:" + scope, nil },
+		Now:    func() time.Time { return time.Now().Add(-time.Duration(slow.Load())) },
+		Logger: slog.New(slog.DiscardHandler),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var answers sync.Map // status -> count
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rec := httptest.NewRecorder()
+		recv.ServeHTTP(rec, r)
+		n, _ := answers.LoadOrStore(rec.Code, new(atomic.Int64))
+		n.(*atomic.Int64).Add(1)
+		for k, v := range rec.Header() {
+			w.Header()[k] = v
+		}
+		w.WriteHeader(rec.Code)
+		_, _ = w.Write(rec.Body.Bytes())
+	}))
+	defer srv.Close()
+	handler, err := outbox.NewWebhookHandler(outbox.WebhookConfig{URL: srv.URL, Secrets: []string{symmetric}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := enqueue(t, ctx, pool, entries(scope, dest, 1)...)
+	startRelay(t, ctx, pool, handler, outbox.Config{Destinations: []string{dest}, RetryDelay: 10 * time.Millisecond, MaxRetryDelay: 50 * time.Millisecond})
+	state := func() (string, int) {
+		var state string
+		var attempts int
+		if err := pool.QueryRow(ctx, `SELECT state, attempts FROM outbox_message WHERE id = $1`, ids[0]).Scan(&state, &attempts); err != nil {
+			t.Fatal(err)
+		}
+		return state, attempts
+	}
+	waitFor(t, "two refused attempts, or the message parked", func() bool {
+		st, attempts := state()
+		return st != "pending" || attempts >= 2
+	})
+	if st, attempts := state(); st != "pending" {
+		t.Fatalf("the message is %s after %d attempts refused 400 webhook-stale; want it pending, to be retried", st, attempts)
+	}
+	slow.Store(0)
+	waitFor(t, "the message delivered", func() bool { st, _ := state(); return st != "pending" })
+	if st, attempts := state(); st != "delivered" || applied.Load() != 1 {
+		t.Fatalf("the message is %s after %d attempts, applied %d times; want delivered, applied once", st, attempts, applied.Load())
+	}
+	if n, ok := answers.Load(http.StatusBadRequest); !ok || n.(*atomic.Int64).Load() < 2 {
+		t.Fatal("the receiver did not refuse the first attempts 400")
 	}
 }
 

@@ -22,7 +22,7 @@ const (
 	// example schedule for 75 hours), so that no redelivery outlives it.
 	DefaultRetention = 7 * 24 * time.Hour
 
-	// DefaultTolerance is how far the time a signature covers may be from
+	// DefaultTolerance is how old the time a signature covers may be on
 	// the receiver's clock unless [Config.Tolerance] says otherwise, as the
 	// Standard Webhooks specification's reference libraries and Stripe's
 	// take it.
@@ -53,14 +53,19 @@ type Config struct {
 	// use, such as "webhook:stripe". Required.
 	Scope func(r *http.Request) (string, error)
 
-	// Tolerance is how far the time a signature covers may be from the
-	// receiver's clock, in either direction, for the delivery to be
-	// accepted: a delivery signed earlier or later gets 400 webhook-stale
-	// and nothing is written. It keeps a delivery captured on the way
-	// from being sent again once its id is forgotten, so it must not
-	// exceed Retention. Negative means no check; schemes that sign no time
-	// (GitHub's) are not checked either way. Defaults to
-	// [DefaultTolerance], 5m.
+	// Tolerance is how old the time a signature covers may be on the
+	// receiver's clock for the delivery to be accepted, and how far ahead
+	// of it, as each provider's own library takes it: a Standard Webhooks
+	// delivery (and one of a Scheme of the application's own) may be as
+	// far ahead as Tolerance, as the specification's reference libraries
+	// accept it; a Stripe event as far as Retention less Tolerance, since
+	// stripe-go bounds only the age, and only Stripe can sign a time, so
+	// that a receiver whose clock runs slow does not refuse every event.
+	// A delivery signed earlier or further ahead gets 400 webhook-stale,
+	// and nothing is written. It keeps a delivery captured on the way from
+	// being applied again once its id is forgotten (see Retention).
+	// Negative means no check; schemes that sign no time (GitHub's) are
+	// not checked either way. Defaults to [DefaultTolerance], 5m.
 	Tolerance time.Duration
 
 	// Now is the receiver's clock, which Tolerance is measured on: tests
@@ -71,8 +76,12 @@ type Config struct {
 	// delivery committed: a redelivery within it is answered 204 without
 	// running the handler, one after it runs the handler again. Choose it
 	// longer than the longest time in which the sender redelivers,
-	// including by hand from its dashboard. It must be at least
-	// Tolerance, and at least a microsecond. Defaults to
+	// including by hand from its dashboard. With a Tolerance, it must be
+	// at least twice Tolerance: a signature is accepted from Tolerance
+	// before the time it covers (or further, for Stripe's, within the
+	// retention) to Tolerance after it, and a delivery captured on the way
+	// and sent again within that window, once its id was forgotten, would
+	// be applied again. It must be at least a microsecond. Defaults to
 	// [DefaultRetention], 7 days.
 	Retention time.Duration
 
@@ -111,9 +120,12 @@ type Config struct {
 
 // settings is a Config checked, with its defaults applied.
 type settings struct {
-	scheme          Scheme
-	scope           func(*http.Request) (string, error)
-	tolerance       time.Duration // negative: none
+	scheme    Scheme
+	scope     func(*http.Request) (string, error)
+	tolerance time.Duration // negative: none
+	// ahead is how far ahead of the receiver's clock a signed time may be,
+	// when tolerance is not negative.
+	ahead           time.Duration
 	now             func() time.Time
 	maxBodyBytes    int64 // math.MaxInt64: no limit
 	problemTypeBase string
@@ -155,11 +167,18 @@ func newSettings(cfg Config) (settings, error) {
 	if err != nil {
 		return settings{}, err
 	}
-	if s.tolerance > 0 && retention < s.tolerance {
+	if s.tolerance > 0 && retention/2 < s.tolerance {
 		// A delivery captured on the way could be sent again, and be
 		// accepted, after its id was forgotten.
 		return settings{}, invalidField("Config.Retention",
-			"must be at least Config.Tolerance (%s), or a delivery sent again within the tolerance would be applied again; got %s", s.tolerance, retention)
+			"must be at least twice Config.Tolerance (2 × %s): a signature is accepted from the tolerance before the time it covers to the tolerance after it, "+
+				"and a delivery sent again within that window once its id is forgotten would be applied again; got %s", s.tolerance, retention)
+	}
+	// A signature is accepted from ahead before the time it covers to
+	// tolerance after it: a window that the retention covers.
+	s.ahead = s.tolerance
+	if _, ok := s.scheme.(*Stripe); ok {
+		s.ahead = retention - s.tolerance
 	}
 
 	wait, err := adapter.Wait("webhook", "Config.Wait", cfg.Wait)

@@ -34,8 +34,8 @@ applied, sequential or concurrent, does not run the handler again:
 The receiver reads the body whole, up to [Config.MaxBodyBytes] (a larger
 one is refused without being read), and verifies it before anything else:
 a delivery that is unsigned, whose signature cannot be read, matches none
-of the secrets, or was signed further from the receiver's clock than
-[Config.Tolerance], is refused with a problem (400 [ProblemUnsigned],
+of the secrets, or was signed longer ago than [Config.Tolerance] or
+further ahead than the scheme allows, is refused with a problem (400 [ProblemUnsigned],
 [ProblemMalformed], [ProblemSignatureInvalid], [ProblemStale]) and nothing
 is written. A verified delivery's event id is then claimed with
 [idem.Run], under [Config.Scope], with the event's fingerprint (its body,

@@ -39,8 +39,9 @@ const (
 	// the receiver's secrets. Nothing was written.
 	ProblemSignatureInvalid = "webhook-signature-invalid"
 
-	// ProblemStale (400): the time the signature covers is further from
-	// the receiver's clock than [Config.Tolerance]. Nothing was written.
+	// ProblemStale (400): the time the signature covers is older than
+	// [Config.Tolerance] on the receiver's clock, or further ahead of it
+	// than the scheme allows (see Config.Tolerance). Nothing was written.
 	ProblemStale = "webhook-stale"
 
 	// ProblemIDReused (422): the event's id was received before, within
@@ -74,7 +75,8 @@ type Event struct {
 	// [Delivery.Type]).
 	Type string
 
-	// Body is the delivery's body, byte for byte what was signed.
+	// Body is the delivery's body, byte for byte what was signed; an
+	// empty body is an empty slice, never nil.
 	Body []byte
 
 	// SignedAt is the time the signature covers; zero when the scheme
@@ -155,7 +157,8 @@ func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // check applies the receiver's own rules to a verified delivery: an id,
-// and a signed time within the tolerance.
+// and a signed time no older than the tolerance, and no further ahead
+// than the scheme allows.
 func (rc *Receiver) check(d Delivery) error {
 	if d.ID == "" {
 		return fmt.Errorf("%w: the delivery names no event id", ErrMalformed)
@@ -163,9 +166,14 @@ func (rc *Receiver) check(d Delivery) error {
 	if rc.tolerance < 0 || d.SignedAt.IsZero() {
 		return nil
 	}
-	if off := rc.now().Sub(d.SignedAt); off > rc.tolerance || off < -rc.tolerance {
-		return fmt.Errorf("%w: signed at %s, %s from the receiver's clock, more than the tolerance of %s",
-			ErrStale, d.SignedAt.UTC().Format(time.RFC3339), off.Round(time.Second), rc.tolerance)
+	signed := d.SignedAt.UTC().Format(time.RFC3339)
+	switch age := rc.now().Sub(d.SignedAt); {
+	case age > rc.tolerance:
+		return fmt.Errorf("%w: signed at %s, %s before the receiver's clock, more than the tolerance of %s",
+			ErrStale, signed, age.Round(time.Second), rc.tolerance)
+	case -age > rc.ahead:
+		return fmt.Errorf("%w: signed at %s, %s ahead of the receiver's clock, more than the %s allowed",
+			ErrStale, signed, (-age).Round(time.Second), rc.ahead)
 	}
 	return nil
 }

@@ -72,9 +72,10 @@ var (
 	// forgery.
 	ErrSignatureInvalid = errors.New("webhook: no signature matches")
 
-	// ErrStale: the time the signature covers is further from the
-	// receiver's clock than its tolerance: a delivery replayed long after
-	// it was signed, or a clock that is far off.
+	// ErrStale: the time the signature covers is older than the
+	// receiver's tolerance, or further ahead of its clock than the scheme
+	// allows (see Config.Tolerance): a delivery replayed long after it was
+	// signed, or a clock that is far off.
 	ErrStale = errors.New("webhook: delivery's timestamp is outside the tolerance")
 )
 

@@ -17,13 +17,14 @@ var (
 // limit). A body announced larger (Content-Length) is refused before it is
 // read, and one that turns out larger once the limit is passed, without
 // reading the rest: ErrBodyTooLarge. A body that cannot be read (the
-// connection broke) gives ErrBodyUnreadable.
+// connection broke) gives ErrBodyUnreadable. An empty body is an empty
+// slice, never nil: pgx stores a nil slice as NULL.
 func ReadBody(r *http.Request, limit int64) ([]byte, error) {
 	if r.ContentLength > limit {
 		return nil, ErrBodyTooLarge
 	}
 	if r.Body == nil || r.Body == http.NoBody {
-		return nil, nil
+		return []byte{}, nil
 	}
 	// One byte past the limit tells a body over it from one at it; at
 	// math.MaxInt64 that byte would wrap the limit negative and read
