@@ -26,7 +26,7 @@ ALTER TABLE idem_flow_step_row
 -- flow's start and its lease's renewals never write. (Running flows are
 -- listed from idem_flow_running_idx, and sorted: they are the flows in
 -- progress.) On a large table, create it first, CONCURRENTLY, so that
--- building it does not hold up the flows' writes (docs/large-deployments.md).
+-- building it does not hold up the flows' writes (docs/migrations.md).
 CREATE INDEX IF NOT EXISTS idem_flow_stopped_idx ON idem_flow (state, created_at, scope, key)
     WHERE state IN ('attention', 'ended');
 
