@@ -167,7 +167,9 @@ func resolveFlow(ctx context.Context, db TxBeginner, scope, key, name string, r 
 		case err != nil:
 			return err
 		case n == 0:
-			return fmt.Errorf("%w: it was resolved or ended meanwhile", ErrFlowNotStopped) // held: never
+			// The row is locked since FlowResolveTarget: only a lock that
+			// did not hold (a statement pooler between them) gets here.
+			return fmt.Errorf("%w: it was resolved or ended meanwhile", ErrFlowNotStopped)
 		case rec.inRow:
 			// The call's record is a row of its own (see maxInlineSteps):
 			// written over, under the flow's new epoch.
