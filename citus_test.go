@@ -150,6 +150,7 @@ func TestCitus(t *testing.T) {
 	t.Run("Flows", func(t *testing.T) { citusFlows(t, ctx, pool) })
 	t.Run("FlowsReconcile", func(t *testing.T) { citusReconcile(t, ctx, pool) })
 	t.Run("FlowCrashes", func(t *testing.T) { citusFlowCrashes(t, ctx, c, pool) })
+	t.Run("FlowsAPersonResolves", func(t *testing.T) { citusResolve(t, ctx, pool) })
 	t.Run("FlowLocalStepHoldsTheFlowsRow", func(t *testing.T) { stepHoldsTheFlowsRow(t, ctx, pool, testdb.Name("rowlock")) })
 	t.Run("Outbox", func(t *testing.T) { citusOutbox(t, ctx, pool) })
 	t.Run("IdemHTTP", func(t *testing.T) { citusHTTP(t, ctx, pool) })

@@ -123,7 +123,9 @@ each one's documentation says when it is returned and what to do:
 [ErrReadOnly], [ErrConnInTransaction], [ErrResponseTooLarge] and
 [ErrResponseNotStorable]; [OnceEach] adds [ErrInvalidBatch]; flows add [ErrLeaseLost], [ErrFlowChanged],
 [ErrFlowIncomplete], [ErrFlowStopped] and [ErrInputNotStorable], and
-[ErrNotSent] for a call's function to say that its request never left.
+[ErrNotSent] for a call's function to say that its request never left,
+and [ErrOutcomeUnknown] for a [BestEffort] call's; resolving a stopped
+flow adds [ErrFlowNotStopped], [ErrStepMismatch] and [ErrFlowSealed].
 A value that cannot work is a [*FieldError], which names it. Driver errors
 that mean one of them (a wait that ran out, a serialization failure, a
 deadlock) are translated, so callers

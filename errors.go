@@ -180,3 +180,27 @@ var ErrFlowStopped = errors.New("idem: flow stopped")
 // interceptor wrap it in the errors they are sure of. Wrap it in nothing
 // else: an attempt whose request may have left must stay uncertain.
 var ErrNotSent = errors.New("idem: the call was not sent")
+
+// ErrOutcomeUnknown is in the chain of the error [Call] returns for a
+// [BestEffort] call whose attempt may have reached the other system: its
+// outcome is recorded as unknown, the call is never made again, and every
+// later run of the flow gets the same error from it. The flow is not
+// stopped: its function decides what an unknown outcome means (for a
+// notification, usually nothing), and goes on.
+var ErrOutcomeUnknown = errors.New("idem: the call's outcome is unknown")
+
+// ErrFlowNotStopped is returned by [ResolveFlow] and [Flow.Resolve] for a
+// flow that is not stopped for a person's decision: running (resolved
+// already, perhaps by someone else), done, ended, or none for the key.
+// Nothing was written.
+var ErrFlowNotStopped = errors.New("idem: flow is not stopped for attention")
+
+// ErrStepMismatch is returned by [ResolveFlow] and [Flow.Resolve] for a
+// resolution of a step other than the call the flow stopped at
+// ([FlowInfo].Step). Nothing was written.
+var ErrStepMismatch = errors.New("idem: the flow stopped at another step")
+
+// ErrFlowSealed is returned by [ResolveFlow] for a resolution with a
+// result of a flow whose records are sealed by a [Codec]: the result must
+// be sealed too, by [Flow.Resolve]. Nothing was written.
+var ErrFlowSealed = errors.New("idem: the flow's records are sealed by a codec")

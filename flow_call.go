@@ -43,7 +43,9 @@ import (
 // its lookup, when given one ([Reconcile]); otherwise it is called again,
 // with the same provider key, unless it is [AtMostOnce] or its first such
 // attempt is older than [WithProviderWindow], and then the flow is
-// stopped for a person's decision and Call returns [ErrFlowStopped]. So is
+// stopped for a person's decision and Call returns [ErrFlowStopped] (a
+// [BestEffort] call is recorded as unknown instead, and the flow goes
+// on). So is
 // a flow whose call returned a value that cannot be stored
 // ([ErrResponseNotStorable], [ErrResponseTooLarge]): the other system
 // applied the call, and calling it again would give the same value.
@@ -78,6 +80,9 @@ func Call[T any](s *Steps, name string, fn func(ctx context.Context, providerKey
 	if rec != nil && rec.done() {
 		return recordedResult[T](r, name, rec.Result)
 	}
+	if earlier, ok := r.recorded[seq]; ok && earlier.State == stepUnknown {
+		return zero, fmt.Errorf("step %q: %w: recorded by an earlier run", name, ErrOutcomeUnknown)
+	}
 	value, err := runCall(s.ctx, r, seq, name, fn, co)
 	if err != nil {
 		return zero, fmt.Errorf("step %q: %w", name, err)
@@ -86,7 +91,7 @@ func Call[T any](s *Steps, name string, fn func(ctx context.Context, providerKey
 }
 
 // CallOption changes how [Call] treats a call whose outcome is not known:
-// [Reconcile] and [AtMostOnce].
+// [Reconcile], [AtMostOnce] and [BestEffort].
 type CallOption interface {
 	applyCall(o *callOptions)
 }
@@ -95,8 +100,8 @@ type CallOption interface {
 // lookup given to Reconcile, of type func(context.Context, string) (T,
 // bool, error) for the call's T.
 type callOptions struct {
-	atMostOnce bool
-	reconcile  any
+	atMostOnce, bestEffort bool
+	reconcile              any
 }
 
 type callOptionFunc func(*callOptions)
@@ -153,6 +158,24 @@ func Reconcile[T any](lookup func(ctx context.Context, providerKey string) (resu
 // wrapping [ErrNotSent] surely did not reach it, and does not count.
 func AtMostOnce() CallOption {
 	return callOptionFunc(func(o *callOptions) { o.atMostOnce = true })
+}
+
+// BestEffort marks a call whose uncertain outcome must not hold up the
+// flow's answer: a notification after the charge (an SMS, an email, a
+// push). Like an [AtMostOnce] call it is never made twice; but where that
+// one stops the flow for a person, a BestEffort call whose attempt may
+// have reached the other system (its function returned an error, or an
+// earlier run died during it) is recorded as unknown, and Call returns an
+// error that wraps [ErrOutcomeUnknown], with the function's own, at once
+// and on every later run of the flow, without calling again: the flow's
+// function goes on (errors.Is(err, idem.ErrOutcomeUnknown)), and
+// [InspectFlow] shows the step as "unknown". An error that wraps
+// [ErrNotSent] is returned as it is, the call not made: the next run makes
+// it, as if first. With a [Reconcile] lookup, a lookup that fails records
+// the outcome as unknown too. A result that cannot be stored stops the
+// flow, as for any call (see [Call]).
+func BestEffort() CallOption {
+	return callOptionFunc(func(o *callOptions) { o.atMostOnce, o.bestEffort = true, true })
 }
 
 // newCallOptions applies opts, checking that a lookup returns T.
@@ -312,6 +335,9 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 			case err != nil:
 				r.obs.reconciled(reconcileFailed)
 				r.noteReconcile(ctx, seq, reconcileFailed+": "+err.Error())
+				if co.bestEffort {
+					return zero, r.recordUnknown(ctx, seq, fmt.Errorf("lookup: %w", err))
+				}
 				if pastWindow {
 					return zero, errors.Join(err, r.stop(ctx, fmt.Sprintf("step %q: the lookup of an attempt older than the provider window (%s) failed (%v): "+
 						"find out from the provider whether it was applied", name, r.o.providerWindow, err)))
@@ -323,6 +349,8 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 			}
 			r.obs.reconciled(reconcileNotFound)
 			r.noteReconcile(ctx, seq, reconcileNotFound)
+		case co.bestEffort:
+			return zero, r.recordUnknown(ctx, seq, errors.New("an earlier attempt may have reached the other system"))
 		case co.atMostOnce:
 			return zero, r.stop(ctx, fmt.Sprintf("step %q: the call is made at most once, and an earlier attempt may have reached "+
 				"the other system: find out whether it was applied", name))
@@ -334,8 +362,11 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 
 	value, err := callKeepingLease(ctx, r, name, providerKey, int(rec.Attempts), "idem.Call", fn)
 	if err != nil {
-		if errors.Is(err, ErrNotSent) && !resumed {
+		switch {
+		case errors.Is(err, ErrNotSent) && !resumed:
 			r.noteUnsent(ctx, seq)
+		case co.bestEffort && !errors.Is(err, ErrLeaseLost) && !errors.Is(err, ErrNotSent):
+			return zero, r.recordUnknown(ctx, seq, err)
 		}
 		return zero, err
 	}
@@ -380,6 +411,25 @@ func recordCall[T any](ctx context.Context, r *flowRun, seq int32, name string, 
 		}
 	}
 	return decodedResult[T](r, encoded)
+}
+
+// recordUnknown records the outcome of the BestEffort call at seq as
+// unknown, at once (it is never made again), and returns the error Call
+// returns: ErrOutcomeUnknown, with why. A record that could not be
+// written is sent with the flow's next statement (flowRun.result), and
+// the next run records it anyway, finding the call's intent.
+func (r *flowRun) recordUnknown(ctx context.Context, seq int32, why error) error {
+	rec := r.recorded[seq]
+	rec.State, rec.Result, rec.Completed = stepUnknown, nil, stampNow
+	r.resultStore = pendingStep{seq: seq, rec: rec}
+	r.result = &r.resultStore
+	ctx, cancel := cleanupContext(ctx)
+	defer cancel()
+	if err := r.flush(ctx, nil); err != nil {
+		return errors.Join(why, err)
+	}
+	r.setRecorded(seq, rec)
+	return fmt.Errorf("%w: %w", ErrOutcomeUnknown, why)
 }
 
 // noteReconcile records a lookup that did not find the call, for

@@ -17,7 +17,8 @@ import (
 //	name length,completed,state,attempts,first called,reconciles,outcome length;name outcome result
 //
 // Lengths count characters (so that SQL's substr cuts the same); a state
-// is empty for a step done, c for a call calling, u for one unsent; times
+// is empty for a step done, c for a call calling, u for one unsent, ? for
+// one whose outcome is unknown (BestEffort, migration 00010); times
 // are microseconds after the flow's created_at, or since 1970 after an @;
 // empty fields are 0 or not set, and empty fields at the header's end are
 // left out; an empty result is none. A local step done reads
@@ -95,6 +96,8 @@ func inlineState(state string) string {
 		return "c"
 	case stepUnsent:
 		return "u"
+	case stepUnknown:
+		return "?"
 	}
 	return state
 }
@@ -168,6 +171,8 @@ func parseInline(s string, base int64) (stepRecord, error) {
 		rec.State = stepCalling
 	case "u":
 		rec.State = stepUnsent
+	case "?":
+		rec.State = stepUnknown
 	default:
 		return rec, fmt.Errorf("%w: state %q", errRecord, f[2])
 	}

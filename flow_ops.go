@@ -56,6 +56,9 @@ type FlowInfo struct {
 	Expired bool
 	// Steps are the steps the flow recorded, in order.
 	Steps []FlowStep
+	// Resolutions are what people found out about the calls the flow
+	// stopped at ([ResolveFlow]), in order.
+	Resolutions []FlowResolution
 }
 
 // FlowStep is a step of a flow, as [InspectFlow] shows it.
@@ -65,7 +68,8 @@ type FlowStep struct {
 	// State is "done" once its result is recorded. A call whose intent is
 	// recorded without a result is "calling" when an attempt may have
 	// reached the other system (a run of the flow resolves it first: see
-	// [Call]), "unsent" when every attempt surely did not.
+	// [Call]), "unsent" when every attempt surely did not; a
+	// [BestEffort] call's is "unknown" once recorded so.
 	State string
 	// Attempts counts a call's attempts (1 for a local step).
 	Attempts int
@@ -130,6 +134,9 @@ func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInf
 				step.ProviderKey = providerKeys{namespace: f.ProviderNamespace, operation: f.Operation}.of(k.scope, k.key, rec.Name)
 			}
 			info.Steps = append(info.Steps, step)
+		}
+		if info.Resolutions, err = flowResolutions(ctx, q, k); err != nil {
+			return fmt.Errorf("idem: inspect flow: resolutions: %w", err)
 		}
 		return nil
 	})

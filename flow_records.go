@@ -27,7 +27,8 @@ import (
 type stepRecord struct {
 	Name string `json:"n"`
 	// State is a call's while it has no result: stepCalling or
-	// stepUnsent; empty once the step is done.
+	// stepUnsent, or stepUnknown for a BestEffort call that will have
+	// none; empty once the step is done.
 	State string `json:"s,omitempty"`
 	// Result is the step's result, JSON; nil while a call has none.
 	Result json.RawMessage `json:"r,omitempty"`
@@ -51,6 +52,7 @@ type stepRecord struct {
 const (
 	stepCalling = "calling"
 	stepUnsent  = "unsent"
+	stepUnknown = "unknown" // a BestEffort call's, for good (migration 00010)
 )
 
 // stampNow is a time for the statement that writes the record to set to

@@ -69,6 +69,9 @@ func inspectFlow(ctx context.Context, stdout io.Writer, db idem.TxBeginner, scop
 		}
 		fmt.Fprintf(w, "step %d\t%s\n", i, line)
 	}
+	for _, r := range f.Resolutions {
+		fmt.Fprintf(w, "resolved\t%s: step %s %s by %s: %s\n", r.At.Format(time.RFC3339), r.Step, r.Outcome, r.By, oneLine(r.Reason))
+	}
 	return w.Flush()
 }
 

@@ -35,7 +35,8 @@ type IdemFlow struct {
 	ExpiresAt         pgtype.Timestamptz
 	ProviderNamespace pgtype.UUID
 	// the steps' records by place: compact strings (migration 00009), or objects of short fields (00008)
-	Steps []byte
+	Steps       []byte
+	Resolutions []byte
 }
 
 type IdemFlowStepRow struct {

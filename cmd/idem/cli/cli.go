@@ -93,7 +93,7 @@ func (p Program) Run(ctx context.Context, commands []Command, args []string, std
 func (p Program) usage(w io.Writer, commands []Command) {
 	fmt.Fprintf(w, "Usage: %s <command> [flags]\n\nCommands:\n", p.Invocation)
 	for _, c := range commands {
-		fmt.Fprintf(w, "  %-9s %s\n", c.Name, c.Summary)
+		fmt.Fprintf(w, "  %-12s %s\n", c.Name, c.Summary)
 	}
 	fmt.Fprintf(w, "\n%s\n", p.Footer)
 }
