@@ -235,7 +235,8 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 	// ('unsent'): its window starts again. The flow's steps were read as
 	// the executor claimed it, and only its epoch writes them since.
 	rec := stepRecord{Name: name, State: stepCalling, Attempts: 1, FirstCalled: stampNow}
-	earlier, resumed := r.recorded[seq]
+	earlier, hadEarlier := r.recorded[seq]
+	resumed := hadEarlier
 	if resumed {
 		resumed = earlier.State == stepCalling
 		rec = earlier
@@ -301,10 +302,25 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 		}
 		firstCalledAt = written.FirstCalled
 	}
+	// An attempt counts once its function is called: one whose intent
+	// may have committed though the function was not called (the run's
+	// context ended as the intent committed, the lease ran out) is taken
+	// back, with the record as it was before (notCalled), so that it
+	// neither stops an AtMostOnce call nor starts the provider window.
+	notCalled := func() {
+		if hadEarlier {
+			r.notCalled(ctx, seq, earlier)
+		} else {
+			r.notCalled(ctx, seq, stepRecord{Name: name, State: stepUnsent})
+		}
+	}
 	switch {
 	case errors.Is(err, ErrLeaseLost):
 		return zero, err
 	case err != nil:
+		if !errors.Is(err, errTaken) {
+			notCalled()
+		}
 		return zero, fmt.Errorf("record the call's intent: %w", err)
 	case !leased:
 		return zero, r.lostError()
@@ -324,7 +340,7 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 		switch {
 		case co.reconcile != nil:
 			lookup := co.reconcile.(func(context.Context, string) (T, bool, error))
-			got, err := callKeepingLease(ctx, r, name, providerKey, int(rec.Attempts), "idem.Reconcile",
+			got, _, err := callKeepingLease(ctx, r, name, providerKey, int(rec.Attempts), "idem.Reconcile",
 				func(ctx context.Context, key string) (lookedUp[T], error) {
 					v, found, err := lookup(ctx, key)
 					return lookedUp[T]{v, found}, err
@@ -360,12 +376,13 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 		}
 	}
 
-	value, err := callKeepingLease(ctx, r, name, providerKey, int(rec.Attempts), "idem.Call", fn)
+	value, called, err := callKeepingLease(ctx, r, name, providerKey, int(rec.Attempts), "idem.Call", fn)
 	if err != nil {
 		switch {
-		case errors.Is(err, ErrNotSent) && !resumed:
-			r.noteUnsent(ctx, seq)
-		case co.bestEffort && !errors.Is(err, ErrLeaseLost) && !errors.Is(err, ErrNotSent):
+		case !called || errors.Is(err, ErrNotSent):
+			// This attempt surely did not reach the other system.
+			notCalled()
+		case co.bestEffort && !errors.Is(err, ErrLeaseLost):
 			return zero, r.recordUnknown(ctx, seq, err)
 		}
 		return zero, err
@@ -465,17 +482,18 @@ func (r *flowRun) recordSteps(ctx context.Context, seq int32, rec *stepRecord) b
 	return err == nil && n == 1
 }
 
-// noteUnsent records that the call's attempt surely did not reach the other
-// system; it is best effort: a call left 'calling' is only treated more
-// carefully.
-func (r *flowRun) noteUnsent(ctx context.Context, seq int32) {
+// notCalled records the call at seq as rec, what it was before the
+// intent of an attempt that surely did not reach the other system (its
+// function was not called, or returned an error wrapping ErrNotSent): an
+// earlier attempt's record, or, when there was none, one that says that
+// no attempt reached it ('unsent'), after which the next attempt is made
+// as the first. It is best effort, on a context that outlives the run's
+// for a moment (cleanupContext): a call left 'calling' is only treated
+// more carefully.
+func (r *flowRun) notCalled(ctx context.Context, seq int32, rec stepRecord) {
 	ctx, cancel := cleanupContext(ctx)
 	defer cancel()
-	rec := r.recorded[seq]
-	if rec.State != stepCalling {
-		return
-	}
-	rec.State = stepUnsent
+	rec.inRow = r.recorded[seq].inRow
 	if r.recordSteps(ctx, seq, &rec) {
 		r.setRecorded(seq, rec)
 	}
@@ -483,14 +501,14 @@ func (r *flowRun) noteUnsent(ctx context.Context, seq int32) {
 
 // callKeepingLease calls fn with providerKey while the lease is kept (see
 // keepLease), as attempt attempt of the call named name, in a span named
-// span; a panic of fn stops the renewals and ends the span before it goes
-// on. fn is not called when the lease may have run out, or ctx has ended,
-// by the time it would be.
+// span, and reports whether it called it; a panic of fn stops the
+// renewals and ends the span before it goes on. fn is not called when the
+// lease may have run out, or ctx has ended, by the time it would be.
 func callKeepingLease[T any](ctx context.Context, r *flowRun, name, providerKey string, attempt int, span string,
 	fn func(ctx context.Context, providerKey string) (T, error),
-) (value T, err error) {
+) (value T, called bool, err error) {
 	if err := r.holdForCall(ctx, name); err != nil {
-		return value, err
+		return value, false, err
 	}
 	kept := r.keepLease(ctx, name)
 	callCtx := context.WithValue(kept, providerKeyContextKey{}, providerKey)
@@ -504,12 +522,13 @@ func callKeepingLease[T any](ctx context.Context, r *flowRun, name, providerKey 
 	// The last look before the call: a process frozen since the lease was
 	// renewed wakes here, and must not act.
 	if r.lease.left() <= 0 {
-		return value, r.lostError()
+		return value, false, r.lostError()
 	}
 	if err := callCtx.Err(); err != nil {
-		return value, context.Cause(callCtx)
+		return value, false, context.Cause(callCtx)
 	}
-	return fn(callCtx, providerKey)
+	value, err = fn(callCtx, providerKey)
+	return value, true, err
 }
 
 // providerKeys derives the provider keys of an operation's calls: from

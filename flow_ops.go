@@ -71,7 +71,11 @@ type FlowStep struct {
 	// [Call]), "unsent" when every attempt surely did not; a
 	// [BestEffort] call's is "unknown" once recorded so.
 	State string
-	// Attempts counts a call's attempts (1 for a local step).
+	// Attempts counts a call's attempts that may have reached the other
+	// system: its function was called and did not return an error
+	// wrapping [ErrNotSent] (1 for a local step). An attempt whose
+	// function was never called (the run's context ended, its lease ran
+	// out) is not one.
 	Attempts int
 	// Result is the step's result as stored, JSON or sealed.
 	Result []byte
@@ -122,7 +126,7 @@ func InspectFlow(ctx context.Context, db TxBeginner, scope, key string) (FlowInf
 			if err != nil {
 				return fmt.Errorf("idem: inspect flow: step %d's record: %w", s.Seq, err)
 			}
-			step := FlowStep{Name: rec.Name, Kind: rec.kind(), State: rec.State, Attempts: max(int(rec.Attempts), 1),
+			step := FlowStep{Name: rec.Name, Kind: rec.kind(), State: rec.State, Attempts: attemptsOf(&rec),
 				Result: rec.Result, FirstCalledAt: microsTime(rec.FirstCalled), CompletedAt: microsTime(rec.Completed),
 				Reconciles: int(rec.Reconciles), LastReconcile: rec.LastReconcile}
 			if step.State == "" {
@@ -174,4 +178,13 @@ func EndFlow(ctx context.Context, db TxBeginner, scope, key, reason string) (end
 		return false, translate("idem: end flow", err)
 	}
 	return n == 1, nil
+}
+
+// attemptsOf is what FlowStep.Attempts says of rec: its attempts, for a
+// call, and 1 for a local step.
+func attemptsOf(rec *stepRecord) int {
+	if rec.kind() == stepLocal {
+		return 1
+	}
+	return int(rec.Attempts)
 }

@@ -32,7 +32,9 @@ type stepRecord struct {
 	State string `json:"s,omitempty"`
 	// Result is the step's result, JSON; nil while a call has none.
 	Result json.RawMessage `json:"r,omitempty"`
-	// Attempts is a call's (never 0 for a call), 0 for a local step.
+	// Attempts counts a call's attempts that may have reached the other
+	// system (its function called, and not failing with ErrNotSent), 0
+	// for a local step.
 	Attempts int32 `json:"a,omitempty"`
 	// FirstCalled and Completed are microseconds since 1970, 0 when not
 	// set, stampNow for the statement that writes them to set (as
@@ -63,7 +65,7 @@ const stampNow = -1
 
 // kind is the step's kind: a call has attempts.
 func (s *stepRecord) kind() string {
-	if s.Attempts > 0 {
+	if s.Attempts > 0 || s.State != "" { // a call none of whose attempts was sent has none
 		return stepCall
 	}
 	return stepLocal

@@ -370,3 +370,70 @@ func TestACodecThatKeysFingerprintsKeepsThemFromBeingConfirmed(t *testing.T) {
 		t.Fatalf("the Run's key with another request: %v, want ErrFingerprintMismatch", err)
 	}
 }
+
+// TestFlowAtMostOnceCallWhoseFunctionWasNeverCalledIsMadeOnce ends a
+// run's context as its AtMostOnce call's intent commits (a client that
+// hangs up, a request's deadline): the call's function is never called,
+// so the attempt is no attempt. The record says that none reached the
+// provider, the retry makes the call, once, and the flow answers; it is
+// not stopped for a person, and its provider window starts then.
+func TestFlowAtMostOnceCallWhoseFunctionWasNeverCalledIsMadeOnce(t *testing.T) {
+	ctx, _, scope, _ := setupFlow(t)
+	var armed atomic.Bool
+	var cancel atomic.Pointer[context.CancelFunc]
+	tracer := &onBatchEnd{fn: func() {
+		if armed.CompareAndSwap(true, false) {
+			(*cancel.Load())() // once the intent's round trip is over
+		}
+	}}
+	pool := countedPool(t, ctx, new(testdb.WireCount), func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = tracer })
+	var sent atomic.Int64
+	flow := idem.MustNewFlow(testdb.Name("sms"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		if _, err := idem.Local(s, "order", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`, s.Scope(), s.Key(), in.Amount)
+			return 1, err
+		}); err != nil {
+			return "", err
+		}
+		armed.Store(true)
+		return idem.Call(s, "sms", func(ctx context.Context, _ string) (string, error) {
+			sent.Add(1)
+			return "sms sent", nil
+		}, idem.AtMostOnce())
+	})
+	runCtx, stop := context.WithCancel(ctx)
+	cancel.Store(&stop)
+	if _, err := flow.Run(runCtx, pool, scope, "k", nil, chargeIn{Amount: 1}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("the run whose context ended at the intent: %v, want context.Canceled", err)
+	}
+	if sent.Load() != 0 {
+		t.Fatalf("the call's function ran %d times, want none: the context ended before it", sent.Load())
+	}
+	info, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil || len(info.Steps) != 2 || info.Steps[1].State != "unsent" || info.Steps[1].Attempts != 0 {
+		t.Fatalf("InspectFlow: %+v, %v; want the call unsent, with no attempt", info.Steps, err)
+	}
+	res, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 1})
+	if err != nil || res.Value != "sms sent" {
+		t.Fatalf("the retry: %+v, %v; want the call made and the flow answered", res, err)
+	}
+	if sent.Load() != 1 {
+		t.Fatalf("the call's function ran %d times, want once", sent.Load())
+	}
+	if info, err := idem.InspectFlow(ctx, pool, scope, "k"); err != nil || info.Steps[1].Attempts != 1 {
+		t.Fatalf("InspectFlow after the retry: %+v, %v; want one attempt", info.Steps, err)
+	}
+}
+
+// onBatchEnd is a pgx tracer that calls fn as each batch ends.
+type onBatchEnd struct{ fn func() }
+
+func (o *onBatchEnd) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (o *onBatchEnd) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (o *onBatchEnd) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+func (o *onBatchEnd) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (o *onBatchEnd) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     { o.fn() }

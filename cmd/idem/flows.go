@@ -64,8 +64,13 @@ func inspectFlow(ctx context.Context, stdout io.Writer, db idem.TxBeginner, scop
 	for i, s := range f.Steps {
 		line := fmt.Sprintf("%s %s, %s", s.Kind, s.Name, s.State)
 		if s.Kind == "call" {
-			line += fmt.Sprintf(", %d attempt(s), first %s ago, provider key %s",
-				s.Attempts, time.Since(s.FirstCalledAt).Round(time.Second), s.ProviderKey)
+			line += fmt.Sprintf(", provider key %s, ", s.ProviderKey)
+			if s.Attempts == 0 {
+				line += "no attempt may have reached the provider"
+			} else {
+				line += fmt.Sprintf("%d attempt(s) may have reached the provider, the first %s ago",
+					s.Attempts, time.Since(s.FirstCalledAt).Round(time.Second))
+			}
 		}
 		fmt.Fprintf(w, "step %d\t%s\n", i, line)
 	}

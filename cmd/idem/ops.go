@@ -284,8 +284,10 @@ Prints one key: whether an operation is running on it now, and its record:
 state, fingerprint, creation and expiry, and the size of its stored
 response, which is shown only with -show-response. With -flow, prints the
 flow of the key instead (idem.Flow): its state, the step it is at, its
-runs and last error, and each step with its attempts and, for calls, the
-provider key; its input and answer only with -show-response.
+runs and last error, and each step with, for calls, the provider key and
+the attempts that may have reached the provider (calls of the step's
+function, but those that surely never left); its input and answer only
+with -show-response.
 Flags may come before or after SCOPE and KEY.
 
 Whether the key is running comes from pg_locks, as an estimate: it is an
