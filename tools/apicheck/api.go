@@ -364,13 +364,12 @@ func Compare(recorded, current []string, pkgNames []string) (breaks []Break, add
 	return breaks, added
 }
 
-// unreleasedHeading opens Keep a Changelog's section of what is not yet
-// released.
-var unreleasedHeading = regexp.MustCompile(`(?m)^## \[Unreleased\].*$`)
-
-// Unreleased returns the text of a changelog's Unreleased section.
-func Unreleased(changelog string) string {
-	loc := unreleasedHeading.FindStringIndex(changelog)
+// Section returns the text of a changelog's section, in Keep a
+// Changelog's form: "## [Unreleased]", or "## [0.2.0] - 2026-12-24" for
+// name 0.2.0.
+func Section(changelog, name string) string {
+	heading := regexp.MustCompile(`(?m)^## \[` + regexp.QuoteMeta(name) + `\].*$`)
+	loc := heading.FindStringIndex(changelog)
 	if loc == nil {
 		return ""
 	}
