@@ -150,22 +150,21 @@ func TestCheckFailsOnEachBreakingChangeUntilItIsAnnounced(t *testing.T) {
 	}
 }
 
-// repoRoot is the repository's root, above the tools module.
-const repoRoot = "../.."
-
-// TestCheckFailsOnABrokenLibrary breaks a copy of the library itself,
-// against the listing and the changelog in the repository: the check passes
-// on the copy as it is, and fails on it with MustNewFlow renamed and
-// EndFlow's reason taken away, naming both.
+// TestCheckFailsOnABrokenLibrary breaks a copy of the library itself:
+// its API recorded, the check fails on the copy with MustNewFlow renamed
+// and EndFlow's reason taken away, naming both, until the changelog's
+// Unreleased section names them.
 func TestCheckFailsOnABrokenLibrary(t *testing.T) {
 	lib := copyLibrary(t)
-	listing, err := filepath.Abs(filepath.Join(repoRoot, "tools/apicheck/api.txt"))
-	if err != nil {
-		t.Fatal(err)
+	listing := filepath.Join(t.TempDir(), "api.txt")
+	changelog := filepath.Join(lib, "CHANGELOG.md")
+	args := []string{"-dir", lib, "-pkgs", "github.com/pgidem/idem", "-listing", listing, "-changelog", changelog}
+	if code, out := check(t, append(args, "-w")...); code != 0 {
+		t.Fatalf("recording: exit %d\n%s", code, out)
 	}
-	args := []string{"-dir", lib, "-pkgs", "github.com/pgidem/idem", "-listing", listing, "-changelog", filepath.Join(lib, "CHANGELOG.md")}
+	write(t, lib, "CHANGELOG.md", "# Changelog\n\n## [Unreleased]\n\n## [0.1.0] - 2026-12-03\n")
 	if code, out := check(t, args...); code != 0 {
-		t.Fatalf("the library as it is: exit %d, want 0\n%s", code, out)
+		t.Fatalf("the library as recorded: exit %d, want 0\n%s", code, out)
 	}
 	edit(t, filepath.Join(lib, "flow.go"), "func MustNewFlow[", "func MustMakeFlow[")
 	edit(t, filepath.Join(lib, "flow_ops.go"), "func EndFlow(ctx context.Context, db TxBeginner, scope, key, reason string)", "func EndFlow(ctx context.Context, db TxBeginner, scope, key string)")
@@ -182,11 +181,16 @@ func TestCheckFailsOnABrokenLibrary(t *testing.T) {
 	if !strings.Contains(out, "2 breaking change(s) not announced") {
 		t.Errorf("the check does not count 2:\n%s", out)
 	}
+	write(t, lib, "CHANGELOG.md", "# Changelog\n\n## [Unreleased]\n\n### Changed\n\n- `idem.EndFlow` takes no reason.\n\n### Removed\n\n- `idem.MustNewFlow`: use `idem.MustMakeFlow`.\n\n## [0.1.0] - 2026-12-03\n")
+	if code, out := check(t, args...); code != 0 {
+		t.Fatalf("the broken library, announced: exit %d, want 0\n%s", code, out)
+	}
 }
 
 // copyLibrary copies the library's module, the repository without the
 // modules nested in it, into a directory of the test's own.
 func copyLibrary(t *testing.T) string {
+	const repoRoot = "../.." // above the tools module
 	t.Helper()
 	dst := t.TempDir()
 	root, err := filepath.Abs(repoRoot)
