@@ -58,7 +58,7 @@ func run(args []string) error {
 	case len(args) >= 3 && args[0] == "proxy":
 		return proxy(root, args[1], args[2:])
 	}
-	return errors.New("usage: release require VERSION DIR... | release proxy OUT TAG...")
+	return errors.New("usage: release require VERSION DIR [DIR ...], or release proxy OUT TAG [TAG ...]")
 }
 
 // git runs git in dir and returns its output.
