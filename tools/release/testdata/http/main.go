@@ -48,7 +48,8 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS rehearsal_payment (id bigserial PRIMARY KEY, amount bigint NOT NULL)`); err != nil {
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS rehearsal_payment (id bigserial PRIMARY KEY, amount bigint NOT NULL);
+		CREATE TABLE IF NOT EXISTS rehearsal_reservation (id bigserial PRIMARY KEY, amount bigint NOT NULL)`); err != nil {
 		log.Fatal(err)
 	}
 
@@ -123,7 +124,7 @@ func main() {
 	charge := idem.MustNewFlow("rehearsal-charge", func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		reserved, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
-			err := tx.QueryRow(ctx, `INSERT INTO rehearsal_payment (amount) VALUES ($1) RETURNING id`, amount).Scan(&id)
+			err := tx.QueryRow(ctx, `INSERT INTO rehearsal_reservation (amount) VALUES ($1) RETURNING id`, amount).Scan(&id)
 			return id, err
 		})
 		if err != nil {
@@ -131,7 +132,7 @@ func main() {
 		}
 		return idem.Call(s, "charge", func(ctx context.Context, providerKey string) (string, error) {
 			charged.Add(1)
-			return fmt.Sprintf("charge of payment %d, key %s", reserved, providerKey), nil
+			return fmt.Sprintf("charge of reservation %d, key %s", reserved, providerKey), nil
 		})
 	})
 	res, err := charge.Run(ctx, pool, scope, "order-1", idem.Fingerprint([]byte("2500")), 2500)
