@@ -9,7 +9,8 @@
 // hashes taken from zips of the working tree as the module proxy will make
 // them from the tagged commit: the nested modules of a release require the
 // library as released, as `go install pkg@version` and an application's
-// `go get` need them to.
+// `go get` need them to. It moves go.work's replace of the library with
+// the checkout to VERSION too, for the workspace.
 //
 //	release proxy OUT TAG...
 //
@@ -108,6 +109,9 @@ func require(root, version string, dirs []string) error {
 	if err != nil {
 		return err
 	}
+	if err := pinWork(root, mods, version); err != nil {
+		return err
+	}
 	// A module's go.sum names the zip of the modules it requires, which
 	// holds their go.mod and go.sum: so each is done after those of the
 	// others it requires.
@@ -143,6 +147,39 @@ func require(root, version string, dirs []string) error {
 		}
 	}
 	return nil
+}
+
+// pinWork moves go.work's replace of a module of the repository with its
+// checkout, if any, to version: the go command reads the go.mod of the
+// version a workspace's module requires, even of a module in the
+// workspace, so that a version not published, or not reachable, needs a
+// replace there.
+func pinWork(root string, mods map[string]string, version string) error {
+	path := filepath.Join(root, "go.work")
+	data, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	f, err := modfile.ParseWork("go.work", data, nil)
+	if err != nil {
+		return err
+	}
+	for _, r := range f.Replace {
+		if _, ours := mods[r.Old.Path]; !ours || r.Old.Version == "" || r.Old.Version == version {
+			continue
+		}
+		i := slices.Index(r.Syntax.Token, r.Old.Version)
+		if i < 0 {
+			return fmt.Errorf("go.work: cannot find the version of the replace of %s", r.Old.Path)
+		}
+		r.Syntax.Token[i] = version
+		r.Old.Version = version
+		fmt.Printf("go.work replaces %s@%s with %s\n", r.Old.Path, version, r.New.Path)
+	}
+	return os.WriteFile(path, modfile.Format(f.Syntax), 0o644)
 }
 
 // ready reports whether every module of the repository that f requires,

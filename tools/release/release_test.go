@@ -31,7 +31,8 @@ func put(t *testing.T, dir, name, text string) {
 
 // TestARequiredReleaseInstallsFromTheProxy releases a repository of two
 // modules as .ci/release does: the nested one, a command, requires the
-// library at the version, with the go.sum lines require writes; tagged,
+// library at the version, with the go.sum lines require writes, and the
+// workspace still builds it against the checkout, offline; tagged,
 // and served by proxy, the command's tree builds outside any workspace
 // with its go.sum as it is, and go install takes it at the version. Then
 // the library is changed under its tag: the lines require wrote no longer
@@ -57,6 +58,9 @@ func TestARequiredReleaseInstallsFromTheProxy(t *testing.T) {
 	put(t, repo, "LICENSE", "MIT\n")
 	put(t, repo, "cmd/hello/go.mod", "module example.com/lib/cmd/hello\n\ngo 1.24\n\nrequire example.com/lib v0.0.0-00010101000000-000000000000\n\nreplace example.com/lib => ../..\n")
 	put(t, repo, "cmd/hello/main.go", "package main\n\nimport \"example.com/lib\"\n\nfunc main() { println(lib.Hello()) }\n")
+	put(t, repo, "go.work", "go 1.24\n\nuse (\n\t.\n\t./cmd/hello\n)\n\n// The checkout, at the version the command requires.\nreplace example.com/lib v0.0.0-00010101000000-000000000000 => ./\n")
+	offline := []string{"GOWORK=", "GOPROXY=off", "GOFLAGS=-mod=readonly", "GOTOOLCHAIN=local"}
+	must(sh(t, repo, offline, "go", "build", "-o", os.DevNull, "./cmd/hello"))
 	git("add", "-A")
 	git("commit", "-q", "-m", "first")
 
@@ -71,6 +75,16 @@ func TestARequiredReleaseInstallsFromTheProxy(t *testing.T) {
 	if !strings.Contains(string(gomod), "require example.com/lib v1.2.3") || strings.Contains(string(gomod), "replace") {
 		t.Fatalf("cmd/hello/go.mod after require:\n%s", gomod)
 	}
+	work, err := os.ReadFile(filepath.Join(repo, "go.work"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(work), "// The checkout, at the version the command requires.\nreplace example.com/lib v1.2.3 => ./\n") {
+		t.Fatalf("go.work after require:\n%s", work)
+	}
+	// The workspace builds it against the checkout, offline, v1.2.3
+	// published nowhere.
+	must(sh(t, repo, offline, "go", "build", "-o", os.DevNull, "./cmd/hello"))
 	sum, err := os.ReadFile(filepath.Join(repo, "cmd/hello/go.sum"))
 	if err != nil {
 		t.Fatal(err)
