@@ -18,14 +18,14 @@ import (
 )
 
 // The documents whose links and test names the tests below check: the
-// README and every page of docs/.
+// README, the changelog and every page of docs/.
 func documents(t *testing.T) []string {
 	t.Helper()
 	pages, err := filepath.Glob("docs/*.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	return append([]string{"README.md"}, pages...)
+	return append([]string{"README.md", "CHANGELOG.md"}, pages...)
 }
 
 // linkHosts are the hosts (and their subdomains) that the documents may
@@ -48,14 +48,17 @@ var linkHosts = []string{
 	"yugabyte.com",
 	"cloud.google.com",
 	"neon.com",
+	// The forms the changelog follows.
+	"keepachangelog.com",
+	"semver.org",
 	// Reserved for examples (RFC 2606): an example's own address.
 	"example.com",
 }
 
-// TestDocLinksResolve checks every link of the README and of docs/*.md: a
-// relative link must name a file or directory of the repository, and its
-// #anchor a heading of that Markdown file (as GitHub spells heading
-// anchors); an absolute link must be http(s) to a host of linkHosts.
+// TestDocLinksResolve checks every link of the documents: a relative link
+// must name a file or directory of the repository, and its #anchor a
+// heading of that Markdown file (as GitHub spells heading anchors); an
+// absolute link must be http(s) to a host of linkHosts.
 func TestDocLinksResolve(t *testing.T) {
 	t.Parallel()
 	root, err := filepath.Abs(".")
@@ -128,7 +131,7 @@ func TestDocLinksResolve(t *testing.T) {
 }
 
 // TestDocsNameOnlyTestsThatExist checks that every Test, Benchmark and
-// Fuzz name in the README and docs/*.md (as the proof of a claim, or in a
+// Fuzz name in the documents (as the proof of a claim, or in a
 // -run pattern) is a test function of the repository, or the start of
 // one's name.
 func TestDocsNameOnlyTestsThatExist(t *testing.T) {
@@ -299,7 +302,7 @@ func TestLinkAnchorsAreSpeltAsGitHubDoes(t *testing.T) {
 }
 
 // TestDocsRunOnlyPackagesAndCommandsThatExist checks the go commands of
-// the README and docs/*.md: every ./path they name (go run, go test, go
+// the documents: every ./path they name (go run, go test, go
 // vet, go build) is a directory of the repository, and every "go run
 // ./lab X" or "go run ./cmd/idem X" names a command of that program.
 func TestDocsRunOnlyPackagesAndCommandsThatExist(t *testing.T) {
