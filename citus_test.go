@@ -827,7 +827,7 @@ func citusReconcile(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	scope := testdb.Name("reconcile")
 	p := newProvider()
 	p.keyless = true
-	flow := keylessFlow(p, []idem.CallOption{lookupByRef(p, scope, "found")})
+	flow := keylessFlow(p, []idem.CallOption{lookupByRef(p)})
 	loseFirstAnswer(p)
 	if _, err := flow.Run(ctx, pool, scope, "found", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrFlowIncomplete) {
 		t.Fatalf("the attempt whose answer was lost: %v", err)
@@ -848,7 +848,7 @@ func citusReconcile(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 		}
 		return nil
 	}
-	flow = keylessFlow(p, []idem.CallOption{lookupByRef(p, scope, "not-found"), idem.AtMostOnce()}, idem.WithProviderWindow(0))
+	flow = keylessFlow(p, []idem.CallOption{lookupByRef(p), idem.AtMostOnce()}, idem.WithProviderWindow(0))
 	if _, err := flow.Run(ctx, pool, scope, "not-found", fpCharge, chargeIn{Amount: 2500}); err == nil {
 		t.Fatal("the first attempt succeeded")
 	}

@@ -103,7 +103,7 @@ func TestBestEffortLookupThatFailsRecordsUnknown(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	p.keyless = true
 	lookups := 0
-	flow := keylessFlow(p, []idem.CallOption{idem.BestEffort(), idem.Reconcile(func(context.Context, string) (string, bool, error) {
+	flow := keylessFlow(p, []idem.CallOption{idem.BestEffort(), idem.Reconcile(func(context.Context, idem.Attempt) (string, bool, error) {
 		lookups++
 		return "", false, errors.New("the provider's search is down")
 	})})

@@ -108,13 +108,16 @@ type callOptionFunc func(*callOptions)
 
 func (f callOptionFunc) applyCall(o *callOptions) { f(o) }
 
-// Reconcile gives a call a lookup at the other system, which runs only
-// when the call's intent is recorded and its result is not, after an
-// attempt that may have reached it (the process died during the call, or
-// its outcome was not known): never on a call's first attempt. lookup
-// asks the other system by the provider key it is given, or by a
-// reference of the caller's own (an order id in the charge's metadata),
-// and answers:
+// Reconcile makes a call to a provider that ignores idempotency keys
+// exactly once, given a provider that can tell whether an attempt was
+// applied (a lookup by the provider key, or by a reference of the
+// caller's sent with the call) and that refuses an attempt past a bound
+// the lookup can wait out (or lets the lookup void the reference): then
+// lookup, which runs only when the call's intent is recorded and its
+// result is not, after an attempt that may have reached the other system
+// (the process died during the call, or its outcome was not known), never
+// on a call's first attempt, tells an attempt that was applied from one
+// that was not. It gets the [Attempt] it resolves, and answers:
 //
 //   - found, with the call's result: the result is recorded as the call's,
 //     and the call is not made again;
@@ -126,27 +129,40 @@ func (f callOptionFunc) applyCall(o *callOptions) { f(o) }
 //     that may have reached the other system is older than
 //     [WithProviderWindow], the flow is stopped for a person instead.
 //
-// It is how a flow calls a provider that ignores idempotency keys exactly
-// once: such a provider applies every request it gets, so only a lookup
-// can tell an attempt that was applied from one that was not. lookup must
-// tell them apart for as long as a flow may resume: a lookup by provider
-// key at a provider that forgets keys must return an error, not "not
-// found", once the provider may have forgotten. A lookup sees what the
-// other system has applied when it asks: an earlier attempt still on its
-// way then (sent, timed out by its caller, not yet processed) is not
-// found, and is applied after all, along with the call made again. So
-// lookup answers not found only when no earlier attempt can arrive any
+// lookup must tell the two apart for as long as a flow may resume: a
+// lookup by provider key at a provider that forgets keys must return an
+// error, not "not found", once the provider may have forgotten. A lookup
+// sees what the other system has applied when it asks: an earlier attempt
+// still on its way then (sent, timed out by its caller, not yet processed)
+// is not found, and is applied after all, along with the call made again.
+// So lookup answers not found only when no earlier attempt can arrive any
 // more (the requests carry their time and the other system refuses them
-// past a bound that has passed, or the lookup voids the reference there
-// so that a late request is refused), and an error otherwise, which
-// leaves the flow incomplete for its next attempt to ask again. Its
-// context is kept
-// alive as a call's is, by the lease. [InspectFlow] shows each call's
-// lookups and the last one's outcome; an [Observer] counts them
-// (idem.flow.reconciliations). T must be the call's result type, or Call
-// returns [ErrInvalidOption] before anything runs.
-func Reconcile[T any](lookup func(ctx context.Context, providerKey string) (result T, found bool, err error)) CallOption {
+// past a bound that has passed since the last attempt, or the lookup
+// voids the reference there so that a late request is refused), and an
+// error otherwise, which leaves the flow incomplete for its next attempt
+// to ask again. Its context is kept alive as a call's is, by the lease.
+// [InspectFlow] shows each call's lookups and the last one's outcome; an
+// [Observer] counts them (idem.flow.reconciliations). T must be the call's
+// result type, or Call returns [ErrInvalidOption] before anything runs.
+func Reconcile[T any](lookup func(ctx context.Context, a Attempt) (result T, found bool, err error)) CallOption {
 	return callOptionFunc(func(o *callOptions) { o.reconcile = lookup })
+}
+
+// Attempt is what a call's lookup ([Reconcile]) is told of the attempts
+// it resolves: those of the call that may have reached the other system.
+type Attempt struct {
+	// ProviderKey is the call's provider key, the same on every attempt.
+	ProviderKey string
+	// Scope and Key are the flow's operation; Step is the call's name.
+	Scope, Key, Step string
+	// Attempts counts the attempts that may have reached the other
+	// system (at least one).
+	Attempts int
+	// FirstSentAt is when the first of them was made, by the database's
+	// clock (the others were made after it): a lookup by a reference of
+	// the caller's need look no further back, less the skew between the
+	// database's clock and the other system's.
+	FirstSentAt time.Time
 }
 
 // AtMostOnce marks a call that must never be made twice, for effects where
@@ -188,7 +204,7 @@ func newCallOptions[T any](opts []CallOption) (callOptions, error) {
 		opt.applyCall(&co)
 	}
 	if co.reconcile != nil {
-		if _, ok := co.reconcile.(func(context.Context, string) (T, bool, error)); !ok {
+		if _, ok := co.reconcile.(func(context.Context, Attempt) (T, bool, error)); !ok {
 			var zero T
 			return co, &FieldError{Package: "idem", Field: "Reconcile",
 				Problem: fmt.Sprintf("the lookup is %T; the call's result is %T", co.reconcile, zero)}
@@ -339,10 +355,12 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 		// An earlier attempt may have reached the other system.
 		switch {
 		case co.reconcile != nil:
-			lookup := co.reconcile.(func(context.Context, string) (T, bool, error))
+			lookup := co.reconcile.(func(context.Context, Attempt) (T, bool, error))
+			a := Attempt{ProviderKey: providerKey, Scope: r.k.scope, Key: r.k.key, Step: name, Attempts: int(earlier.Attempts),
+				FirstSentAt: microsTime(firstCalledAt)}
 			got, _, err := callKeepingLease(ctx, r, name, providerKey, int(rec.Attempts), "idem.Reconcile",
 				func(ctx context.Context, key string) (lookedUp[T], error) {
-					v, found, err := lookup(ctx, key)
+					v, found, err := lookup(ctx, a)
 					return lookedUp[T]{v, found}, err
 				})
 			switch {

@@ -132,7 +132,7 @@ func crashFlow(name, providerURL, at string, opts ...idem.FlowOption) *idem.Flow
 // reconcileOverHTTP is the lookup of crashFlow's call: it asks the
 // provider for the charge made with the operation's reference.
 func reconcileOverHTTP(providerURL, ref string) idem.CallOption {
-	return idem.Reconcile(func(ctx context.Context, _ string) (string, bool, error) {
+	return idem.Reconcile(func(ctx context.Context, _ idem.Attempt) (string, bool, error) {
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, providerURL+"/lookup?"+url.Values{"ref": {ref}}.Encode(), nil)
 		if err != nil {
 			return "", false, err

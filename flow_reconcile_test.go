@@ -30,12 +30,42 @@ func keylessFlow(p *provider, opts []idem.CallOption, flowOpts ...idem.FlowOptio
 	}, flowOpts...)
 }
 
-// lookupByRef is a lookup of the charge at p by the operation's reference.
-func lookupByRef(p *provider, scope, key string) idem.CallOption {
-	return idem.Reconcile(func(context.Context, string) (string, bool, error) {
-		id, found := p.lookup(scope + "/" + key)
+// lookupByRef is a lookup of the charge at p by the operation's
+// reference, which the attempt it resolves names.
+func lookupByRef(p *provider) idem.CallOption {
+	return idem.Reconcile(func(_ context.Context, a idem.Attempt) (string, bool, error) {
+		id, found := p.lookup(a.Scope + "/" + a.Key)
 		return id, found, nil
 	})
+}
+
+// TestFlowReconcileIsToldTheAttemptItResolves: a lookup gets the call's
+// provider key, the operation's scope and key, the step, and the attempts
+// that may have reached the provider, the first when the record says.
+func TestFlowReconcileIsToldTheAttemptItResolves(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	p.keyless = true
+	var got idem.Attempt
+	flow := keylessFlow(p, []idem.CallOption{idem.Reconcile(func(_ context.Context, a idem.Attempt) (string, bool, error) {
+		got = a
+		return "", false, nil
+	})})
+	loseFirstAnswer(p)
+	if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 100}); err == nil {
+		t.Fatal("the attempt whose answer was lost succeeded")
+	}
+	before, err := idem.InspectFlow(ctx, pool, scope, "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 100}); err != nil {
+		t.Fatal(err)
+	}
+	call := before.Steps[0]
+	want := idem.Attempt{ProviderKey: call.ProviderKey, Scope: scope, Key: "k", Step: "charge", Attempts: 1, FirstSentAt: call.FirstCalledAt}
+	if got != want || got.FirstSentAt.IsZero() {
+		t.Fatalf("the lookup was told %+v, want %+v", got, want)
+	}
 }
 
 // loseFirstAnswer makes p's first call fail after it was applied, as a
@@ -53,7 +83,7 @@ func TestFlowReconcileFindsTheChargeWhoseAnswerWasLost(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	p.keyless = true
 	observer, rec, _ := setupObserver(t, false)
-	flow := keylessFlow(p, []idem.CallOption{lookupByRef(p, scope, "k")}, idem.WithObserver(observer))
+	flow := keylessFlow(p, []idem.CallOption{lookupByRef(p)}, idem.WithObserver(observer))
 	// A first attempt never looks up.
 	if _, err := flow.Run(ctx, pool, scope, "first-time", fpCharge, chargeIn{Amount: 100}); err != nil || p.lookups.Load() != 0 {
 		t.Fatalf("a first attempt: %v, %d lookups; want none", err, p.lookups.Load())
@@ -82,7 +112,7 @@ func TestFlowReconcileFindsTheChargeWhoseAnswerWasLost(t *testing.T) {
 func TestFlowReconcileThatFindsNothingCallsAgainWithTheSameKey(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	p.keyless = true
-	flow := keylessFlow(p, []idem.CallOption{lookupByRef(p, scope, "k"), idem.AtMostOnce()}, idem.WithProviderWindow(0))
+	flow := keylessFlow(p, []idem.CallOption{lookupByRef(p), idem.AtMostOnce()}, idem.WithProviderWindow(0))
 	// The first attempt fails before the provider applied it, which the
 	// flow cannot tell from a lost answer.
 	p.before = func(_ string, attempt int) error {
@@ -112,7 +142,7 @@ func TestFlowReconcileThatFailsRecordsNothingAndAsksAgain(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	p.keyless = true
 	var failures atomic.Int64
-	lookup := idem.Reconcile(func(context.Context, string) (string, bool, error) {
+	lookup := idem.Reconcile(func(context.Context, idem.Attempt) (string, bool, error) {
 		if failures.Add(1) == 1 {
 			return "", false, errors.New("provider's search is down")
 		}
@@ -140,7 +170,7 @@ func TestFlowReconcileThatFailsRecordsNothingAndAsksAgain(t *testing.T) {
 func TestFlowReconcileThatFailsPastTheWindowStopsTheFlow(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	p.keyless = true
-	lookup := idem.Reconcile(func(context.Context, string) (string, bool, error) {
+	lookup := idem.Reconcile(func(context.Context, idem.Attempt) (string, bool, error) {
 		return "", false, errors.New("provider's search is down")
 	})
 	flow := keylessFlow(p, []idem.CallOption{lookup}, idem.WithProviderWindow(0))
@@ -160,7 +190,7 @@ func TestFlowReconcileThatFailsPastTheWindowStopsTheFlow(t *testing.T) {
 
 func TestFlowReconcileOfAnotherTypeIsRefusedBeforeAnything(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
-	wrong := idem.Reconcile(func(context.Context, string) (int, bool, error) { return 0, false, nil })
+	wrong := idem.Reconcile(func(context.Context, idem.Attempt) (int, bool, error) { return 0, false, nil })
 	flow := keylessFlow(p, []idem.CallOption{wrong})
 	if _, err := flow.Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}); !errors.Is(err, idem.ErrInvalidOption) {
 		t.Fatalf("a lookup of ints for a call of strings: %v, want ErrInvalidOption", err)
@@ -255,7 +285,7 @@ func TestProviderKeyFromContextIsTheCallsKey(t *testing.T) {
 			seen = got
 			id, _, err := p.charge(ctx, got, in.Amount)
 			return id, err
-		}, idem.Reconcile(func(ctx context.Context, key string) (string, bool, error) {
+		}, idem.Reconcile(func(ctx context.Context, a idem.Attempt) (string, bool, error) {
 			inLookup, _ = idem.ProviderKeyFromContext(ctx)
 			return "", false, nil
 		}))

@@ -386,7 +386,7 @@ func TestCallRecordedAsARowIsNotedUnsent(t *testing.T) {
 func TestCallRecordedAsARowHasItsLookupNoted(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	flow := spilledCallFlow(p, errors.New("connection reset by peer"),
-		idem.Reconcile(func(ctx context.Context, key string) (string, bool, error) { return "", false, nil }))
+		idem.Reconcile(func(ctx context.Context, a idem.Attempt) (string, bool, error) { return "", false, nil }))
 	if _, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 2500}); err == nil {
 		t.Fatal("the first run succeeded")
 	}

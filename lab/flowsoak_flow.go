@@ -388,9 +388,11 @@ func (w *flowSoakWorker) callOptions() []idem.CallOption {
 	return opts
 }
 
-// lookup asks the provider for the charge made with providerKey as its
-// reference: found, not found (404), or an error (no answer).
-func (w *flowSoakWorker) lookup(ctx context.Context, providerKey string) (flowSoakCharge, bool, error) {
+// lookup asks the provider for the charge made with the attempt's
+// provider key as its reference: found, not found (404), or an error (no
+// answer).
+func (w *flowSoakWorker) lookup(ctx context.Context, a idem.Attempt) (flowSoakCharge, bool, error) {
+	providerKey := a.ProviderKey
 	ctx, cancel := context.WithTimeout(ctx, w.spec.ProviderTimeout)
 	defer cancel()
 	var c flowSoakCharge
