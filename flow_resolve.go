@@ -15,20 +15,20 @@ import (
 	"github.com/pgidem/idem/internal/ident"
 )
 
-// Outcome is what a person found out about a call a flow stopped at: see
+// CallOutcome is what a person found out about a call a flow stopped at: see
 // [Resolution].
-type Outcome string
+type CallOutcome string
 
 const (
 	// Applied: the other system applied the call. Its result, as the
 	// person found it there, is recorded as the call's, and the flow goes
 	// on from the step after it.
-	Applied Outcome = "applied"
+	Applied CallOutcome = "applied"
 	// NotApplied: the other system did not apply the call. The next run
 	// makes it again, with the same provider key, as if for the first
 	// time: once, for an [AtMostOnce] call, whose next uncertain attempt
 	// stops the flow again.
-	NotApplied Outcome = "not_applied"
+	NotApplied CallOutcome = "not_applied"
 )
 
 // Resolution is what a person found out, at the other system, about the
@@ -38,7 +38,7 @@ type Resolution struct {
 	// a resolution of another step is refused ([ErrStepMismatch]).
 	Step string
 	// Outcome is Applied or NotApplied.
-	Outcome Outcome
+	Outcome CallOutcome
 	// Result is the call's result, for Applied only: the value its
 	// function would have returned, which json.Marshal encodes (a
 	// json.RawMessage is taken as it is). The flow's function gets it
@@ -55,7 +55,7 @@ type Resolution struct {
 // FlowResolution is a resolution as the flow records it ([FlowInfo]).
 type FlowResolution struct {
 	Step    string
-	Outcome Outcome
+	Outcome CallOutcome
 	By      string
 	Reason  string
 	// Stopped is why the flow had stopped: its last error then, sealed as
@@ -269,11 +269,11 @@ func stoppedCall(ctx context.Context, q *dbsqlc.Queries, k keyRef, step string) 
 // array of one object, its time the byte the statement replaces.
 func resolutionEntry(r Resolution, stopped string) (string, error) {
 	b, err := json.Marshal(struct {
-		Step    string  `json:"step"`
-		Outcome Outcome `json:"outcome"`
-		By      string  `json:"by"`
-		Reason  string  `json:"reason"`
-		Stopped string  `json:"stopped,omitempty"`
+		Step    string      `json:"step"`
+		Outcome CallOutcome `json:"outcome"`
+		By      string      `json:"by"`
+		Reason  string      `json:"reason"`
+		Stopped string      `json:"stopped,omitempty"`
 	}{r.Step, r.Outcome, storableText(r.By), storableText(r.Reason), stopped})
 	if err != nil {
 		return "", err
@@ -289,12 +289,12 @@ func flowResolutions(ctx context.Context, q *dbsqlc.Queries, k keyRef) ([]FlowRe
 		return nil, err
 	}
 	var entries []struct {
-		At      int64   `json:"at"`
-		Step    string  `json:"step"`
-		Outcome Outcome `json:"outcome"`
-		By      string  `json:"by"`
-		Reason  string  `json:"reason"`
-		Stopped string  `json:"stopped"`
+		At      int64       `json:"at"`
+		Step    string      `json:"step"`
+		Outcome CallOutcome `json:"outcome"`
+		By      string      `json:"by"`
+		Reason  string      `json:"reason"`
+		Stopped string      `json:"stopped"`
 	}
 	if err := json.Unmarshal(row.Resolutions, &entries); err != nil {
 		return nil, err

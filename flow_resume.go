@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"reflect"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -37,8 +38,8 @@ const resumeBatch = 100
 //
 // A flow that completed is replayed to its client's retry, which then
 // gets the answer the completer recorded. Run it periodically, from every
-// replica if you like (each operation goes to one of them), or start
-// [Flow.StartResumer], which does.
+// replica if you like (each operation goes to one of them), or start a
+// [Resumer] ([StartResumer]), which does, for every flow of a service.
 func (f *Flow[In, Out]) Resume(ctx context.Context, db TxBeginner) (resumed int, err error) {
 	return f.resume(ctx, db, defaultResumeConcurrency)
 }
@@ -136,47 +137,74 @@ func (f *Flow[In, Out]) resumeOne(ctx context.Context, db TxBeginner, scope, key
 	return true, nil
 }
 
-// ResumerConfig configures [Flow.StartResumer]. The zero value is usable.
+// ResumerConfig configures [StartResumer]. The zero value is usable.
 type ResumerConfig struct {
-	// Interval is how long the resumer sleeps after a pass that found
-	// fewer operations than a pass takes; after a full pass it starts the
-	// next at once. It must not be negative. Defaults to 10s.
+	// Interval is how long the resumer sleeps after a pass of a flow that
+	// found fewer operations than a pass takes; after a full pass it
+	// starts the flow's next at once. It must not be negative. Defaults
+	// to 10s.
 	Interval time.Duration
 
-	// Concurrency is how many operations a pass runs at once: a call that
-	// hangs holds up one of them only. It must not be negative. Defaults
-	// to 4.
+	// Concurrency is how many operations of each flow a pass runs at
+	// once: a call that hangs holds up one of them only. It must not be
+	// negative. Defaults to 4.
 	Concurrency int
 
-	// Logger receives a line per operation that a pass completed and per
+	// Logger receives a line per pass that completed operations and per
 	// one that failed. Defaults to slog.Default().
 	Logger *slog.Logger
 }
 
-// Resumer runs a flow's completer in the background until stopped. Create
-// it with [Flow.StartResumer].
+// Resumable is a flow that a [Resumer] completes: any [*Flow]. Its methods
+// are idem's own.
+type Resumable interface {
+	resume(ctx context.Context, db TxBeginner, concurrency int) (resumed int, err error)
+	flowName() string
+}
+
+func (f *Flow[In, Out]) flowName() string { return f.name }
+
+// Resumer runs the completers of flows in the background until stopped.
+// Create it with [StartResumer].
 type Resumer struct {
 	cancel  context.CancelFunc
-	done    chan struct{}
+	done    sync.WaitGroup
 	resumed atomic.Int64
 	once    sync.Once
 }
 
-// StartResumer starts running [Flow.Resume] in the background, pass after
-// pass, on db (a pool), until ctx is cancelled or Stop is called. Several
-// resumers of one flow can run at once, one per replica: each operation
-// goes to one of them. It refuses an invalid cfg with a [*FieldError]
-// that names the field and wraps [ErrInvalidOption].
-func (f *Flow[In, Out]) StartResumer(ctx context.Context, db TxBeginner, cfg ResumerConfig) (*Resumer, error) {
+// StartResumer starts completing the abandoned operations of flows in the
+// background ([Flow.Resume], pass after pass), on db (a pool), until ctx
+// is cancelled or Stop is called: one resumer per replica for every flow
+// a service has. Each flow's passes run on their own, so that a flow
+// whose calls hang holds up no other. Several resumers of one flow can run
+// at once, one per replica: each operation goes to one of them. It
+// refuses an invalid cfg, no flow, a nil one, or two flows of one name
+// (which would take each other's operations), with a [*FieldError] that
+// names the field and wraps [ErrInvalidOption].
+func StartResumer(ctx context.Context, db TxBeginner, cfg ResumerConfig, flows ...Resumable) (*Resumer, error) {
+	refuse := func(field, format string, args ...any) (*Resumer, error) {
+		return nil, &FieldError{Package: "idem", Field: field, Problem: fmt.Sprintf(format, args...)}
+	}
 	switch {
 	case cfg.Interval < 0:
-		return nil, &FieldError{Package: "idem", Field: "ResumerConfig.Interval",
-			Problem: fmt.Sprintf("must not be negative (0 means the default, 10s), got %s", cfg.Interval)}
+		return refuse("ResumerConfig.Interval", "must not be negative (0 means the default, 10s), got %s", cfg.Interval)
 	case cfg.Concurrency < 0:
-		return nil, &FieldError{Package: "idem", Field: "ResumerConfig.Concurrency",
-			Problem: fmt.Sprintf("must not be negative (0 means the default, 4), got %d", cfg.Concurrency)}
+		return refuse("ResumerConfig.Concurrency", "must not be negative (0 means the default, 4), got %d", cfg.Concurrency)
 	case db == nil:
-		return nil, &FieldError{Package: "idem", Field: "StartResumer", Problem: "needs a database, got nil"}
+		return refuse("StartResumer", "needs a database, got nil")
+	case len(flows) == 0:
+		return refuse("StartResumer", "needs the flows to resume, got none")
+	}
+	names := make(map[string]bool, len(flows))
+	for i, f := range flows {
+		if f == nil || reflect.ValueOf(f).IsNil() {
+			return refuse("StartResumer", "flow %d is nil", i)
+		}
+		if names[f.flowName()] {
+			return refuse("StartResumer", "two flows are named %q: each would take the other's operations", f.flowName())
+		}
+		names[f.flowName()] = true
 	}
 	if err := dberr.CheckIdle(db, "a resumer commits transactions of its own: pass the pool"); err != nil {
 		return nil, err
@@ -185,28 +213,29 @@ func (f *Flow[In, Out]) StartResumer(ctx context.Context, db TxBeginner, cfg Res
 	concurrency := cmp.Or(cfg.Concurrency, defaultResumeConcurrency)
 	logger := cmp.Or(cfg.Logger, slog.Default())
 	ctx, cancel := context.WithCancel(ctx)
-	r := &Resumer{cancel: cancel, done: make(chan struct{})}
-	go func() {
-		defer close(r.done)
-		for {
-			resumed, err := f.resume(ctx, db, concurrency)
-			r.resumed.Add(int64(resumed))
-			if resumed > 0 {
-				logger.LogAttrs(ctx, slog.LevelInfo, "idem: resumed abandoned flows",
-					slog.String("flow", f.name), slog.Int("completed", resumed))
+	r := &Resumer{cancel: cancel}
+	for _, f := range flows {
+		r.done.Go(func() {
+			for {
+				resumed, err := f.resume(ctx, db, concurrency)
+				r.resumed.Add(int64(resumed))
+				if resumed > 0 {
+					logger.LogAttrs(ctx, slog.LevelInfo, "idem: resumed abandoned flows",
+						slog.String("flow", f.flowName()), slog.Int("completed", resumed))
+				}
+				if err != nil && ctx.Err() == nil {
+					logger.LogAttrs(ctx, slog.LevelWarn, "idem: resuming abandoned flows failed",
+						slog.String("flow", f.flowName()), slog.Any("error", err))
+				}
+				if resumed+countErrors(err) >= resumeBatch {
+					continue
+				}
+				if backoff.Sleep(ctx, interval) != nil {
+					return
+				}
 			}
-			if err != nil && ctx.Err() == nil {
-				logger.LogAttrs(ctx, slog.LevelWarn, "idem: resuming abandoned flows failed",
-					slog.String("flow", f.name), slog.Any("error", err))
-			}
-			if resumed+countErrors(err) >= resumeBatch {
-				continue
-			}
-			if backoff.Sleep(ctx, interval) != nil {
-				return
-			}
-		}
-	}()
+		})
+	}
 	return r, nil
 }
 
@@ -221,11 +250,12 @@ func countErrors(err error) int {
 	return 0
 }
 
-// Stop stops the resumer and waits for its current pass to end.
+// Stop stops the resumer and waits for the passes running to end.
 func (r *Resumer) Stop() {
 	r.once.Do(r.cancel)
-	<-r.done
+	r.done.Wait()
 }
 
-// Resumed returns how many operations the resumer has completed so far.
+// Resumed returns how many operations the resumer has completed so far,
+// of all its flows.
 func (r *Resumer) Resumed() int64 { return r.resumed.Load() }

@@ -3,6 +3,7 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 // abandon runs flow for key so that its call fails after the provider
@@ -126,29 +128,29 @@ func TestFlowResumeReportsFailuresAndCompletesTheRest(t *testing.T) {
 	}
 }
 
-func TestStartResumerResumesInTheBackground(t *testing.T) {
+func TestStartResumerResumesEveryFlowInTheBackground(t *testing.T) {
 	ctx, pool, scope, p := setupFlow(t)
 	var steps atomic.Int64
-	flow := chargeFlow(p, &steps)
-	if _, err := flow.StartResumer(ctx, pool, idem.ResumerConfig{Interval: -time.Second}); !errors.Is(err, idem.ErrInvalidOption) ||
-		!strings.Contains(err.Error(), "ResumerConfig.Interval") {
-		t.Fatalf("a negative interval: %v, want ErrInvalidOption naming the field", err)
+	flows := []*idem.Flow[chargeIn, chargeOut]{chargeFlow(p, &steps), chargeFlow(p, &steps), chargeFlow(p, &steps)}
+	for i, flow := range flows {
+		abandon(t, ctx, pool, flow, p, scope, fmt.Sprint("k", i))
 	}
-	abandon(t, ctx, pool, flow, p, scope, "k")
-	resumer, err := flow.StartResumer(ctx, pool, idem.ResumerConfig{Interval: 10 * time.Millisecond})
+	resumer, err := idem.StartResumer(ctx, pool, idem.ResumerConfig{Interval: 10 * time.Millisecond}, flows[0], flows[1], flows[2])
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer resumer.Stop()
-	for resumer.Resumed() < 1 {
+	for resumer.Resumed() < int64(len(flows)) {
 		if ctx.Err() != nil {
-			t.Fatal("the resumer resumed nothing")
+			t.Fatalf("the resumer resumed %d flows, want %d", resumer.Resumed(), len(flows))
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
 	resumer.Stop()
-	if info, err := idem.InspectFlow(ctx, pool, scope, "k"); err != nil || info.State != "done" {
-		t.Fatalf("after the resumer: %+v, %v; want done", info, err)
+	for i := range flows {
+		if info, err := idem.InspectFlow(ctx, pool, scope, fmt.Sprint("k", i)); err != nil || info.State != "done" {
+			t.Fatalf("flow %d after the resumer: %+v, %v; want done", i, info, err)
+		}
 	}
 }
 
@@ -193,19 +195,26 @@ func TestStartResumerRefusesEveryInvalidField(t *testing.T) {
 	ctx, pool, _, p := setupFlow(t)
 	var steps atomic.Int64
 	flow := chargeFlow(p, &steps)
+	name := testdb.Name("twin")
+	noop := func(context.Context, *idem.Steps, int) (int, error) { return 0, nil }
+	one, twin := idem.MustNewFlow(name, noop), idem.MustNewFlow(name, noop)
 	for _, c := range []struct {
-		field string
-		db    idem.TxBeginner
-		cfg   idem.ResumerConfig
+		name, field string
+		db          idem.TxBeginner
+		cfg         idem.ResumerConfig
+		flows       []idem.Resumable
 	}{
-		{"ResumerConfig.Interval", pool, idem.ResumerConfig{Interval: -time.Second}},
-		{"ResumerConfig.Concurrency", pool, idem.ResumerConfig{Concurrency: -1}},
-		{"StartResumer", nil, idem.ResumerConfig{}},
+		{"negative interval", "ResumerConfig.Interval", pool, idem.ResumerConfig{Interval: -time.Second}, []idem.Resumable{flow}},
+		{"negative concurrency", "ResumerConfig.Concurrency", pool, idem.ResumerConfig{Concurrency: -1}, []idem.Resumable{flow}},
+		{"no database", "StartResumer", nil, idem.ResumerConfig{}, []idem.Resumable{flow}},
+		{"no flow", "StartResumer", pool, idem.ResumerConfig{}, nil},
+		{"a nil flow", "StartResumer", pool, idem.ResumerConfig{}, []idem.Resumable{flow, (*idem.Flow[int, int])(nil)}},
+		{"two flows of one name", "StartResumer", pool, idem.ResumerConfig{}, []idem.Resumable{one, twin}},
 	} {
-		r, err := flow.StartResumer(ctx, c.db, c.cfg)
+		r, err := idem.StartResumer(ctx, c.db, c.cfg, c.flows...)
 		fe, ok := errors.AsType[*idem.FieldError](err)
 		if r != nil || !ok || fe.Package != "idem" || fe.Field != c.field || !errors.Is(err, idem.ErrInvalidOption) {
-			t.Errorf("%s: %v; want no resumer and a FieldError naming it", c.field, err)
+			t.Errorf("%s: %v; want no resumer and a FieldError naming %s", c.name, err, c.field)
 		}
 	}
 	if steps.Load() != 0 {

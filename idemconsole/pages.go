@@ -164,7 +164,7 @@ func (c *console) flowPage(w http.ResponseWriter, r *http.Request, status int, d
 func (c *console) resolve(w http.ResponseWriter, r *http.Request, operator string) {
 	f := r.PostForm
 	d := flowData{Scope: f.Get("scope"), Key: f.Get("key"), Result: f.Get("result"), Reason: f.Get("reason")}
-	res := idem.Resolution{Step: f.Get("step"), Outcome: idem.Outcome(f.Get("outcome")), By: operator, Reason: d.Reason}
+	res := idem.Resolution{Step: f.Get("step"), Outcome: idem.CallOutcome(f.Get("outcome")), By: operator, Reason: d.Reason}
 	var err error
 	if res.Outcome == idem.Applied {
 		if !json.Valid([]byte(d.Result)) {

@@ -111,7 +111,7 @@ func ExampleRunFlow() {
 	(&pb.PaymentsServer{Pay: s.Pay}).Register(srv) // pb.RegisterPaymentsServer(srv, s)
 
 	// Completes the flows whose clients gave up, with the same steps.
-	resumer, err := checkout.StartResumer(ctx, pool, idem.ResumerConfig{})
+	resumer, err := idem.StartResumer(ctx, pool, idem.ResumerConfig{}, checkout)
 	if err != nil {
 		log.Fatal(err)
 	}

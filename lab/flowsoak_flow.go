@@ -160,7 +160,7 @@ func runFlowSoakWorker(ctx context.Context, specJSON string, stdin io.Reader, st
 	w.flow = w.newFlow()
 
 	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	resumer, err := w.flow.StartResumer(ctx, pool, idem.ResumerConfig{Interval: spec.ResumeEvery, Logger: logger})
+	resumer, err := idem.StartResumer(ctx, pool, idem.ResumerConfig{Interval: spec.ResumeEvery, Logger: logger}, w.flow)
 	if err != nil {
 		return err
 	}
