@@ -369,7 +369,11 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	var err error
 	if open.conn != nil {
 		dbsqlc.QueueTxCommit(b).Exec(r.noteCommit)
-		err = r.started(st, open.tx.SendBatch(ctx, b).Close())
+		sent, flatErr := dbsqlc.SendFlat(ctx, open.conn, b)
+		if !sent {
+			flatErr = open.tx.SendBatch(ctx, b).Close()
+		}
+		err = r.started(st, flatErr)
 	} else if err = r.started(st, open.tx.SendBatch(ctx, b).Close()); err == nil {
 		// A TxBeginner that is no pgx connection: COMMIT through it.
 		err = open.tx.Commit(ctx)

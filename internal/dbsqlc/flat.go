@@ -123,7 +123,7 @@ func BeganTooLate(conn *pgx.Conn, err error) bool {
 // pgx.Tx of it (see idem's sendBeginBatch).
 func SendFlat(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (sent bool, err error) {
 	f := flatFor(conn)
-	if f == nil || len(b.QueuedQueries) == 0 {
+	if f == nil || len(b.QueuedQueries) == 0 || !BelowPgx.Load() {
 		return false, nil
 	}
 	mrr, sent, err := f.send(ctx, conn, b, false)

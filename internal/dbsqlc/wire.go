@@ -10,6 +10,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -73,12 +74,19 @@ func (w *Wire) newBatch() *pgconn.Batch {
 
 const wireKey = "idem.wire"
 
+// BelowPgx switches the layers below pgx on (Wire, SendFlat), for the
+// benchmark that measures them against pgx's own batches
+// (lab/bench, BenchmarkLayersBelowPgx). It is on unless switched off.
+var BelowPgx atomic.Bool
+
+func init() { BelowPgx.Store(true) }
+
 // WireFor returns conn's Wire, preparing its statements on first use, when
 // conn runs its queries the way Wire does: pgx's default execution mode,
 // statements prepared and cached on the connection, and no tracer to tell.
 // Otherwise ok is false, and the caller sends through pgx.
 func WireFor(ctx context.Context, conn *pgx.Conn) (w *Wire, ok bool, err error) {
-	if conn == nil {
+	if conn == nil || !BelowPgx.Load() {
 		return nil, false, nil
 	}
 	pc := conn.PgConn()
