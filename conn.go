@@ -238,7 +238,16 @@ func (namedStatements) RewriteQuery(ctx context.Context, conn *pgx.Conn, sql str
 		return sql, args, nil
 	}
 	name := statementName(sql)
-	if _, err := conn.Prepare(ctx, name, sql); err != nil {
+	_, err := conn.Prepare(ctx, name, sql)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P05" {
+		// The session has a statement of that name that pgx does not know
+		// of (one a pooler's earlier client left there): replaced.
+		if err = conn.Deallocate(ctx, name); err == nil {
+			_, err = conn.Prepare(ctx, name, sql)
+		}
+	}
+	if err != nil {
 		return "", nil, err
 	}
 	return name, args, nil

@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/pgidem/idem/internal/dbbatch"
 )
 
 // RouteStoreOnCitus sets whether a record is stored on Citus by the
@@ -20,4 +21,17 @@ func RouteStoreOnCitus(on bool) (restore func()) {
 // opts, for TestAnEmptyBatchBeginsNoTransaction.
 func TxOver(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) pgx.Tx {
 	return txOver(ctx, conn, emptyBegin(opts))
+}
+
+// ClaimStatementName is the name under which a flow's claim prepares its
+// first statement, FlowStartLock, in pgx's default exec mode
+// (namedStatements), for TestAStaleStatementOfIdemsNameIsReplaced.
+func ClaimStatementName() string {
+	var named []string
+	b := &pgx.Batch{}
+	dbbatch.QueueFlowStartLock(b, nil, 0, nil)
+	for _, q := range b.QueuedQueries {
+		named = append(named, statementName(q.SQL))
+	}
+	return named[0]
 }

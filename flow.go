@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/backoff"
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/ident"
@@ -303,11 +304,11 @@ func (f *Flow[In, Out]) execute(ctx context.Context, r *flowRun, in In) (res Res
 	err = r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
 		answer := pgtype.Text{String: string(output), Valid: true}
 		if steps.empty() {
-			dbsqlc.QueueFlowCompleteBare(b, dbsqlc.FlowCompleteBareParams{Output: answer, Scope: r.k.scope, Key: r.k.key,
+			dbbatch.QueueFlowCompleteBare(b, dbsqlc.FlowCompleteBareParams{Output: answer, Scope: r.k.scope, Key: r.k.key,
 				Epoch: r.epoch}, &n)
 			return
 		}
-		dbsqlc.QueueFlowComplete(b, dbsqlc.FlowCompleteParams{Output: answer, Steps: steps.text(), Scope: r.k.scope,
+		dbbatch.QueueFlowComplete(b, dbsqlc.FlowCompleteParams{Output: answer, Steps: steps.text(), Scope: r.k.scope,
 			Key: r.k.key, Epoch: r.epoch}, &n)
 	})
 	switch {

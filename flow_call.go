@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/pgtime"
 )
@@ -284,11 +285,11 @@ func runCall[T any](ctx context.Context, r *flowRun, seq int32, name string,
 		rec.inRow = row
 		r.queueStepRows(b, steps)
 		if rec.inRow && steps.empty() {
-			dbsqlc.QueueFlowLeaseUntil(b, dbsqlc.FlowLeaseUntilParams{Lease: pgtime.Interval(r.o.lease), Step: name,
+			dbbatch.QueueFlowLeaseUntil(b, dbsqlc.FlowLeaseUntilParams{Lease: pgtime.Interval(r.o.lease), Step: name,
 				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &start.LeasedUntil, &leased)
 			return
 		}
-		dbsqlc.QueueFlowCallIntent(b, dbsqlc.FlowCallIntentParams{Lease: pgtime.Interval(r.o.lease), Step: name,
+		dbbatch.QueueFlowCallIntent(b, dbsqlc.FlowCallIntentParams{Lease: pgtime.Interval(r.o.lease), Step: name,
 			Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch, Seq: seq}, &start, &leased)
 	})
 	switch {

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/backoff"
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/keylock"
 	"github.com/pgidem/idem/internal/pgtime"
@@ -94,16 +95,16 @@ func (f *Flow[In, Out]) claim(ctx context.Context, db TxBeginner, k keyRef, inpu
 		} else {
 			b := &pgx.Batch{}
 			if full && restart {
-				dbsqlc.QueueFlowRestart(b, dbsqlc.FlowRestartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
+				dbbatch.QueueFlowRestart(b, dbsqlc.FlowRestartParams{Scope: k.scope, Key: k.key, FlowName: f.name, Fingerprint: k.fp,
 					Input: string(input), Epoch: epoch, Lease: lease, Retention: o.retentionInterval()}, &restartRow, &restarted)
 			}
 			if full {
-				dbsqlc.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Epoch: epoch, Lease: lease, Scope: k.scope, Key: k.key,
+				dbbatch.QueueFlowTakeOver(b, dbsqlc.FlowTakeOverParams{Epoch: epoch, Lease: lease, Scope: k.scope, Key: k.key,
 					FlowName: f.name, Fingerprint: k.fp}, &takenRow, &tookOver)
 			}
-			dbsqlc.QueueFlowGet(b, namedFor(db), dbsqlc.FlowGetParams{Mark: true, Scope: k.scope, Key: k.key}, &rec, &found)
+			dbbatch.QueueFlowGet(b, namedFor(db), dbsqlc.FlowGetParams{Mark: true, Scope: k.scope, Key: k.key}, &rec, &found)
 			if full {
-				dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &steps)
+				dbbatch.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: k.scope, Key: k.key}, &steps)
 			}
 			if err := sendBatch(ctx, db, b); err != nil {
 				return nil, nil, translate("idem: flow: claim key", err)
@@ -190,9 +191,9 @@ func claimStart(ctx context.Context, db TxBeginner, k keyRef, o *options, rec *d
 	var namespace pgtype.UUID
 	named := namedFor(db)
 	look := func(b *pgx.Batch) {
-		dbsqlc.QueueFlowStartLock(b, named, keylock.FlowID(k.scope, k.key), &namespace)
-		dbsqlc.QueueFlowGet(b, named, dbsqlc.FlowGetParams{Scope: k.scope, Key: k.key}, rec, found)
-		dbsqlc.QueueFlowStartFree(b, named, dbsqlc.FlowStartFreeParams{Scope: k.scope, Key: k.key})
+		dbbatch.QueueFlowStartLock(b, named, keylock.FlowID(k.scope, k.key), &namespace)
+		dbbatch.QueueFlowGet(b, named, dbsqlc.FlowGetParams{Scope: k.scope, Key: k.key}, rec, found)
+		dbbatch.QueueFlowStartFree(b, named, dbsqlc.FlowStartFreeParams{Scope: k.scope, Key: k.key})
 	}
 	var tx pgx.Tx
 	if conn == nil || opts.BeginQuery != "" {
@@ -242,7 +243,7 @@ func claimStart(ctx context.Context, db TxBeginner, k keyRef, o *options, rec *d
 		}
 		forgetNamed(conn, err)
 		releaseConn(pooled)
-		if errors.Is(err, dbsqlc.ErrNotHeld) {
+		if errors.Is(err, dbbatch.ErrNotHeld) {
 			return nil, nil // found, or the lock taken
 		}
 		return nil, err
@@ -314,7 +315,7 @@ func (f *Flow[In, Out]) fresh(db TxBeginner, k keyRef, input []byte, o *options,
 // its session.
 func queueIdleTimeout(b *pgx.Batch, o *options, named pgx.QueryRewriter) {
 	if o.idleTimeout > 0 {
-		dbsqlc.QueueTxIdleTimeout(b, named, millis(o.idleTimeout))
+		dbbatch.QueueTxIdleTimeout(b, named, millis(o.idleTimeout))
 	}
 }
 

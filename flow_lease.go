@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/pgtime"
 )
@@ -297,11 +298,11 @@ func (r *flowRun) release(ctx context.Context, why string) (held bool) {
 	var n int64
 	err := r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
 		if steps.empty() {
-			dbsqlc.QueueFlowReleaseBare(b, dbsqlc.FlowReleaseBareParams{LastError: sealText(why, r.k.scope, r.o),
+			dbbatch.QueueFlowReleaseBare(b, dbsqlc.FlowReleaseBareParams{LastError: sealText(why, r.k.scope, r.o),
 				Step: steps.atText(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 			return
 		}
-		dbsqlc.QueueFlowRelease(b, dbsqlc.FlowReleaseParams{LastError: sealText(why, r.k.scope, r.o),
+		dbbatch.QueueFlowRelease(b, dbsqlc.FlowReleaseParams{LastError: sealText(why, r.k.scope, r.o),
 			Step: steps.atText(), Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 	})
 	if errors.Is(err, ErrLeaseLost) || errors.Is(err, errTaken) {
@@ -317,11 +318,11 @@ func (r *flowRun) stop(ctx context.Context, why string) error {
 	var n int64
 	err := r.flush(ctx, func(b *pgx.Batch, steps *stepPatch) {
 		if steps.empty() {
-			dbsqlc.QueueFlowStopBare(b, dbsqlc.FlowStopBareParams{LastError: sealText(why, r.k.scope, r.o), Step: steps.atText(),
+			dbbatch.QueueFlowStopBare(b, dbsqlc.FlowStopBareParams{LastError: sealText(why, r.k.scope, r.o), Step: steps.atText(),
 				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 			return
 		}
-		dbsqlc.QueueFlowStop(b, dbsqlc.FlowStopParams{LastError: sealText(why, r.k.scope, r.o), Step: steps.atText(), Steps: steps.text(),
+		dbbatch.QueueFlowStop(b, dbsqlc.FlowStopParams{LastError: sealText(why, r.k.scope, r.o), Step: steps.atText(), Steps: steps.text(),
 			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
 	})
 	switch {

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/pgtime"
 )
@@ -87,7 +88,7 @@ func (r *flowRun) queueStart(b *pgx.Batch, step string) *starting {
 	st := &starting{}
 	params := *r.start
 	params.Step = pgtype.Text{String: step, Valid: step != ""}
-	dbsqlc.QueueFlowStart(b, params, &st.row, &st.written)
+	dbbatch.QueueFlowStart(b, params, &st.row, &st.written)
 	return st
 }
 
@@ -97,7 +98,7 @@ func (r *flowRun) queueStart(b *pgx.Batch, step string) *starting {
 func (r *flowRun) queueStartHeld(b *pgx.Batch, step string, steps pgtype.Text) *starting {
 	st := &starting{held: true}
 	p := r.start
-	dbsqlc.QueueFlowStartHeld(b, dbsqlc.FlowStartHeldParams{Scope: p.Scope, Key: p.Key, FlowName: p.FlowName,
+	dbbatch.QueueFlowStartHeld(b, dbsqlc.FlowStartHeldParams{Scope: p.Scope, Key: p.Key, FlowName: p.FlowName,
 		Fingerprint: p.Fingerprint, Input: p.Input, ProviderNamespace: r.keys.namespace, Epoch: p.Epoch, Lease: p.Lease,
 		Step: pgtype.Text{String: step, Valid: step != ""}, Retention: p.Retention, Steps: steps}, &st.heldRow, &st.written)
 	return st
@@ -300,7 +301,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	steps.starting = held
 	if open != nil && !open.claim() {
 		if open.record.row {
-			dbsqlc.QueueFlowStepRecord(b, open.record.rowParams(r.k))
+			dbbatch.QueueFlowStepRecord(b, open.record.rowParams(r.k))
 		} else {
 			steps.add(open.record.seq, &open.record.rec)
 		}
@@ -368,12 +369,8 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	r.commitTag = pgconn.CommandTag{}
 	var err error
 	if open.conn != nil {
-		dbsqlc.QueueTxCommit(b).Exec(r.noteCommit)
-		sent, flatErr := dbsqlc.SendFlat(ctx, open.conn, b)
-		if !sent {
-			flatErr = open.tx.SendBatch(ctx, b).Close()
-		}
-		err = r.started(st, flatErr)
+		dbbatch.QueueTxCommit(b).Exec(r.noteCommit)
+		err = r.started(st, open.tx.SendBatch(ctx, b).Close())
 	} else if err = r.started(st, open.tx.SendBatch(ctx, b).Close()); err == nil {
 		// A TxBeginner that is no pgx connection: COMMIT through it.
 		err = open.tx.Commit(ctx)

@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dbsqlc"
 )
 
@@ -235,12 +236,12 @@ func (p *stepPatch) empty() bool { return len(p.b) == 0 }
 func (r *flowRun) queueStepRows(b *pgx.Batch, p *stepPatch) int {
 	n := 0
 	if len(p.rows) > 0 {
-		dbsqlc.QueueFlowStepRows(b, dbsqlc.FlowStepRowsParams{Steps: string(p.rows) + "}", Scope: r.k.scope, Key: r.k.key,
+		dbbatch.QueueFlowStepRows(b, dbsqlc.FlowStepRowsParams{Steps: string(p.rows) + "}", Scope: r.k.scope, Key: r.k.key,
 			Epoch: r.epoch}, &p.written)
 		n++
 	}
 	if len(p.updates) > 0 {
-		dbsqlc.QueueFlowStepRowsUpdate(b, dbsqlc.FlowStepRowsUpdateParams{Steps: string(p.updates) + "}", Scope: r.k.scope,
+		dbbatch.QueueFlowStepRowsUpdate(b, dbsqlc.FlowStepRowsUpdateParams{Steps: string(p.updates) + "}", Scope: r.k.scope,
 			Key: r.k.key, Epoch: r.epoch}, &p.written)
 		n++
 	}
@@ -348,11 +349,11 @@ func recordedSteps(rows []dbsqlc.FlowStepsRow) (recorded map[int32]stepRecord, s
 // flow's steps as they are.
 func queueLease(b *pgx.Batch, lease dbsqlc.FlowLeaseStepsParams, steps *stepPatch, leased *bool) {
 	if steps.empty() {
-		dbsqlc.QueueFlowLease(b, bareLease(lease), leased)
+		dbbatch.QueueFlowLease(b, bareLease(lease), leased)
 		return
 	}
 	lease.Steps = steps.text()
-	dbsqlc.QueueFlowLeaseSteps(b, lease, leased)
+	dbbatch.QueueFlowLeaseSteps(b, lease, leased)
 }
 
 // bareLease is lease without records: FlowLease's.

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem/internal/backoff"
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/pgtime"
@@ -110,9 +111,9 @@ func (f *Flow[In, Out]) resumeOne(ctx context.Context, db TxBeginner, scope, key
 	var steps []dbsqlc.FlowStepsRow
 	epoch := newEpoch()
 	b := &pgx.Batch{}
-	dbsqlc.QueueFlowAdopt(b, dbsqlc.FlowAdoptParams{Epoch: epoch, Lease: pgtime.Interval(o.lease), Scope: scope, Key: key, FlowName: f.name,
+	dbbatch.QueueFlowAdopt(b, dbsqlc.FlowAdoptParams{Epoch: epoch, Lease: pgtime.Interval(o.lease), Scope: scope, Key: key, FlowName: f.name,
 		Grace: pgtime.Interval(o.grace)}, &adopted, &ok)
-	dbsqlc.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: scope, Key: key}, &steps)
+	dbbatch.QueueFlowSteps(b, dbsqlc.FlowStepsParams{Scope: scope, Key: key}, &steps)
 	sent := time.Now()
 	if err := sendBatch(ctx, db, b); err != nil {
 		return false, translate("idem: flow: take over", err)

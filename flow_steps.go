@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/ident"
 	"github.com/pgidem/idem/internal/pgtime"
@@ -148,7 +149,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		b.BeginTx(opts)
 		queueIdleTimeout(b, r.o, namedFor(r.db))
 		if st = r.queueStart(b, name); st == nil {
-			dbsqlc.QueueFlowLock(b, lock)
+			dbbatch.QueueFlowLock(b, lock)
 		}
 		results := conn.SendBatch(ctx, b)
 		tx = results.Tx()
@@ -162,7 +163,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 			b := &pgx.Batch{}
 			queueIdleTimeout(b, r.o, namedFor(r.db))
 			if st = r.queueStart(b, name); st == nil {
-				dbsqlc.QueueFlowLock(b, lock)
+				dbbatch.QueueFlowLock(b, lock)
 			}
 			err = tx.SendBatch(ctx, b).Close()
 		}
@@ -177,7 +178,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	switch {
 	case errors.Is(err, errTaken):
 		return zero, err
-	case errors.Is(err, dbsqlc.ErrNotHeld): // FlowLock
+	case errors.Is(err, dbbatch.ErrNotHeld): // FlowLock
 		return zero, r.lostError()
 	case err != nil:
 		return zero, translate("begin, locking the flow", err)
@@ -219,7 +220,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	lease.Steps = steps.text()
 	b := &pgx.Batch{}
 	if record.row {
-		dbsqlc.QueueFlowStepRecord(b, record.rowParams(r.k))
+		dbbatch.QueueFlowStepRecord(b, record.rowParams(r.k))
 	}
 	r.queueStepRows(b, &steps)
 	leased := &r.stepLeased
@@ -231,7 +232,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	}
 	var commitTag pgconn.CommandTag
 	if pipelined {
-		dbsqlc.QueueTxCommit(b).Exec(func(tag pgconn.CommandTag) error {
+		dbbatch.QueueTxCommit(b).Exec(func(tag pgconn.CommandTag) error {
 			commitTag = tag
 			return nil
 		})

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dbsqlc"
 )
 
@@ -69,10 +70,10 @@ func (r *flowRun) newStepTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOpti
 	t.b.BeginTx(opts)
 	queueIdleTimeout(t.b, r.o, namedFor(r.db))
 	if p := r.start; p != nil {
-		dbsqlc.QueueFlowStartLock(t.b, nil, p.LockID, &t.namespace)
-		dbsqlc.QueueFlowStartFree(t.b, nil, dbsqlc.FlowStartFreeParams{Scope: p.Scope, Key: p.Key})
+		dbbatch.QueueFlowStartLock(t.b, nil, p.LockID, &t.namespace)
+		dbbatch.QueueFlowStartFree(t.b, nil, dbsqlc.FlowStartFreeParams{Scope: p.Scope, Key: p.Key})
 	} else {
-		dbsqlc.QueueFlowLock(t.b, dbsqlc.FlowLockParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
+		dbbatch.QueueFlowLock(t.b, dbsqlc.FlowLockParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
 	}
 	return t
 }
@@ -88,12 +89,12 @@ func (r *flowRun) openStepTx(ctx context.Context, conn *pgx.Conn, tx pgx.Tx, sta
 // why it did not begin, and notes what the lock read.
 func (t *stepTx) judge(err error) error {
 	switch {
-	case errors.Is(err, dbsqlc.ErrNotHeld) && t.starts:
+	case errors.Is(err, dbbatch.ErrNotHeld) && t.starts:
 		t.r.mu.Lock()
 		t.r.taken = errTaken
 		t.r.mu.Unlock()
 		return errTaken
-	case errors.Is(err, dbsqlc.ErrNotHeld):
+	case errors.Is(err, dbbatch.ErrNotHeld):
 		return t.r.lostError()
 	case err != nil:
 		return translate("begin, locking the flow", err)
@@ -167,7 +168,7 @@ func (t *stepTx) sendWith(ctx context.Context, sql string, args []any) bool {
 		}
 		t.b = nil
 		t.tx = results.Tx()
-		if closeErr != nil && !errors.Is(err, dbsqlc.ErrNotHeld) {
+		if closeErr != nil && !errors.Is(err, dbbatch.ErrNotHeld) {
 			err = closeErr
 		}
 		t.err = t.judge(err)
@@ -311,7 +312,7 @@ func (t *stepTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &nestedStepTx{Tx: nested, step: t}, nil
+	return &fnTx{Tx: nested, closed: &t.closed}, nil
 }
 
 // Commit and Rollback refuse: the step's transaction commits with the
@@ -400,87 +401,6 @@ var closedTx = func() pgx.Tx {
 func (t *stepTx) Conn() *pgx.Conn {
 	_, _ = t.begin(t.ctx)
 	return t.conn
-}
-
-// nestedStepTx is a transaction nested in a step's (a savepoint), which
-// stops working once the step's function returns, as the step's does.
-type nestedStepTx struct {
-	pgx.Tx
-	step *stepTx
-}
-
-func (n *nestedStepTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if n.step.closed.Load() {
-		return pgconn.CommandTag{}, pgx.ErrTxClosed
-	}
-	return n.Tx.Exec(ctx, sql, args...)
-}
-
-func (n *nestedStepTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if n.step.closed.Load() {
-		return errRows{pgx.ErrTxClosed}, pgx.ErrTxClosed
-	}
-	return n.Tx.Query(ctx, sql, args...)
-}
-
-func (n *nestedStepTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if n.step.closed.Load() {
-		return errRows{pgx.ErrTxClosed}
-	}
-	return n.Tx.QueryRow(ctx, sql, args...)
-}
-
-func (n *nestedStepTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	if n.step.closed.Load() {
-		return pgx.FailedBatchResults(b, pgx.ErrTxClosed)
-	}
-	return n.Tx.SendBatch(ctx, b)
-}
-
-func (n *nestedStepTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
-	if n.step.closed.Load() {
-		return 0, pgx.ErrTxClosed
-	}
-	return n.Tx.CopyFrom(ctx, tableName, columnNames, rowSrc)
-}
-
-func (n *nestedStepTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	if n.step.closed.Load() {
-		return nil, pgx.ErrTxClosed
-	}
-	return n.Tx.Prepare(ctx, name, sql)
-}
-
-func (n *nestedStepTx) Begin(ctx context.Context) (pgx.Tx, error) {
-	if n.step.closed.Load() {
-		return nil, pgx.ErrTxClosed
-	}
-	nested, err := n.Tx.Begin(ctx)
-	if err != nil {
-		return nil, err
-	}
-	return &nestedStepTx{Tx: nested, step: n.step}, nil
-}
-
-func (n *nestedStepTx) Commit(ctx context.Context) error {
-	if n.step.closed.Load() {
-		return pgx.ErrTxClosed
-	}
-	return n.Tx.Commit(ctx)
-}
-
-func (n *nestedStepTx) Rollback(ctx context.Context) error {
-	if n.step.closed.Load() {
-		return pgx.ErrTxClosed
-	}
-	return n.Tx.Rollback(ctx)
-}
-
-func (n *nestedStepTx) LargeObjects() pgx.LargeObjects {
-	if n.step.closed.Load() {
-		return closedTx.LargeObjects()
-	}
-	return n.Tx.LargeObjects()
 }
 
 // errRows are the rows, or the row, of a statement that was not run.

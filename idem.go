@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/ident"
 	"github.com/pgidem/idem/internal/keylock"
@@ -205,8 +206,7 @@ type claimed struct {
 // MaxKeyLocks key locks already claims with a record in progress instead
 // (claimRow). It runs in tx; with tx nil, it begins a transaction with
 // begin on conn, in the same round trip. It returns the transaction, the
-// one it began if so, also on error. The round trip goes beneath pgx
-// (dbsqlc.Wire) where the connection allows it.
+// one it began if so, also on error.
 func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions, k keyRef, o *options) (claimed, pgx.Tx, error) {
 	if tx != nil {
 		if running(tx, k) {
@@ -220,7 +220,11 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	data := stateOf(tx, conn)
 	held := heldLocks(data)
 	lockArg := dbsqlc.KeyLockParams{FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID}
-	var got dbsqlc.Claim
+	var got struct {
+		lock  dbsqlc.KeyLockRow
+		rec   dbsqlc.KeyGetRow
+		found bool
+	}
 	// A caller's transaction whose count of key locks is full (on Citus,
 	// one of its workers' counts) claims the key by its record in progress
 	// in the claim's own round trip (KeyClaimIfFull), where its count is
@@ -229,66 +233,45 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	var ifFull dbsqlc.KeyClaimIfFullRow
 	var again dbsqlc.KeyGetRow
 	var foundAgain bool
-	var w *dbsqlc.Wire
-	var wired bool
 	var err error
+	b := &pgx.Batch{}
 	if tx == nil {
-		w, wired, err = dbsqlc.WireFor(ctx, conn)
-	} else {
-		w, wired, err = wireFor(ctx, tx)
+		b.BeginTx(*begin)
 	}
-	if err != nil {
-		return claimed{outcome: outcomeFailed}, tx, translate("idem: prepare the claim", err)
+	if o.idleTimeout > 0 {
+		_ = dbbatch.Queue(b).TxIdleTimeout(ctx, millis(o.idleTimeout))
 	}
-	if wired && !full && o.idleTimeout == 0 && (begin == nil || begin.CommitQuery == "") {
-		first := ""
-		if tx == nil {
-			first = beginSQL(*begin)
+	dbbatch.QueueKeyLock(b, lockArg, &got.lock)
+	dbbatch.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &got.rec, &got.found)
+	if full {
+		// A call that stores no answer (Once) writes its record
+		// complete: nothing is left to store after fn.
+		state := "in_progress"
+		if o.noResponse {
+			state = stateDone
 		}
-		err = w.Claim(ctx, first, lockArg, &got)
-		if tx == nil && conn.PgConn().TxStatus() != 'I' {
-			tx = &runTx{conn: conn}
-		}
+		// The transaction's earlier claims read whether the
+		// database has Citus.
+		citus, _ := citusOf(data)
+		queueWaiting(ctx, b, citus, k.scope, millis(o.wait), func() {
+			dbbatch.QueueKeyClaimIfFull(b, dbsqlc.KeyClaimIfFullParams{
+				LockTimeout: millis(o.wait), FullSince: lockArg.FullSince,
+				Scope: k.scope, Key: k.key, Fingerprint: k.fp, State: state, Retention: o.retentionInterval(),
+			}, &ifFull)
+		})
+		dbbatch.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &again, &foundAgain)
+	}
+	if tx == nil {
+		results := conn.SendBatch(ctx, b)
+		tx = results.Tx()
+		err = results.Close()
 	} else {
-		b := &pgx.Batch{}
-		if tx == nil {
-			b.BeginTx(*begin)
-		}
-		if o.idleTimeout > 0 {
-			_ = dbsqlc.Queue(b).TxIdleTimeout(ctx, millis(o.idleTimeout))
-		}
-		dbsqlc.QueueKeyLock(b, lockArg, &got.Lock)
-		dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &got.Rec, &got.Found)
-		if full {
-			// A call that stores no answer (Once) writes its record
-			// complete: nothing is left to store after fn.
-			state := "in_progress"
-			if o.noResponse {
-				state = stateDone
-			}
-			// The transaction's earlier claims read whether the
-			// database has Citus.
-			citus, _ := citusOf(data)
-			queueWaiting(ctx, b, citus, k.scope, millis(o.wait), func() {
-				dbsqlc.QueueKeyClaimIfFull(b, dbsqlc.KeyClaimIfFullParams{
-					LockTimeout: millis(o.wait), FullSince: lockArg.FullSince,
-					Scope: k.scope, Key: k.key, Fingerprint: k.fp, State: state, Retention: o.retentionInterval(),
-				}, &ifFull)
-			})
-			dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &again, &foundAgain)
-		}
-		if tx == nil {
-			results := conn.SendBatch(ctx, b)
-			tx = results.Tx()
-			err = results.Close()
-		} else {
-			err = tx.SendBatch(ctx, b).Close()
-		}
+		err = tx.SendBatch(ctx, b).Close()
 	}
 	if err != nil {
 		return claimed{outcome: outcomeFailed}, tx, translate("idem: claim key", err)
 	}
-	lock, rec, found := got.Lock, &got.Rec, &got.Found
+	lock, rec, found := got.lock, &got.rec, &got.found
 	var waited time.Duration
 	get := dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}
 	held.count(lock, tx)
@@ -324,8 +307,8 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	case lockBusy:
 		started := time.Now()
 		wait := &pgx.Batch{}
-		_ = dbsqlc.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: millis(o.wait), LockID: k.lockID, Scope: k.scope, Key: k.key})
-		dbsqlc.QueueKeyGet(wait, get, rec, found)
+		_ = dbbatch.Queue(wait).KeyLockWait(ctx, dbsqlc.KeyLockWaitParams{LockTimeout: millis(o.wait), LockID: k.lockID, Scope: k.scope, Key: k.key})
+		dbbatch.QueueKeyGet(wait, get, rec, found)
 		err := tx.SendBatch(ctx, wait).Close()
 		waited = time.Since(started)
 		if err != nil {
@@ -393,11 +376,11 @@ func claimRow(ctx context.Context, tx pgx.Tx, k keyRef, o *options, expired, cit
 	var found bool
 	b := &pgx.Batch{}
 	queueWaiting(ctx, b, citus, k.scope, millis(o.wait), func() {
-		dbsqlc.QueueKeyClaimWait(b, dbsqlc.KeyClaimWaitParams{
+		dbbatch.QueueKeyClaimWait(b, dbsqlc.KeyClaimWaitParams{
 			LockTimeout: millis(o.wait), Scope: k.scope, Key: k.key, Fingerprint: k.fp, Retention: o.retentionInterval(),
 		}, &row)
 	})
-	dbsqlc.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
+	dbbatch.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &rec, &found)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return claimed{outcome: outcomeFailed}, translate("idem: claim key", err)
 	}
@@ -417,7 +400,7 @@ func queueWaiting(ctx context.Context, b *pgx.Batch, citus bool, scope, lockTime
 		queue()
 		return
 	}
-	q := dbsqlc.Queue(b)
+	q := dbbatch.Queue(b)
 	_ = q.KeyWaitBudgetCitus(ctx, dbsqlc.KeyWaitBudgetCitusParams{LockTimeout: lockTimeout, Scope: scope})
 	queue()
 	_ = q.KeyWaitRestoreCitus(ctx, scope)
@@ -563,55 +546,12 @@ func (s store) run(ctx context.Context, tx pgx.Tx) error {
 		return s.queue(ctx, dbsqlc.New(tx))
 	}
 	b := &pgx.Batch{}
-	s.queueRouted(ctx, dbsqlc.Queue(b))
+	s.queueRouted(ctx, dbbatch.Queue(b))
 	return tx.SendBatch(ctx, b).Close()
 }
 
 // send runs the statement that records the operation in tx.
-func (s store) send(ctx context.Context, tx pgx.Tx) error {
-	w, wired, err := wireFor(ctx, tx)
-	if err != nil {
-		return err
-	}
-	if !wired || s.routed() {
-		return s.run(ctx, tx)
-	}
-	_, storeErr, _ := w.Store(ctx, s.kind(), s.params(), "")
-	return storeErr
-}
-
-// wireFor returns the Wire of tx's connection when tx's statements may go
-// through it: only inside an open transaction, so that a transaction that
-// fn (or the caller) ended is left to pgx, which reports it closed, instead
-// of a statement being run outside any transaction.
-func wireFor(ctx context.Context, tx pgx.Tx) (*dbsqlc.Wire, bool, error) {
-	if rt, ok := tx.(*runTx); ok && rt.closed {
-		return nil, false, nil
-	}
-	conn := tx.Conn()
-	if conn == nil || conn.PgConn().TxStatus() != 'T' {
-		return nil, false, nil
-	}
-	return dbsqlc.WireFor(ctx, conn)
-}
-
-// kind and params are the statement that records the operation, for
-// dbsqlc.Wire.
-func (s store) kind() dbsqlc.StoreKind {
-	switch {
-	case s.c.early:
-		return dbsqlc.StoreResponse
-	case s.c.expired:
-		return dbsqlc.StoreReplace
-	}
-	return dbsqlc.StoreInsert
-}
-
-func (s store) params() dbsqlc.KeyInsertParams {
-	return dbsqlc.KeyInsertParams{
-		LockTimeout: s.lockTimeout, Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
-	}
-}
+func (s store) send(ctx context.Context, tx pgx.Tx) error { return s.run(ctx, tx) }
 
 // translateStore translates the errors of the statement that records an
 // operation. At READ COMMITTED a unique violation (KeyInsert) or

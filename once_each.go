@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dbsqlc"
 	"github.com/pgidem/idem/internal/ident"
 )
@@ -147,10 +148,10 @@ func claimBatch(ctx context.Context, tx pgx.Tx, scope string, keys []string, fp 
 	var got []string
 	b := &pgx.Batch{}
 	if !known {
-		dbsqlc.QueueCitusInstalled(b, &citus)
+		dbbatch.QueueCitusInstalled(b, &citus)
 	}
 	queueWaiting(ctx, b, citus || !known, scope, budget(), func() {
-		dbsqlc.QueueKeyClaimBatch(b, dbsqlc.KeyClaimBatchParams{
+		dbbatch.QueueKeyClaimBatch(b, dbsqlc.KeyClaimBatchParams{
 			LockTimeout: budget(), Scope: scope, Fingerprint: fp, Retention: o.retentionInterval(), Keys: keys,
 		}, &got)
 	})
@@ -199,7 +200,7 @@ func claimBatch(ctx context.Context, tx pgx.Tx, scope string, keys []string, fp 
 	var again []string
 	b = &pgx.Batch{}
 	queueWaiting(ctx, b, citus, scope, budget(), func() {
-		dbsqlc.QueueKeyReclaimBatch(b, dbsqlc.KeyReclaimBatchParams{
+		dbbatch.QueueKeyReclaimBatch(b, dbsqlc.KeyReclaimBatchParams{
 			LockTimeout: budget(), Scope: scope, Fingerprint: fp, Retention: o.retentionInterval(), Keys: stale,
 		}, &again)
 	})

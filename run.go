@@ -7,9 +7,9 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dberr"
 	"github.com/pgidem/idem/internal/dbsqlc"
 )
@@ -124,7 +124,7 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 		return replayed[T](c.stored, k.scope, o)
 	}
 
-	res, s, err := execute(ctx, tx, k, c, fn, o)
+	res, s, err := execute(ctx, tx, k, c, closingFn(conn, fn), o)
 	if err != nil {
 		return Result[T]{}, err
 	}
@@ -140,10 +140,11 @@ func runOnce[T any](ctx context.Context, beginner TxBeginner, k keyRef,
 }
 
 // commitWith records the operation and commits. On a connection Run drives
-// itself both go in one round trip; the pgx.Tx is then left unclosed, which
-// is harmless: the server's transaction ended with the batch, and the
-// connection goes back to its pool idle. Nothing may touch tx afterwards:
-// the connection may already serve someone else.
+// itself both go in one round trip; pgx's Tx is then left unclosed, which
+// is harmless: the server's transaction ended with the batch, the
+// connection goes back to its pool idle, and fn's Tx (fnTx) refuses what
+// comes after. Nothing may touch tx afterwards: the connection may
+// already serve someone else.
 func commitWith(ctx context.Context, tx pgx.Tx, pipelined bool, s store) error {
 	if !pipelined {
 		if err := s.run(ctx, tx); err != nil {
@@ -155,45 +156,29 @@ func commitWith(ctx context.Context, tx pgx.Tx, pipelined bool, s store) error {
 		}
 		return nil
 	}
-
-	var storeErr, commitErr, closeErr error
-	var tag pgconn.CommandTag
-	rt, isRunTx := tx.(*runTx)
-	if isRunTx && rt.closed {
+	if tx.Conn().PgConn().TxStatus() == 'I' {
 		// fn ended the transaction: what it wrote is gone or committed
 		// without its record, and nothing may be recorded now.
 		return fmt.Errorf("idem: store response: %w (fn ended Run's transaction)", pgx.ErrTxClosed)
 	}
-	if isRunTx && !s.routed() {
-		w, _, err := dbsqlc.WireFor(ctx, rt.conn)
-		if err != nil {
-			rollback(ctx, tx)
-			return translate("idem: store response", err)
-		}
-		tag, storeErr, commitErr = w.Store(ctx, s.kind(), s.params(), "commit")
-		rt.closed = rt.conn.PgConn().TxStatus() == 'I'
-	} else {
-		batch := &pgx.Batch{}
-		q := dbsqlc.Queue(batch)
-		_ = s.queue(ctx, q) // queuing cannot fail
-		stored := batch.Len()
-		_ = q.TxCommit(ctx)
-		results := tx.SendBatch(ctx, batch)
-		// Each statement's error is its own: the record's (the first of
-		// its statements' on Citus) goes to translateStore, COMMIT's (a
-		// deferred constraint, a serialization failure) to translate, as
-		// a COMMIT outside the pipeline would.
-		for range stored {
-			if _, err := results.Exec(); storeErr == nil {
-				storeErr = err
-			}
-		}
-		tag, commitErr = results.Exec()
-		closeErr = results.Close()
-		if isRunTx {
-			rt.closed = rt.conn.PgConn().TxStatus() == 'I'
+	batch := &pgx.Batch{}
+	q := dbbatch.Queue(batch)
+	_ = s.queue(ctx, q) // queuing cannot fail
+	stored := batch.Len()
+	_ = q.TxCommit(ctx)
+	results := tx.SendBatch(ctx, batch)
+	// Each statement's error is its own: the record's (the first of its
+	// statements' on Citus) goes to translateStore, COMMIT's (a deferred
+	// constraint, a serialization failure) to translate, as a COMMIT
+	// outside the pipeline would.
+	var storeErr error
+	for range stored {
+		if _, err := results.Exec(); storeErr == nil {
+			storeErr = err
 		}
 	}
+	tag, commitErr := results.Exec()
+	closeErr := results.Close()
 	var err error
 	switch {
 	case storeErr != nil:

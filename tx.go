@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/backoff"
 	"github.com/pgidem/idem/internal/dberr"
@@ -117,24 +116,6 @@ type batchSender interface {
 // pool or connection directly, in one round trip; on any other TxBeginner
 // in a transaction begun for it.
 func sendBatch(ctx context.Context, db TxBeginner, b *pgx.Batch) error {
-	switch d := db.(type) {
-	case *pgxpool.Pool:
-		if dbsqlc.BelowPgx.Load() {
-			conn, err := d.Acquire(ctx)
-			if err != nil {
-				return err
-			}
-			defer conn.Release()
-			if sent, err := dbsqlc.SendFlat(ctx, conn.Conn(), b); sent {
-				return err
-			}
-			return conn.SendBatch(ctx, b).Close()
-		}
-	case *pgx.Conn:
-		if sent, err := dbsqlc.SendFlat(ctx, d, b); sent {
-			return err
-		}
-	}
 	if s, ok := db.(batchSender); ok {
 		return s.SendBatch(ctx, b).Close()
 	}

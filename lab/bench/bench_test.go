@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	metricnoop "go.opentelemetry.io/otel/metric/noop"
 	tracenoop "go.opentelemetry.io/otel/trace/noop"
 
@@ -55,6 +56,52 @@ func BenchmarkRunVsBare(b *testing.B) {
 	b.ReportMetric(bare, "bare-tx/s")
 	for _, p := range phases[1:] {
 		b.ReportMetric(totals[p.Name].Throughput()/bare, p.Name+"/bare")
+	}
+}
+
+// BenchmarkRunVsFloor compares, CPU-bound (the server on this machine, no
+// delay), a bare BEGIN/INSERT/COMMIT, Run's first executions and the
+// key-row-only floor (bench.Floor), interleaved, at 8 and 32 clients,
+// rounds of 400 operations of every phase. It reports Run's throughput
+// against the floor and against bare, and the floor's against bare:
+//
+//	go test -run '^$' -bench 'RunVsFloor$' -benchtime 10x ./lab/bench
+func BenchmarkRunVsFloor(b *testing.B) {
+	direct := env.Pool(b)
+	ctx := context.Background()
+	if err := bench.CreateSchema(ctx, direct); err != nil {
+		b.Fatal(err)
+	}
+	cfg := direct.Config().Copy()
+	cfg.MaxConns = 36
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer pool.Close()
+	scope := testdb.Name("bench-floor")
+	phases := bench.StandardPhases(pool, scope)[:2] // bare, run-first
+	for _, d := range bench.Designs(pool, scope) {
+		if d.Name == bench.Floor {
+			phases = append(phases, bench.DesignPhases([]bench.Design{d})...)
+		}
+	}
+	for _, clients := range []int{8, 32} {
+		b.Run(fmt.Sprintf("clients=%d", clients), func(b *testing.B) {
+			if _, err := bench.Interleave(ctx, phases, clients, 1, int64(max(50, 4*clients))); err != nil {
+				b.Fatal(err)
+			}
+			b.ResetTimer()
+			totals, err := bench.Interleave(ctx, phases, clients, b.N, 400)
+			if err != nil {
+				b.Fatal(err)
+			}
+			bare, run, floor := totals["bare"], totals["run-first"], totals[bench.Floor]
+			b.ReportMetric(run.Throughput()/floor.Throughput(), "run-first/floor")
+			b.ReportMetric(run.Throughput()/bare.Throughput(), "run-first/bare")
+			b.ReportMetric(floor.Throughput()/bare.Throughput(), "floor/bare")
+			b.ReportMetric(bare.Throughput(), "bare-tx/s")
+		})
 	}
 }
 

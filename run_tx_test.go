@@ -3,6 +3,7 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync/atomic"
 	"testing"
 
@@ -11,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 // TestRunsTransactionDoesWhatPgxsDoes uses, inside Run's fn, everything a
@@ -156,12 +158,14 @@ func TestFnThatEndsRunsTransactionCommitsNothingOfIdems(t *testing.T) {
 }
 
 // TestStatementsPreparedAwayArePreparedAgain deallocates the connection's
-// prepared statements between calls (as DISCARD ALL or a pooler's reset
-// does): at most the next call fails, with the driver's error, and the one
-// after it prepares them again and succeeds.
+// prepared statements behind pgx's back between calls (as DISCARD ALL or a
+// pooler's reset does): each of Run's round trips (the claim, the record
+// with COMMIT) fails once at most, with the driver's error and nothing
+// committed, as pgx's own statements do, and the calls after them
+// succeed.
 func TestStatementsPreparedAwayArePreparedAgain(t *testing.T) {
 	ctx, pool, scope := setup(t)
-	// A connection of the test's own: DEALLOCATE ALL also empties pgx's
+	// A connection of the test's own: DEALLOCATE ALL also spoils pgx's
 	// statement cache, which would fail the next statements of whichever
 	// test got the connection from the pool.
 	conn, err := pgx.Connect(ctx, env.URL(t))
@@ -176,24 +180,24 @@ func TestStatementsPreparedAwayArePreparedAgain(t *testing.T) {
 	if _, err := conn.Exec(ctx, `DEALLOCATE ALL`); err != nil {
 		t.Fatal(err)
 	}
-	// fn sends nothing: pgx's own statement cache, which DEALLOCATE ALL
-	// empties too, plays no part.
+	// fn sends nothing: only idem's statements are spoilt.
 	nothing := func(context.Context, pgx.Tx) (int, error) { return 1, nil }
-	failed := 0
-	for _, key := range []string{"k1", "k2", "k3"} {
+	var failed []string
+	keys := []string{"k1", "k2", "k3", "k4"}
+	for _, key := range keys {
 		if _, err := idem.Run(ctx, conn, scope, key, fpA, nothing); err != nil {
-			failed++
+			failed = append(failed, key)
 			var pgErr *pgconn.PgError
 			if !errors.As(err, &pgErr) {
 				t.Errorf("%s: %v, want the driver's error", key, err)
 			}
 		}
 	}
-	if failed > 1 {
-		t.Errorf("%d calls failed after DEALLOCATE ALL, want at most 1", failed)
+	if len(failed) > 2 || slices.Contains(failed, "k4") {
+		t.Errorf("calls %v failed after DEALLOCATE ALL, want at most the first two", failed)
 	}
-	if n := countRecords(t, pool, scope); n != 4-failed {
-		t.Errorf("%d records, want %d", n, 4-failed)
+	if n := countRecords(t, pool, scope); n != 1+len(keys)-len(failed) {
+		t.Errorf("%d records, want %d", n, 1+len(keys)-len(failed))
 	}
 }
 
@@ -264,30 +268,58 @@ func TestFnThatEndsTheCallersTransactionRecordsNothing(t *testing.T) {
 	}
 }
 
-// TestStatementsPreparedByAnEarlierAttemptAreReplaced leaves a statement
-// of idem's name on a connection that has no record of it (as a
-// preparation stopped half-way, or a stale plan, does): the next call
-// replaces it and succeeds, instead of failing on the name for as long as
-// the connection lives.
-func TestStatementsPreparedByAnEarlierAttemptAreReplaced(t *testing.T) {
-	ctx, pool, scope := setup(t)
+// TestAStaleStatementOfIdemsNameIsReplaced leaves a statement of the name
+// a flow's claim prepares its statement under on a connection that pgx
+// does not know it on (as a pooler's earlier client would): the claim
+// replaces it, and the flows run.
+func TestAStaleStatementOfIdemsNameIsReplaced(t *testing.T) {
+	ctx, _, scope := setup(t)
 	conn, err := pgx.Connect(ctx, env.URL(t))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close(context.Background())
 	if conn.Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
-		if _, err := conn.PgConn().Prepare(ctx, "idem_key_lock_3", "SELECT 1", nil); err != nil {
+		if _, err := conn.PgConn().Prepare(ctx, idem.ClaimStatementName(), "SELECT 1", nil); err != nil {
 			t.Fatal(err)
 		}
 	}
-	nothing := func(context.Context, pgx.Tx) (int, error) { return 1, nil }
 	for _, key := range []string{"k1", "k2"} {
-		if _, err := idem.Run(ctx, conn, scope, key, fpA, nothing); err != nil {
+		if _, err := callOnly.Run(ctx, conn, scope, key, nil, 0); err != nil {
 			t.Fatalf("%s: %v", key, err)
 		}
 	}
-	if n := countRecords(t, pool, scope); n != 2 {
-		t.Errorf("%d records, want 2", n)
+}
+
+// TestRunsTransactionIsClosedOnceFnReturns keeps Run's Tx past fn's
+// return: a statement sent on it after Run (by a goroutine fn started, or
+// on a Tx kept in a struct), on it or on a transaction nested in it,
+// returns pgx.ErrTxClosed and writes nothing, rather than running on a
+// connection back in its pool.
+func TestRunsTransactionIsClosedOnceFnReturns(t *testing.T) {
+	ctx, pool, scope := setup(t)
+	var kept, nested pgx.Tx
+	var calls atomic.Int64
+	if _, err := idem.Run(ctx, pool, scope, "k", fpA, func(ctx context.Context, tx pgx.Tx) (payment, error) {
+		kept = tx
+		var err error
+		if nested, err = tx.Begin(ctx); err != nil {
+			return payment{}, err
+		}
+		if err := nested.Commit(ctx); err != nil {
+			return payment{}, err
+		}
+		return pay(scope, "k", 1, &calls)(ctx, tx)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	for name, tx := range map[string]pgx.Tx{"Run's": kept, "a nested": nested} {
+		_, err := tx.Exec(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3)`, scope, "late", 1)
+		if !errors.Is(err, pgx.ErrTxClosed) {
+			t.Errorf("a statement on %s transaction after Run: %v, want pgx.ErrTxClosed", name, err)
+		}
+	}
+	if n := testdb.CountPayments(t, pool, scope); n != 1 {
+		t.Errorf("%d payments, want fn's 1", n)
 	}
 }
