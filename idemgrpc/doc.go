@@ -82,8 +82,10 @@ covered passes straight to the handler, outside any transaction.
 The handler finds its transaction with [Tx] and does every write on it; it
 must not commit or roll it back. [Key] and [Scope] name the call's
 operation. Requests and responses must be protobuf messages, and a
-response's type must be in protobuf's global registry (generated code
-registers its types there), where a replay finds it again.
+response's type must be in protobuf's global registry, where a replay
+finds it again: generated code registers its types there, and protobuf's
+well-known types are there, for a service written without protoc (see
+ExampleRunFlow).
 
 The header metadata that the handler sets or sends (grpc.SetHeader,
 grpc.SendHeader) and its trailer (grpc.SetTrailer) are held until the

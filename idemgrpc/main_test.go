@@ -21,11 +21,15 @@ import (
 	"github.com/pgidem/idem/idemgrpc"
 	"github.com/pgidem/idem/idemgrpc/internal/grpctest"
 	"github.com/pgidem/idem/idemgrpc/internal/testpb"
-	"github.com/pgidem/idem/idemtest"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
-func TestMain(m *testing.M) { os.Exit(idemtest.Main(m)) }
+// env is the test binary's server, on which grpctest.Setup makes each
+// test's database; ExampleRunFlow finds a database of its own in
+// DATABASE_URL, as an application would.
+var env *testdb.Env
+
+func TestMain(m *testing.M) { os.Exit(testdb.Main(m, &env)) }
 
 // Shared helpers, under the names this package's tests use.
 const tenantMetadata = grpctest.TenantMetadata
@@ -53,7 +57,7 @@ const paymentTable = `CREATE TABLE payment (
 // database of the test's own with the payment table, and a tenant.
 func setup(t *testing.T) (context.Context, *pgxpool.Pool, string) {
 	t.Helper()
-	return grpctest.Setup(t, 2*time.Minute, paymentTable)
+	return grpctest.Setup(t, env, 2*time.Minute, paymentTable)
 }
 
 // payments is the Payments service of the tests. Pay records a payment on

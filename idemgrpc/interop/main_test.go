@@ -15,11 +15,14 @@ import (
 	"github.com/pgidem/idem/idemgrpc"
 	"github.com/pgidem/idem/idemgrpc/internal/grpctest"
 	"github.com/pgidem/idem/idemgrpc/internal/testpb"
-	"github.com/pgidem/idem/idemtest"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
-func TestMain(m *testing.M) { os.Exit(idemtest.Main(m)) }
+// env is the test binary's server, on which grpctest.Setup makes each
+// test's database.
+var env *testdb.Env
+
+func TestMain(m *testing.M) { os.Exit(testdb.Main(m, &env)) }
 
 // Shared helpers, under the names this package's tests use. tenantKey
 // names the caller in gRPC metadata and as an HTTP header.
@@ -36,7 +39,7 @@ var (
 // database of the test's own with the payment table, and a tenant.
 func setup(t *testing.T) (context.Context, *pgxpool.Pool, string) {
 	t.Helper()
-	return grpctest.Setup(t, 3*time.Minute, `CREATE TABLE payment (
+	return grpctest.Setup(t, env, 3*time.Minute, `CREATE TABLE payment (
 		id           bigserial PRIMARY KEY,
 		scope        text   NOT NULL,
 		key          text   NOT NULL,

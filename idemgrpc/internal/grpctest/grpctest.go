@@ -13,13 +13,15 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
-	"github.com/pgidem/idem/idemtest"
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 // TenantMetadata stands in for authentication in the tests: it names the
@@ -62,15 +64,26 @@ func LoseFirst(n int64) grpc.UnaryServerInterceptor {
 }
 
 // Setup marks the test parallel and returns a context that ends with it
-// (within timeout), a pool on a database of the test's own (idemtest.Pool)
-// in which it ran paymentTable, the CREATE TABLE of the tests' payment
-// table, and a tenant no other test uses.
-func Setup(t *testing.T, timeout time.Duration, paymentTable string) (context.Context, *pgxpool.Pool, string) {
+// (within timeout), a pool on a database of the test's own on env's
+// server, with idem's migrations and paymentTable, the CREATE TABLE of the
+// tests' payment table, and a tenant no other test uses. The pool is
+// closed and the database dropped when the test ends.
+func Setup(t *testing.T, env *testdb.Env, timeout time.Duration, paymentTable string) (context.Context, *pgxpool.Pool, string) {
 	t.Helper()
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	t.Cleanup(cancel)
-	pool := idemtest.Pool(t)
+	pool, err := pgxpool.New(ctx, env.EmptyDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close) // before EmptyDatabase's cleanup drops the database
+	db := stdlib.OpenDBFromPool(pool)
+	err = idem.Migrate(ctx, db)
+	_ = db.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
 	if _, err := pool.Exec(ctx, paymentTable); err != nil {
 		t.Fatal(err)
 	}
