@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -14,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 )
 
 // keyLocksHeld counts the advisory locks tx's own session holds.
@@ -583,3 +585,45 @@ func TestWaitBudgetDoesNotLeakIntoTransaction(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestAConnectionAsksWhetherItsDatabaseHasCitusOnce runs three claims on
+// one connection: only the first asks the catalog whether the database
+// has Citus (KeyLock's check_citus); the others use its answer.
+func TestAConnectionAsksWhetherItsDatabaseHasCitusOnce(t *testing.T) {
+	ctx, _, scope := setup(t)
+	tracer := &keyLockArgs{}
+	pool := countedPool(t, ctx, new(testdb.WireCount), func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = tracer })
+	var calls atomic.Int64
+	for _, key := range []string{"k1", "k2", "k1"} {
+		if _, err := idem.Run(ctx, pool, scope, key, fpA, pay(scope, key, 1, &calls)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := fmt.Sprint(tracer.checks); got != "[true false false]" {
+		t.Fatalf("KeyLock's check_citus on the connection's claims: %s, want [true false false]", got)
+	}
+}
+
+// keyLockArgs records the last argument (check_citus) of each KeyLock a
+// batch sends.
+type keyLockArgs struct {
+	mu     sync.Mutex
+	checks []bool
+}
+
+func (k *keyLockArgs) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (k *keyLockArgs) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (k *keyLockArgs) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+func (k *keyLockArgs) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
+	if strings.Contains(data.SQL, "name: KeyLock :one") && len(data.Args) > 0 {
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		check, _ := data.Args[len(data.Args)-1].(bool)
+		k.checks = append(k.checks, check)
+	}
+}
+func (k *keyLockArgs) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}

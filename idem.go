@@ -219,7 +219,10 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	}
 	data := stateOf(tx, conn)
 	held := heldLocks(data)
-	lockArg := dbsqlc.KeyLockParams{FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID}
+	// Whether the database has Citus is read by a connection's first
+	// claim, and kept (citusOf): the claims after it ask nothing.
+	citus, citusKnown := citusOf(data)
+	lockArg := dbsqlc.KeyLockParams{FullSince: held.fullSince(), Scope: k.scope, Key: k.key, LockID: k.lockID, CheckCitus: !citusKnown}
 	var got struct {
 		lock  dbsqlc.KeyLockRow
 		rec   dbsqlc.KeyGetRow
@@ -252,7 +255,6 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		}
 		// The transaction's earlier claims read whether the
 		// database has Citus.
-		citus, _ := citusOf(data)
 		queueWaiting(ctx, b, citus, k.scope, millis(o.wait), func() {
 			dbbatch.QueueKeyClaimIfFull(b, dbsqlc.KeyClaimIfFullParams{
 				LockTimeout: millis(o.wait), FullSince: lockArg.FullSince,
@@ -275,7 +277,10 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	var waited time.Duration
 	get := dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}
 	held.count(lock, tx)
-	setCitus(data, lock.Citus)
+	if !citusKnown {
+		citus = lock.Citus
+		setCitus(data, citus)
+	}
 	if lock.ReadOnly {
 		return claimed{outcome: outcomeInvalid}, tx, errReadOnly
 	}
@@ -302,7 +307,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	}
 	switch lock.Lock {
 	case lockSkipped:
-		c, err := claimRow(ctx, tx, k, o, *found, lock.Citus)
+		c, err := claimRow(ctx, tx, k, o, *found, citus)
 		return c, tx, err
 	case lockBusy:
 		started := time.Now()
@@ -320,7 +325,7 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 		}
 	}
 
-	c := claimed{outcome: outcomeClaimed, expired: *found, waited: waited, citus: lock.Citus}
+	c := claimed{outcome: outcomeClaimed, expired: *found, waited: waited, citus: citus}
 	if *found {
 		c.outcome = outcomeReclaimed
 	}
@@ -495,7 +500,12 @@ type store struct {
 // KeyReplace over an expired record), or the early claim completed
 // (KeyStoreResponse). On Citus (routed), it queues the statements of
 // queueRouted instead; q must then queue.
-func (s store) queue(ctx context.Context, q *dbsqlc.Queries) error {
+//
+// last is set when the statement goes with the transaction's COMMIT, in
+// its round trip: nothing of the caller's runs after it, and a record
+// inserted sets its wait budget for the rest of the transaction without
+// restoring the caller's (KeyInsertLast).
+func (s store) queue(ctx context.Context, q *dbsqlc.Queries, last bool) error {
 	switch {
 	case s.routed():
 		s.queueRouted(ctx, q)
@@ -504,6 +514,10 @@ func (s store) queue(ctx context.Context, q *dbsqlc.Queries) error {
 		return q.KeyStoreResponse(ctx, dbsqlc.KeyStoreResponseParams{Scope: s.k.scope, Key: s.k.key, Response: s.response})
 	case s.c.expired:
 		return q.KeyReplace(ctx, dbsqlc.KeyReplaceParams{
+			LockTimeout: s.lockTimeout, Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
+		})
+	case last:
+		return q.KeyInsertLast(ctx, dbsqlc.KeyInsertLastParams{
 			LockTimeout: s.lockTimeout, Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention,
 		})
 	}
@@ -543,7 +557,7 @@ func (s store) queueRouted(ctx context.Context, q *dbsqlc.Queries) {
 // on Citus, the statements of queueRouted in one round trip.
 func (s store) run(ctx context.Context, tx pgx.Tx) error {
 	if !s.routed() {
-		return s.queue(ctx, dbsqlc.New(tx))
+		return s.queue(ctx, dbsqlc.New(tx), false)
 	}
 	b := &pgx.Batch{}
 	s.queueRouted(ctx, dbbatch.Queue(b))

@@ -163,7 +163,7 @@ func commitWith(ctx context.Context, tx pgx.Tx, pipelined bool, s store) error {
 	}
 	batch := &pgx.Batch{}
 	q := dbbatch.Queue(batch)
-	_ = s.queue(ctx, q) // queuing cannot fail
+	_ = s.queue(ctx, q, true) // queuing cannot fail
 	stored := batch.Len()
 	_ = q.TxCommit(ctx)
 	results := tx.SendBatch(ctx, batch)

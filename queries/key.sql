@@ -45,8 +45,14 @@ SELECT CASE
        current_setting('transaction_read_only')::bool AS read_only,
        -- citus: the database has Citus (see CitusInstalled), where the
        -- statements that wait for a record take their budget from
-       -- KeyWaitBudgetCitus and the record is stored by KeyInsertCitus.
-       (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL)::bool AS citus;
+       -- KeyWaitBudgetCitus and the record is stored by KeyInsertCitus;
+       -- asked only when @check_citus is set (a connection's first claim:
+       -- the caller keeps the answer), false otherwise, so that a claim
+       -- on PostgreSQL looks nothing up in the catalog for Citus.
+       CASE WHEN @check_citus::bool
+            THEN to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL
+            ELSE false
+       END::bool AS citus;
 
 -- name: KeyLockWait :exec
 -- KeyLockWait waits for the key's lock under the wait budget, then restores
@@ -143,6 +149,18 @@ counted AS MATERIALIZED (
 SELECT set_config('lock_timeout', budget.saved, counted.n >= 0)
 FROM budget
 CROSS JOIN counted;
+
+-- name: KeyInsertLast :exec
+-- KeyInsertLast is KeyInsert for a record that is the last statement of
+-- its transaction, sent with the transaction's COMMIT (Run's): it sets
+-- the wait budget, @lock_timeout, for what is left of the transaction,
+-- the INSERT and the COMMIT, and leaves it set, since nothing of the
+-- caller's runs after it: a plain INSERT, with no statement of its own to
+-- read and restore the caller's lock_timeout.
+INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
+SELECT @scope::text, @key::text, @fingerprint::bytea, 'done',
+       sqlc.narg(response)::text::jsonb, now() + @retention::interval
+FROM (SELECT set_config('lock_timeout', @lock_timeout::text, true)) AS budget;
 
 -- name: KeyReplace :exec
 -- KeyReplace is KeyInsert for a key whose record has expired: it takes the

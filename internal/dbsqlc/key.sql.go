@@ -584,6 +584,40 @@ func (q *Queries) KeyInsertCitus(ctx context.Context, arg KeyInsertCitusParams) 
 	return err
 }
 
+const keyInsertLast = `-- name: KeyInsertLast :exec
+INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
+SELECT $1::text, $2::text, $3::bytea, 'done',
+       $4::text::jsonb, now() + $5::interval
+FROM (SELECT set_config('lock_timeout', $6::text, true)) AS budget
+`
+
+type KeyInsertLastParams struct {
+	Scope       string
+	Key         string
+	Fingerprint []byte
+	Response    pgtype.Text
+	Retention   pgtype.Interval
+	LockTimeout string
+}
+
+// KeyInsertLast is KeyInsert for a record that is the last statement of
+// its transaction, sent with the transaction's COMMIT (Run's): it sets
+// the wait budget, @lock_timeout, for what is left of the transaction,
+// the INSERT and the COMMIT, and leaves it set, since nothing of the
+// caller's runs after it: a plain INSERT, with no statement of its own to
+// read and restore the caller's lock_timeout.
+func (q *Queries) KeyInsertLast(ctx context.Context, arg KeyInsertLastParams) error {
+	_, err := q.db.Exec(ctx, keyInsertLast,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.Response,
+		arg.Retention,
+		arg.LockTimeout,
+	)
+	return err
+}
+
 const keyInspect = `-- name: KeyInspect :one
 SELECT fingerprint, state, response, created_at, expires_at,
        (expires_at <= now())::bool AS expired
@@ -640,15 +674,22 @@ SELECT CASE
        current_setting('transaction_read_only')::bool AS read_only,
        -- citus: the database has Citus (see CitusInstalled), where the
        -- statements that wait for a record take their budget from
-       -- KeyWaitBudgetCitus and the record is stored by KeyInsertCitus.
-       (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL)::bool AS citus
+       -- KeyWaitBudgetCitus and the record is stored by KeyInsertCitus;
+       -- asked only when @check_citus is set (a connection's first claim:
+       -- the caller keeps the answer), false otherwise, so that a claim
+       -- on PostgreSQL looks nothing up in the catalog for Citus.
+       CASE WHEN $5::bool
+            THEN to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL
+            ELSE false
+       END::bool AS citus
 `
 
 type KeyLockParams struct {
-	FullSince []pgtype.Timestamptz
-	Scope     string
-	Key       string
-	LockID    int64
+	FullSince  []pgtype.Timestamptz
+	Scope      string
+	Key        string
+	LockID     int64
+	CheckCitus bool
 }
 
 type KeyLockRow struct {
@@ -694,6 +735,7 @@ func (q *Queries) KeyLock(ctx context.Context, arg KeyLockParams) (KeyLockRow, e
 		arg.Scope,
 		arg.Key,
 		arg.LockID,
+		arg.CheckCitus,
 	)
 	var i KeyLockRow
 	err := row.Scan(
