@@ -298,3 +298,66 @@ WHERE records.xid IN (SELECT xid FROM ours)
    OR (records.xid = '0'::xid AND records.db = (SELECT oid FROM here))
 GROUP BY 1
 ORDER BY 2 DESC`
+
+// StatementTracer traces what a connection sends as otelpgx does, which
+// most production pools run: each statement sent alone, each batch and
+// each statement of a batch, and each prepare. It counts the statements.
+type StatementTracer struct{ Statements atomic.Int64 }
+
+// TraceQueryStart implements pgx.QueryTracer.
+func (s *StatementTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	s.Statements.Add(1)
+	return ctx
+}
+
+// TraceQueryEnd implements pgx.QueryTracer.
+func (s *StatementTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TraceBatchStart implements pgx.BatchTracer.
+func (s *StatementTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+
+// TraceBatchQuery implements pgx.BatchTracer.
+func (s *StatementTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {
+	s.Statements.Add(1)
+}
+
+// TraceBatchEnd implements pgx.BatchTracer.
+func (s *StatementTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
+// TracePrepareStart implements pgx.PrepareTracer.
+func (s *StatementTracer) TracePrepareStart(ctx context.Context, _ *pgx.Conn, _ pgx.TracePrepareStartData) context.Context {
+	return ctx
+}
+
+// TracePrepareEnd implements pgx.PrepareTracer.
+func (s *StatementTracer) TracePrepareEnd(context.Context, *pgx.Conn, pgx.TracePrepareEndData) {}
+
+// ConnKind is a kind of connection an application runs: pgx's exec mode,
+// and whether a tracer traces its statements (StatementTracer).
+type ConnKind struct {
+	Name   string
+	Mode   pgx.QueryExecMode
+	Traced bool
+}
+
+// ConnKinds are the kinds of connection the flow's cost is measured on:
+// pgx's default, traced as otelpgx traces it, and the exec modes behind
+// transaction poolers (exec, simple_protocol, cache_describe).
+var ConnKinds = []ConnKind{
+	{"default", pgx.QueryExecModeCacheStatement, false},
+	{"traced", pgx.QueryExecModeCacheStatement, true},
+	{"exec", pgx.QueryExecModeExec, false},
+	{"simple_protocol", pgx.QueryExecModeSimpleProtocol, false},
+	{"cache_describe", pgx.QueryExecModeCacheDescribe, false},
+}
+
+// Apply sets cfg's connections to be of kind k.
+func (k ConnKind) Apply(cfg *pgxpool.Config) {
+	cfg.ConnConfig.DefaultQueryExecMode = k.Mode
+	cfg.ConnConfig.Tracer = nil
+	if k.Traced {
+		cfg.ConnConfig.Tracer = &StatementTracer{}
+	}
+}

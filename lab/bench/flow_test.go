@@ -296,3 +296,78 @@ func TestLongFlowWALGrowsWithItsSteps(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkFlowOnEveryConnection measures the flow (local step, call,
+// local step; an instant provider) and the transaction held across the
+// call on each kind of connection an application runs (bench.ConnKinds:
+// pgx's default, traced as otelpgx traces it, and the exec modes used
+// behind transaction poolers): one operation at a time through the 1 ms
+// proxy, its round trips, heap allocations and median time; the WAL and
+// the commits of the flow (bench.DatabaseWAL); and, on a pool of 10
+// connections at 8 clients, the flow's throughput over the held
+// transaction's, interleaved.
+//
+//	go test -run '^$' -bench FlowOnEveryConnection -benchtime 1x ./lab/bench
+func BenchmarkFlowOnEveryConnection(b *testing.B) {
+	direct := env.Pool(b)
+	ctx := context.Background()
+	if err := bench.CreateFlowSchema(ctx, direct); err != nil {
+		b.Fatal(err)
+	}
+	p := bench.NewProvider(0)
+	for _, kind := range bench.ConnKinds {
+		b.Run("conn="+kind.Name, func(b *testing.B) {
+			cfg := direct.Config().Copy()
+			kind.Apply(cfg)
+			delayed, proxy, err := bench.DelayedPool(ctx, cfg, time.Millisecond, 4)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer proxy.Close()
+			defer delayed.Close()
+			cfg.MaxConns = flowBenchConns
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer pool.Close()
+			meter := bench.Meter{RoundTrips: proxy.RoundTrips}
+			one := bench.FlowPhases(delayed, delayed, p, testdb.Name("bench-conn-one"))
+			eight := bench.FlowPhases(pool, pool, p, testdb.Name("bench-conn-eight"))
+			wal := bench.FlowPhases(pool, pool, p, testdb.Name("bench-conn-wal"))
+			if _, err := meter.Interleave(ctx, one, 1, 1, 20); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := bench.Interleave(ctx, eight, 8, 1, 80); err != nil {
+				b.Fatal(err)
+			}
+			for b.Loop() {
+				totals, err := meter.Interleave(ctx, one, 1, 1, 100)
+				if err != nil {
+					b.Fatal(err)
+				}
+				flow, held := totals["flow"], totals["tx-held"]
+				b.ReportMetric(flow.RoundTripsPerOp(), "flow-round-trips/op")
+				b.ReportMetric(held.RoundTripsPerOp(), "held-round-trips/op")
+				b.ReportMetric(flow.AllocsPerOp(), "flow-allocs/op")
+				b.ReportMetric(float64(flow.Percentile(0.5))/float64(time.Millisecond), "flow-p50-ms-at-1ms-rtt")
+				b.ReportMetric(float64(held.Percentile(0.5))/float64(time.Millisecond), "held-p50-ms-at-1ms-rtt")
+				perOp, parts, err := bench.DatabaseWAL(ctx, pool, wal[0], 200)
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.ReportMetric(perOp, "flow-WAL-B/op")
+				for _, part := range parts {
+					if part.Part == "Transaction COMMIT" {
+						b.ReportMetric(part.Records, "flow-commits/op")
+					}
+				}
+				totals, err = bench.Interleave(ctx, eight, 8, 3, 300)
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.ReportMetric(totals["flow"].Throughput()/totals["tx-held"].Throughput(), "flow/held-at-8")
+			}
+		})
+	}
+}
