@@ -134,15 +134,14 @@ func checkFlowOptions(o *options) error {
 // Run runs the flow's operation for (scope, key) with input in, once, on
 // db (a pool, or an idle connection, as for [Run]).
 //
-// The first Run for a key records in and runs the flow's function, with
-// in as a completer would get it back: decoded from the JSON that was
-// stored. A Run for a key whose flow completed returns its stored answer,
-// with Replayed set, and commits nothing. Run looks at the flow with the
-// function's first statement, not before the function runs: the code
-// before the flow's first step, and a first local step's up to its first
-// statement, run on every Run, replays included, and must have no
-// effect (see docs/flows.md). A Run for a flow that another
-// executor holds waits for it, under [WithWait], polling (it waits for no
+// Run claims the flow before its function runs, in one round trip (see
+// docs/flows.md): no code of the flow runs for a replay, a mismatch or a
+// duplicate that waits. The first Run for a key records in and runs the
+// flow's function, with in as a completer would get it back: decoded from
+// the JSON that was stored. A Run for a key whose flow completed returns
+// its stored answer, with Replayed set, in that one round trip, and
+// commits nothing. A Run for a flow that another executor holds, or is
+// starting, waits for it, under [WithWait], polling (it waits for no
 // lock), and replays its answer, or takes the flow over once that
 // executor's lease has run out; past the wait it returns [ErrInProgress].
 // A Run for a flow whose earlier run failed (which gave its lease up)

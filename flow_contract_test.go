@@ -410,3 +410,40 @@ func (b *batchTracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.T
 }
 
 func (b *batchTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
+// TestFlowStalledExecutorDoesNotEnterItsNextStep stalls an executor
+// between two local steps past its lease, while another executor takes
+// the flow over (a new epoch, leased): the stalled one does not enter its
+// next step's function, whose statement would be refused anyway, and
+// waits for the other, as a duplicate.
+func TestFlowStalledExecutorDoesNotEnterItsNextStep(t *testing.T) {
+	ctx, pool, scope, _ := setupFlow(t)
+	var entered atomic.Int64
+	flow := idem.MustNewFlow(testdb.Name("stalled"), func(ctx context.Context, s *idem.Steps, in chargeIn) (int, error) {
+		if _, err := idem.Local(s, "first", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			_, err := tx.Exec(ctx, `SELECT $1::int`, 1)
+			return 1, err
+		}); err != nil {
+			return 0, err
+		}
+		// Stalled past the lease; meanwhile another executor takes the
+		// flow over.
+		leaseRanOut(t, ctx, pool, s.Scope(), s.Key())
+		if _, err := pool.Exec(ctx, `UPDATE idem_flow SET epoch = epoch + 2, leased_until = now() + interval '1 hour'
+			WHERE scope = $1 AND key = $2`, s.Scope(), s.Key()); err != nil {
+			return 0, err
+		}
+		return idem.Local(s, "second", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			entered.Add(1)
+			_, err := tx.Exec(ctx, `SELECT $1::int`, 2)
+			return 2, err
+		})
+	}, idem.WithLease(100*time.Millisecond), idem.WithIdleTimeout(time.Minute))
+	_, err := flow.Run(ctx, pool, scope, "k", nil, chargeIn{Amount: 1}, idem.WithWait(50*time.Millisecond))
+	if !errors.Is(err, idem.ErrInProgress) {
+		t.Fatalf("the stalled executor: %v, want ErrInProgress (the other holds the flow)", err)
+	}
+	if entered.Load() != 0 {
+		t.Fatalf("the stalled executor entered its next step's function %d times, want none", entered.Load())
+	}
+}

@@ -44,28 +44,34 @@ const (
 // [Run] stores its value), or not at all. Once the step has committed, it
 // never runs again for the flow's operation: when the flow runs again,
 // Local returns the recorded result (decoded from JSON) without calling fn.
-// On a pgx pool or connection, below SERIALIZABLE, the transaction commits
-// with the flow's next statement (the next call's intent, the answer), not
-// when Local returns, and at most a third of the lease, or of the idle
-// timeout, later (100ms at most); its BEGIN and the flow's lock are sent
-// with fn's first statement, in one round trip: see docs/flows.md. A
-// process that dies before the commit runs the step again.
+// fn is called only when the step is to run: never for a step that
+// completed, nor by a Run that replays, is refused or waits (see
+// [Flow.Run]). Its tx stops working once fn returns (pgx.ErrTxClosed),
+// its nested transactions too, and refuses Commit and Rollback: the
+// transaction commits with the step's record, or not at all, which
+// returning an error asks for. On a pgx pool or connection, below
+// SERIALIZABLE, the transaction commits with the flow's next statement
+// (the next call's intent, the answer), not when Local returns, and at
+// most a third of the lease, or of the idle timeout, later (100ms at
+// most); a flow's first step runs in the transaction of the flow's claim,
+// and a later one's BEGIN and the lock of the flow's row are sent with
+// fn's first statement, in one round trip: see docs/flows.md. A process
+// that dies before the commit runs the step again.
 //
 // The transaction also holds the flow's lease: it locks the flow from its
 // first statement on, and no one can take the flow over until the
 // transaction ends, however long fn runs. So that an executor frozen in
 // the step (a stopped process, a paused VM) does not hold the flow for
 // ever, the server ends the transaction once it has sat idle, waiting for
-// the executor, for the flow's [WithIdleTimeout] (1m by default): fn's
-// statements are not limited, only the gaps between them. A step whose
-// executor lost the lease runs no statement and returns [ErrLeaseLost]
-// (fn's statements return it too); neither does a run's first step that
-// finds the flow there as it begins (a Run that replays, waits for or
-// resumes the flow, which gives the function's error no weight). fn itself
-// may have started, up to its first statement, so, as for a transaction
-// that [WithTx] retries, fn must have no effect outside its transaction. Serialization failures and
-// deadlocks are retried as [WithTx] retries them; fn's other errors are
-// returned, wrapped, and nothing of the step is committed.
+// the executor, for the flow's [WithIdleTimeout] (a third of the lease by
+// default): fn's statements are not limited, only the gaps between them.
+// A step whose executor lost the lease runs no statement and returns
+// [ErrLeaseLost] (fn's statements return it too). fn may have run up to
+// its first statement before the server checked the lease, so, as for a
+// transaction that [WithTx] retries, fn must have no effect outside its
+// transaction. Serialization failures and deadlocks are retried as
+// [WithTx] retries them; fn's other errors are returned, wrapped, and
+// nothing of the step is committed.
 //
 // Step names follow the rules of keys, and each step of a flow needs a
 // name of its own: the name, the kind and the place of each step are
@@ -119,6 +125,14 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 	claimed, err := r.claimedOrFlushed(ctx)
 	if err != nil {
 		return zero, err
+	}
+	if claimed == nil && r.lease.left() <= 0 {
+		// The lease may have run out by the executor's clock (it stalled
+		// since its last statement): fn is entered only once a renewal
+		// says the flow is still the executor's.
+		if err := r.renew(ctx, name); err != nil {
+			return zero, err
+		}
 	}
 	var conn *pgx.Conn
 	var pooled *pgxpool.Conn
