@@ -79,6 +79,14 @@ func (c *frozenChild) stopped(t *testing.T) bool {
 	return false
 }
 
+// kill kills the child, frozen or not, and waits for it.
+func (c *frozenChild) kill(t *testing.T) {
+	t.Helper()
+	_ = c.cmd.Process.Kill()
+	_ = c.cmd.Process.Signal(syscall.SIGCONT)
+	_ = c.cmd.Wait()
+}
+
 // wake continues the child and returns what its run returned.
 func (c *frozenChild) wake(t *testing.T) childResult {
 	t.Helper()
