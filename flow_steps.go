@@ -244,7 +244,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		}
 		commitTag = pgconn.NewCommandTag("COMMIT")
 	}
-	ended = ended || conn.PgConn().TxStatus() == 'I'
+	ended = ended || conn != nil && conn.PgConn().TxStatus() == 'I'
 	switch {
 	case errors.Is(err, errTaken):
 		return zero, err
