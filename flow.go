@@ -136,11 +136,13 @@ func checkFlowOptions(o *options) error {
 // The first Run for a key records in and runs the flow's function, with
 // in as a completer would get it back: decoded from the JSON that was
 // stored. A Run for a key whose flow completed returns its stored answer,
-// with Replayed set, and commits nothing. Run looks at the flow with the
-// function's first statement, not before the function runs: the code
-// before the flow's first step, and a first local step's up to its first
-// statement, run on every Run, replays included, and must have no
-// effect (see docs/flows.md). A Run for a flow that another
+// with Replayed set, and commits nothing. Run claims the flow before its
+// function runs, in one round trip, so that a replay, a mismatch, a
+// stopped flow or a duplicate never runs it: for a key with no flow, the
+// run holds the flow's lock in a transaction left open while the function
+// runs up to its first step, whose first local step runs in it, and the
+// flow's row is written as that transaction commits (see docs/flows.md).
+// A Run for a flow that another
 // executor holds waits for it, under [WithWait], polling (it waits for no
 // lock), and replays its answer, or takes the flow over once that
 // executor's lease has run out; past the wait it returns [ErrInProgress].

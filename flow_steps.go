@@ -55,13 +55,14 @@ const (
 // transaction ends, however long fn runs. So that an executor frozen in
 // the step (a stopped process, a paused VM) does not hold the flow for
 // ever, the server ends the transaction once it has sat idle, waiting for
-// the executor, for the flow's [WithIdleTimeout] (1m by default): fn's
-// statements are not limited, only the gaps between them. A step whose
-// executor lost the lease runs no statement and returns [ErrLeaseLost]
-// (fn's statements return it too); neither does a run's first step that
-// finds the flow there as it begins (a Run that replays, waits for or
-// resumes the flow, which gives the function's error no weight). fn itself
-// may have started, up to its first statement, so, as for a transaction
+// the executor, for the flow's [WithIdleTimeout] (by default a third of
+// its lease, up to 1m): fn's statements are not limited, only the gaps
+// between them. A step whose executor lost the lease runs no statement
+// and returns [ErrLeaseLost] (fn's statements return it too); neither
+// does the first step of a run whose claim's transaction was lost, and
+// that finds another executor started the flow meanwhile (the run then
+// answers what a retry gets, which gives the function's error no
+// weight). fn itself may have started, up to its first statement, so, as for a transaction
 // that [WithTx] retries, fn must have no effect outside its transaction. Serialization failures and
 // deadlocks are retried as [WithTx] retries them; fn's other errors are
 // returned, wrapped, and nothing of the step is committed.
