@@ -10,6 +10,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
+	"github.com/pgidem/idem/internal/keylock"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
@@ -30,6 +31,53 @@ func TestAFlowsStepWhoseRecordFailsOnDatabaseSQL(t *testing.T) {
 		_, err := flow.Run(ctx, idemsql.Beginner(db), scope, "k", nil, 0)
 		if !errors.Is(err, idem.ErrFlowIncomplete) {
 			t.Fatalf("Run: %v, want ErrFlowIncomplete", err)
+		}
+	})
+}
+
+// TestAFlowsClaimGivesItsConnectionBackOnDatabaseSQL ends a new flow's
+// run on Beginner(db) while it holds its claim's transaction (the
+// function panics, fails, takes no step, or finds its context ended
+// before its first step, or in it): each time the run gives its
+// connection back to db, and leaves the flow's lock free.
+func TestAFlowsClaimGivesItsConnectionBackOnDatabaseSQL(t *testing.T) {
+	forEachDriver(t, func(t *testing.T, ctx context.Context, db *sql.DB, pool *pgxpool.Pool, scope string) {
+		step := func(ctx context.Context, tx *sql.Tx) (int, error) {
+			_, err := tx.ExecContext(ctx, `SELECT 1`)
+			return 1, err
+		}
+		cases := map[string]func(ctx context.Context, s *idem.Steps, cancel context.CancelFunc) (int, error){
+			"panics":     func(context.Context, *idem.Steps, context.CancelFunc) (int, error) { panic("before any step") },
+			"fails":      func(context.Context, *idem.Steps, context.CancelFunc) (int, error) { return 0, errors.New("no") },
+			"takes none": func(context.Context, *idem.Steps, context.CancelFunc) (int, error) { return 1, nil },
+			"ends before": func(ctx context.Context, s *idem.Steps, cancel context.CancelFunc) (int, error) {
+				cancel()
+				return idemsql.Local(s, "a", step)
+			},
+			"ends in": func(ctx context.Context, s *idem.Steps, cancel context.CancelFunc) (int, error) {
+				return idemsql.Local(s, "a", func(ctx context.Context, tx *sql.Tx) (int, error) {
+					cancel()
+					return step(ctx, tx)
+				})
+			},
+		}
+		for name, fn := range cases {
+			runCtx, cancel := context.WithCancel(ctx)
+			flow := idem.MustNewFlow(testdb.Name("claim"), func(ctx context.Context, s *idem.Steps, _ int) (int, error) {
+				return fn(ctx, s, cancel)
+			})
+			func() {
+				defer func() { _ = recover() }()
+				_, _ = flow.Run(runCtx, idemsql.Beginner(db), scope, name, nil, 0)
+			}()
+			cancel()
+			if n := db.Stats().InUse; n != 0 {
+				t.Fatalf("%s: %d connections in use after the run", name, n)
+			}
+			var free bool
+			if err := pool.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock($1)`, keylock.FlowID(scope, name)).Scan(&free); err != nil || !free {
+				t.Fatalf("%s: the flow's lock free: %t, %v", name, free, err)
+			}
 		}
 	})
 }
