@@ -82,3 +82,18 @@ func citusFlowStartedThroughTwoNodes(t *testing.T, ctx context.Context, c *citus
 	}
 	t.Logf("the flow's function ran %d times (the duplicate through a worker: %v)", calls.Load(), dupErr)
 }
+
+// citusClaimCrashes kills and freezes an executor that holds its claim's
+// transaction through the coordinator, in its function before its first
+// step and inside that step (see flow_claim_crash_test.go): the
+// coordinator's session ends, and with it the distributed transaction,
+// the step's write on its worker included; a retry runs the flow once.
+func citusClaimCrashes(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool *pgxpool.Pool) {
+	url := c.URL("idem_citus")
+	for _, at := range []string{crashBeforeFirstStep, crashInStep} {
+		t.Run("Killed/"+at, func(t *testing.T) { crashHoldingTheClaim(t, ctx, pool, url, at) })
+	}
+	for _, at := range []string{freezeBeforeFirstStep, freezeInStep} {
+		t.Run("Frozen/"+at, func(t *testing.T) { frozenHoldingTheClaim(t, ctx, pool, url, at) })
+	}
+}

@@ -1,8 +1,11 @@
 package idem_test
 
 import (
+	"context"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/testdb"
@@ -60,9 +63,15 @@ func TestFlowCrashBeforeALocalStepCommitsRunsTheStepOnce(t *testing.T) {
 // called once.
 func crashHoldingTheClaimRunsTheFlowOnce(t *testing.T, point string) {
 	ctx, pool, _ := setup(t)
+	crashHoldingTheClaim(t, ctx, pool, env.URL(t), point)
+}
+
+// crashHoldingTheClaim is crashHoldingTheClaimRunsTheFlowOnce on pool,
+// whose database the child reaches at url.
+func crashHoldingTheClaim(t *testing.T, ctx context.Context, pool *pgxpool.Pool, url, point string) {
 	for try := 1; ; try++ {
 		scope, p := testdb.Name("t"), newProvider()
-		providerURL, crash := crashRunner(t, ctx, env.URL(t), scope, p)
+		providerURL, crash := crashRunner(t, ctx, url, scope, p)
 		name := testdb.Name("crash")
 		crash(name, "k", point)
 		flows, payments, calls := countFlows(t, pool, scope), countPayments(t, pool, scope), p.calls.Load()
@@ -96,18 +105,24 @@ func crashHoldingTheClaimRunsTheFlowOnce(t *testing.T, point string) {
 // session is gone), and answers what a retry gets.
 func TestFlowFrozenHoldingItsClaimIsEndedByTheServerWithinItsIdleTimeout(t *testing.T) {
 	for _, at := range []string{freezeBeforeFirstStep, freezeInStep} {
-		t.Run(at, func(t *testing.T) { frozenHoldingTheClaim(t, at) })
+		t.Run(at, func(t *testing.T) {
+			ctx, pool, _ := setup(t)
+			frozenHoldingTheClaim(t, ctx, pool, env.URL(t), at)
+		})
 	}
 }
 
-func frozenHoldingTheClaim(t *testing.T, at string) {
+// frozenHoldingTheClaim freezes a child at at, holding its claim's
+// transaction on pool's database, which the child reaches at url (see
+// TestFlowFrozenHoldingItsClaimIsEndedByTheServerWithinItsIdleTimeout).
+func frozenHoldingTheClaim(t *testing.T, ctx context.Context, pool *pgxpool.Pool, url, at string) {
 	lease := claimLease
-	ctx, pool, _ := setup(t)
 	for try := 1; ; try++ {
 		scope, p := testdb.Name("t"), newProvider()
-		providerURL, _ := crashRunner(t, ctx, env.URL(t), scope, p)
+		providerURL, _ := crashRunner(t, ctx, url, scope, p)
 		name, app := testdb.Name("freeze"), testdb.Name("frozen")
-		child := freezeChild(t, ctx, crashJob{Flow: name, Scope: scope, Key: "k", Provider: providerURL, At: at, Lease: &lease, App: app})
+		child := freezeChild(t, ctx, crashJob{URL: url, Flow: name, Scope: scope, Key: "k", Provider: providerURL, At: at, Lease: &lease,
+			App: app})
 		if flowCommitted(t, ctx, pool, scope, "k") {
 			if try < claimTries {
 				t.Logf("try %d: the flow's row committed before the child got to %s (the claim's transaction committed alone): again", try, at)

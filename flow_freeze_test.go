@@ -31,10 +31,13 @@ type frozenChild struct {
 
 // freezeChild runs job in a child process and waits until it has stopped
 // itself at job.At; the test wakes it with wake. A child left frozen is
-// killed when the test ends.
+// killed when the test ends. The child reaches the tests' database unless
+// job.URL says otherwise.
 func freezeChild(t *testing.T, ctx context.Context, job crashJob) *frozenChild {
 	t.Helper()
-	job.URL = env.URL(t)
+	if job.URL == "" {
+		job.URL = env.URL(t)
+	}
 	spec, err := json.Marshal(job)
 	if err != nil {
 		t.Fatal(err)
