@@ -76,13 +76,18 @@ const (
 	// freezeBeforeCommit: where crashBeforeCommit dies: the local step
 	// returned, its transaction left open for the flow's next statement.
 	freezeBeforeCommit = "freeze-before-commit"
+	// crashBeforeFirstStep: in the flow's function, before any step: the
+	// run holds the claim's open transaction, which holds the flow's lock
+	// and has written nothing. freezeBeforeFirstStep freezes there.
+	crashBeforeFirstStep  = "before-first-step"
+	freezeBeforeFirstStep = "freeze-before-first-step"
 )
 
 // freezes reports whether at is a point where the child freezes, rather
 // than dies: a frozen child, once woken, writes what its run returned.
 func freezes(at string) bool {
 	switch at {
-	case freezeAfterIntent, freezeInCall, freezeInStep, freezeBeforeCommit:
+	case freezeAfterIntent, freezeInCall, freezeInStep, freezeBeforeCommit, freezeBeforeFirstStep:
 		return true
 	}
 	return false
@@ -101,6 +106,8 @@ type crashJob struct {
 	Compensate bool
 	// IdleTimeout is the flow's idle timeout, when not the default.
 	IdleTimeout *time.Duration
+	// Lease is the flow's lease, when not crashLease.
+	Lease *time.Duration
 	// App is the application_name of the child's sessions, so that the
 	// test can find them in pg_stat_activity.
 	App string
@@ -181,6 +188,8 @@ func crashFlowWith(name, providerURL, at string, reconcile *bool, opts ...idem.F
 	}
 	callFirst := strings.HasSuffix(name, callFirstSuffix)
 	return idem.MustNewFlow(name, func(ctx context.Context, s *idem.Steps, in chargeIn) (chargeOut, error) {
+		kill(crashBeforeFirstStep)
+		kill(freezeBeforeFirstStep)
 		var id int64
 		var err error
 		if !callFirst {
@@ -343,6 +352,9 @@ func crashChild() int {
 	if job.IdleTimeout != nil {
 		opts = append(opts, idem.WithIdleTimeout(*job.IdleTimeout))
 	}
+	if job.Lease != nil {
+		opts = append(opts, idem.WithLease(*job.Lease))
+	}
 	res, err := crashFlowWith(job.Flow, job.Provider, job.At, &job.Reconcile, opts...).Run(ctx, pool, job.Scope, job.Key, fpCharge, chargeIn{Amount: 2500})
 	if freezes(job.At) {
 		out := childResult{Value: res.Value, Replayed: res.Replayed, Stopped: errors.Is(err, idem.ErrFlowStopped)}
@@ -474,36 +486,6 @@ func TestFlowCrashBeforeAFirstCallCallsOnceWithTheSameKey(t *testing.T) {
 	if want := providerKeyOf(t, ctx, pool, scope, "k", "charge"); charges != 1 || len(keys) != 1 || keys[want] != 1 {
 		t.Fatalf("charges %d, keys %v; want 1, {%s: 1}", charges, keys, want)
 	}
-}
-
-// TestFlowCrashAfterALocalStepsFirstStatementRunsTheStepOnce kills the
-// executor once its first step's first statement, sent with the flow's
-// lock, the run's look at the flow and BEGIN, has run.
-func TestFlowCrashAfterALocalStepsFirstStatementRunsTheStepOnce(t *testing.T) {
-	crashInFirstStepRunsItOnce(t, crashInStep)
-}
-
-func TestFlowCrashBeforeALocalStepCommitsRunsTheStepOnce(t *testing.T) {
-	crashInFirstStepRunsItOnce(t, crashBeforeCommit)
-}
-
-// crashInFirstStepRunsItOnce kills the executor at point, inside its first
-// step's open transaction: the step's writes, and the flow's row, which
-// the first step writes, die with the process, and a retry runs the flow
-// once.
-func crashInFirstStepRunsItOnce(t *testing.T, point string) {
-	ctx, pool, scope, p, providerURL, crash := setupCrash(t)
-	name := testdb.Name("crash")
-	crash(name, "k", point)
-	if countPayments(t, pool, scope) != 0 || p.calls.Load() != 0 || countFlows(t, pool, scope) != 0 {
-		t.Fatalf("before the retry: %d payments, %d calls, %d flows; want 0, 0, 0",
-			countPayments(t, pool, scope), p.calls.Load(), countFlows(t, pool, scope))
-	}
-	res, err := crashFlow(name, providerURL, "").Run(ctx, pool, scope, "k", fpCharge, chargeIn{Amount: 2500}, idem.WithWait(time.Minute))
-	if err != nil || res.Value.ChargeID != "ch_1" {
-		t.Fatalf("the retry: %+v, %v", res, err)
-	}
-	checkOneCharge(t, pool, scope, "k", p, 1)
 }
 
 func TestFlowCrashDuringTheCommitOfTheLocalStepAndIntent(t *testing.T) {

@@ -239,6 +239,14 @@ func TestFlowDuplicatesAndResumeDoNotWaitOnALocalStepsLock(t *testing.T) {
 // under its budget, and never runs the flow's function.
 func TestFlowDuplicateOfAStartingFlowDoesNotRunTheFunction(t *testing.T) {
 	ctx, pool, scope, _ := setupFlow(t)
+	duplicateOfAStartingFlow(t, ctx, pool, scope)
+}
+
+// duplicateOfAStartingFlow runs a duplicate of a flow whose first
+// executor is in its first step (the claim's transaction open, holding
+// the flow's lock): the duplicate waits for its budget, and runs nothing.
+func duplicateOfAStartingFlow(t *testing.T, ctx context.Context, pool *pgxpool.Pool, scope string) {
+	t.Helper()
 	var calls atomic.Int64
 	inStep, release := make(chan struct{}), make(chan struct{})
 	flow := idem.MustNewFlow(testdb.Name("starting"), func(ctx context.Context, s *idem.Steps, in chargeIn) (int, error) {

@@ -31,10 +31,13 @@ type frozenChild struct {
 
 // freezeChild runs job in a child process and waits until it has stopped
 // itself at job.At; the test wakes it with wake. A child left frozen is
-// killed when the test ends.
+// killed when the test ends. The child reaches the tests' database unless
+// job.URL says otherwise.
 func freezeChild(t *testing.T, ctx context.Context, job crashJob) *frozenChild {
 	t.Helper()
-	job.URL = env.URL(t)
+	if job.URL == "" {
+		job.URL = env.URL(t)
+	}
 	spec, err := json.Marshal(job)
 	if err != nil {
 		t.Fatal(err)
@@ -77,6 +80,14 @@ func (c *frozenChild) stopped(t *testing.T) bool {
 		t.Fatalf("the child exited before its freeze point:\n%s", c.stderr.String())
 	}
 	return false
+}
+
+// kill kills the child, frozen or not, and waits for it.
+func (c *frozenChild) kill(t *testing.T) {
+	t.Helper()
+	_ = c.cmd.Process.Kill()
+	_ = c.cmd.Process.Signal(syscall.SIGCONT)
+	_ = c.cmd.Wait()
 }
 
 // wake continues the child and returns what its run returned.

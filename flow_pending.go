@@ -112,7 +112,6 @@ func (r *flowRun) started(st *starting, err error) error {
 	if st == nil {
 		return err
 	}
-	var pgErr *pgconn.PgError
 	switch {
 	case err == nil && st.written && st.held:
 		r.keys = providerKeys{namespace: st.heldRow.ProviderNamespace, operation: st.heldRow.Operation}
@@ -121,16 +120,31 @@ func (r *flowRun) started(st *starting, err error) error {
 	case err == nil && st.written:
 		r.keys = providerKeys{namespace: st.row.ProviderNamespace, operation: st.row.Operation}
 		return nil
-	case err == nil,
-		errors.As(err, &pgErr) && pgErr.Code == "23505" && strings.HasPrefix(pgErr.ConstraintName, "idem_flow_pkey"),
-		// Citus reports a shard's unique violation in a statement it ran
-		// through the coordinator as XX000, with the constraint's name in
-		// the message only.
-		errors.As(err, &pgErr) && pgErr.Code == "XX000" && strings.Contains(pgErr.Message, `unique constraint "idem_flow_pkey`):
+	case err == nil, flowKeyTaken(err):
 		r.taken = errTaken
 		return errTaken
 	}
 	return err
+}
+
+// flowKeyTaken reports whether err is a unique violation of the flow's
+// primary key, or of its shard's: PostgreSQL names the constraint
+// (23505); Citus relays a shard's 23505 with the constraint's name in
+// the message only, and reports one in a statement it ran through the
+// coordinator as XX000, also with the name in the message only.
+func flowKeyTaken(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	named := strings.Contains(pgErr.Message, `unique constraint "idem_flow_pkey`)
+	switch pgErr.Code {
+	case "23505":
+		return strings.HasPrefix(pgErr.ConstraintName, "idem_flow_pkey") || pgErr.ConstraintName == "" && named
+	case "XX000":
+		return named
+	}
+	return false
 }
 
 // startCommitted notes that the flow's row committed.

@@ -63,8 +63,9 @@ const (
 // transaction ends, however long fn runs. So that an executor frozen in
 // the step (a stopped process, a paused VM) does not hold the flow for
 // ever, the server ends the transaction once it has sat idle, waiting for
-// the executor, for the flow's [WithIdleTimeout] (a third of the lease by
-// default): fn's statements are not limited, only the gaps between them.
+// the executor, for the flow's [WithIdleTimeout] (by default a third of
+// its lease, up to 1m): fn's statements are not limited, only the gaps
+// between them.
 // A step whose executor lost the lease runs no statement and returns
 // [ErrLeaseLost] (fn's statements return it too). fn may have run up to
 // its first statement before the server checked the lease, so, as for a
@@ -259,7 +260,7 @@ func runLocal[T any](ctx context.Context, r *flowRun, seq int32, name string, fn
 		}
 		commitTag = pgconn.NewCommandTag("COMMIT")
 	}
-	ended = ended || conn.PgConn().TxStatus() == 'I'
+	ended = ended || conn != nil && conn.PgConn().TxStatus() == 'I'
 	switch {
 	case errors.Is(err, errTaken):
 		return zero, err
