@@ -447,3 +447,43 @@ func TestFlowStalledExecutorDoesNotEnterItsNextStep(t *testing.T) {
 		t.Fatalf("the stalled executor entered its next step's function %d times, want none", entered.Load())
 	}
 }
+
+// TestFlowWithACommitQueryCommitsThroughIt gives a flow's transactions a
+// CommitQuery that records each commit: the claim's transaction commits
+// through it, whether a local step runs in it or a call's intent commits
+// it, as the steps' own transactions do.
+func TestFlowWithACommitQueryCommitsThroughIt(t *testing.T) {
+	ctx, pool, scope, p := setupFlow(t)
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS flow_commits (scope text, key text)`); err != nil {
+		t.Fatal(err)
+	}
+	opts := func(key string) []idem.FlowOption {
+		return []idem.FlowOption{idem.WithTxOptions(pgx.TxOptions{
+			CommitQuery: fmt.Sprintf(`INSERT INTO flow_commits VALUES ('%s', '%s'); COMMIT`, scope, key)})}
+	}
+	var e entries
+	callFirst := idem.MustNewFlow(testdb.Name("call-first"), func(ctx context.Context, s *idem.Steps, in chargeIn) (string, error) {
+		return idem.Call(s, "charge", func(ctx context.Context, key string) (string, error) {
+			id, _, err := p.charge(ctx, key, in.Amount)
+			return id, err
+		})
+	}, opts("call-first")...)
+	if _, err := countedFlow(&e, p, opts("local-first")...).Run(ctx, pool, scope, "local-first", fpCharge, chargeIn{Amount: 2500}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := callFirst.Run(ctx, pool, scope, "call-first", fpCharge, chargeIn{Amount: 2500}); err != nil {
+		t.Fatal(err)
+	}
+	for key, want := range map[string]int{
+		"local-first": 2, // the claim's, with the first step and the call's intent; the second step's
+		"call-first":  1, // the claim's, which the call's intent commits
+	} {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM flow_commits WHERE scope = $1 AND key = $2`, scope, key).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n != want {
+			t.Errorf("%s: %d commits went through the CommitQuery, want %d", key, n, want)
+		}
+	}
+}

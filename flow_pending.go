@@ -382,11 +382,13 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 	defer releaseConn(open.pooled)
 	r.commitTag = pgconn.CommandTag{}
 	var err error
-	if open.conn != nil {
+	if open.conn != nil && r.o.txOptions.CommitQuery == "" {
 		dbbatch.QueueTxCommit(b).Exec(r.noteCommit)
 		err = r.started(st, open.tx.SendBatch(ctx, b).Close())
 	} else if err = r.started(st, open.tx.SendBatch(ctx, b).Close()); err == nil {
-		// A TxBeginner that is no pgx connection: COMMIT through it.
+		// A TxBeginner that is no pgx connection, or a CommitQuery of the
+		// caller's (the claim's transaction, begun with it): COMMIT
+		// through the transaction, as it commits.
 		err = open.tx.Commit(ctx)
 		r.commitTag = pgconn.NewCommandTag("COMMIT")
 		if errors.Is(err, pgx.ErrTxCommitRollback) {
@@ -394,7 +396,7 @@ func (r *flowRun) flushLocked(ctx context.Context, queue func(b *pgx.Batch, step
 		}
 	}
 	commit := r.commitTag
-	if !open.idle() && (open.conn != nil || err != nil) {
+	if (open.conn == nil && err != nil) || (open.conn != nil && !open.idle()) {
 		rollback(ctx, open.tx)
 	}
 	switch {
