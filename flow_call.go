@@ -13,6 +13,7 @@ import (
 
 	"github.com/pgidem/idem/internal/dbbatch"
 	"github.com/pgidem/idem/internal/dbsqlc"
+	"github.com/pgidem/idem/internal/keylock"
 	"github.com/pgidem/idem/internal/pgtime"
 )
 
@@ -483,21 +484,31 @@ func (r *flowRun) noteReconcile(ctx context.Context, seq int32, outcome string) 
 // and reports whether it did: not when the executor no longer holds the
 // flow, or the write failed.
 func (r *flowRun) recordSteps(ctx context.Context, seq int32, rec *stepRecord) bool {
+	return r.recordStepsAfter(ctx, seq, rec, false)
+}
+
+// recordStepsAfter is recordSteps, after the flow's advisory lock when
+// afterClaim is set (FlowWaitClaim): once a claim's transaction, which
+// may write the flow's row as it commits, has ended.
+func (r *flowRun) recordStepsAfter(ctx context.Context, seq int32, rec *stepRecord, afterClaim bool) bool {
 	steps := stepPatch{base: r.base.Load()}
 	steps.put(seq, rec, rec.inRow)
+	b := &pgx.Batch{}
+	if afterClaim {
+		dbbatch.Queue(b).FlowWaitClaim(ctx, keylock.FlowID(r.k.scope, r.k.key))
+	}
 	var n int64
-	err := onDB(ctx, r.db, func(q *dbsqlc.Queries) (err error) {
-		if rec.inRow {
-			// A step recorded as a row of its own (see maxInlineSteps),
-			// its record the JSON object its row takes.
-			written, err := q.FlowStepRowsUpdate(ctx, dbsqlc.FlowStepRowsUpdateParams{Steps: string(steps.updates) + "}",
-				Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
-			n = int64(len(written))
-			return err
-		}
-		n, err = q.FlowRecordSteps(ctx, dbsqlc.FlowRecordStepsParams{Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})
-		return err
-	})
+	if rec.inRow {
+		// A step recorded as a row of its own (see maxInlineSteps), its
+		// record the JSON object its row takes.
+		var written []dbsqlc.FlowStepRowsRow
+		dbbatch.QueueFlowStepRowsUpdate(b, dbsqlc.FlowStepRowsUpdateParams{Steps: string(steps.updates) + "}",
+			Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &written)
+		err := sendBatch(ctx, r.db, b)
+		return err == nil && len(written) == 1
+	}
+	dbbatch.QueueFlowRecordSteps(b, dbsqlc.FlowRecordStepsParams{Steps: steps.text(), Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch}, &n)
+	err := sendBatch(ctx, r.db, b)
 	return err == nil && n == 1
 }
 
@@ -509,11 +520,17 @@ func (r *flowRun) recordSteps(ctx context.Context, seq int32, rec *stepRecord) b
 // as the first. It is best effort, on a context that outlives the run's
 // for a moment (cleanupContext): a call left 'calling' is only treated
 // more carefully.
+//
+// The intent's round trip may have failed (the run's context ended as it
+// ran) with its COMMIT still under way on the server, one that also
+// writes the flow's row, for a new flow: the record is written once the
+// claim's transaction has ended (FlowWaitClaim), so that it is not lost
+// to a row that was not there yet.
 func (r *flowRun) notCalled(ctx context.Context, seq int32, rec stepRecord) {
 	ctx, cancel := cleanupContext(ctx)
 	defer cancel()
 	rec.inRow = r.recorded[seq].inRow
-	if r.recordSteps(ctx, seq, &rec) {
+	if r.recordStepsAfter(ctx, seq, &rec, true) {
 		r.setRecorded(seq, rec)
 	}
 }

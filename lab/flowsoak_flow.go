@@ -334,6 +334,9 @@ func (w *flowSoakWorker) newFlow() *idem.Flow[flowSoakInput, flowSoakAnswer] {
 		w.at(fault, killAfterReserve)
 		charge, err := idem.Call(s, "charge", func(ctx context.Context, providerKey string) (flowSoakCharge, error) {
 			entered := time.Now()
+			if err := w.enter(ctx, providerKey); err != nil {
+				return flowSoakCharge{}, fmt.Errorf("%w: %w", idem.ErrNotSent, err)
+			}
 			w.at(fault, killBeforeSend)
 			return w.charge(ctx, entered, providerKey, s.Scope(), s.Key(), in.Amount, fault)
 		}, w.callOptions()...)
@@ -357,13 +360,23 @@ func (w *flowSoakWorker) newFlow() *idem.Flow[flowSoakInput, flowSoakAnswer] {
 		}
 		w.at(fault, killBeforeAnswer)
 		return flowSoakAnswer{PaymentID: paymentID, ChargeID: charge.ID, Status: charge.Status, Amount: in.Amount}, nil
-	}, idem.WithLease(w.spec.Lease), idem.WithWait(w.spec.Wait),
-		// A worker frozen inside a local step's transaction holds its
-		// flow's row until the server ends its session, after the flow's
-		// idle timeout: a minute by default, the lease here, so that a
-		// freeze there is taken over as soon as one anywhere else. A
-		// local step makes no pause that long.
-		idem.WithIdleTimeout(w.spec.Lease))
+	}, idem.WithLease(w.spec.Lease), idem.WithWait(w.spec.Wait))
+}
+
+// enter tells the provider that the call's function was entered for
+// providerKey, before anything is sent, so that the soak can tell a flow
+// stopped for an attempt whose function never ran (which idem must not
+// do) from one stopped for an attempt that may have been sent.
+func (w *flowSoakWorker) enter(ctx context.Context, providerKey string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.spec.ProviderURL+"/entered?reference="+url.QueryEscape(providerKey), nil)
+	if err != nil {
+		return err
+	}
+	resp, err := w.provider.Do(req)
+	if err != nil {
+		return err
+	}
+	return resp.Body.Close()
 }
 
 // flowSoakProviderError is a call to the provider that got no answer: an

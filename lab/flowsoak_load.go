@@ -58,6 +58,8 @@ type flowSoakOp struct {
 	// stopped is set when the flow stopped for a person's decision (410),
 	// which an AtMostOnce call does when its outcome is unknown.
 	stopped bool
+	// faulted is set once an attempt's worker died or froze during it.
+	faulted bool
 	err     error
 }
 
@@ -304,6 +306,11 @@ func (l *flowSoakLoad) send(ctx context.Context, op *flowSoakOp, kill string, ab
 		}
 		lastErr = err
 		l.recordFailure(kind, err)
+		if kind == flowSoakWorkerGone || kind == flowSoakWorkerFrozen {
+			op.mu.Lock()
+			op.faulted = true
+			op.mu.Unlock()
+		}
 		switch {
 		case req.Kill != "" && (kind == flowSoakWorkerGone || kind == flowSoakWorkerFrozen):
 			req.Kill, req.Freeze = "", false // the worker died or froze as planned

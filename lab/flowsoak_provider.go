@@ -102,8 +102,9 @@ type flowSoakProvider struct {
 	// effects. Keyed, there is at most one per reference.
 	charges map[string][]*flowSoakCharged
 	applied int
-	// calls counts the calls by reference, applied or not.
-	calls map[string]int
+	// calls counts the calls by reference, applied or not; entered, the
+	// calls' functions entered (flowSoakWorker.enter), sent or not.
+	calls, entered map[string]int
 	// lookups counts the lookups, and found those that found a charge.
 	lookups, found int
 	// arrivals are the calls that got past the faults to be applied: the
@@ -125,7 +126,7 @@ func startFlowSoakProvider(cfg flowSoakConfig) (*flowSoakProvider, error) {
 		return nil, fmt.Errorf("fake provider: %w", err)
 	}
 	p := &flowSoakProvider{cfg: cfg, listener: listener, closing: make(chan struct{}),
-		charges: make(map[string][]*flowSoakCharged), calls: make(map[string]int)}
+		charges: make(map[string][]*flowSoakCharged), calls: make(map[string]int), entered: make(map[string]int)}
 	if cfg.Provider == providerKeyless {
 		// Half the time a worker waits for an answer, so that a lookup
 		// that waits it is answered before its caller gives up.
@@ -133,6 +134,12 @@ func startFlowSoakProvider(cfg flowSoakConfig) (*flowSoakProvider, error) {
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /charges", p.serve)
+	mux.HandleFunc("POST /entered", func(w http.ResponseWriter, r *http.Request) {
+		p.mu.Lock()
+		p.entered[r.URL.Query().Get("reference")]++
+		p.mu.Unlock()
+		w.WriteHeader(http.StatusNoContent)
+	})
 	mux.HandleFunc("GET /charges", p.lookup)
 	p.srv = &http.Server{Handler: mux, ReadHeaderTimeout: time.Minute}
 	go func() { _ = p.srv.Serve(listener) }()

@@ -100,6 +100,14 @@ type flowSoakReport struct {
 	// them that the provider had charged (once: a person settles them
 	// with the provider's records), StoppedUncharged those it had not.
 	Stopped, StoppedCharged, StoppedUncharged int
+	// StoppedNeverEntered counts the stopped flows none of whose call's
+	// attempts entered the call's function: stopped for attempts that were
+	// never made. Those whose executor was killed or frozen during an
+	// attempt (StoppedNeverEnteredFaulted: between the intent's commit and
+	// the call, which no one can tell from after it) are expected; the
+	// others are not. StoppedNeverSent counts the stopped flows whose call
+	// the provider never received.
+	StoppedNeverEntered, StoppedNeverEnteredFaulted, StoppedNeverSent int
 	// Provider, Reconcile and AtMostOnce are the run's mode.
 	Provider              string
 	Reconcile, AtMostOnce bool
@@ -267,6 +275,19 @@ func checkFlowSoak(ctx context.Context, admin *pgxpool.Pool, scope string, ops [
 			// Stopped for a person: its reserve is made, its record not,
 			// and the provider charged it once or not at all.
 			rep.Stopped++
+			p.mu.Lock()
+			if p.calls[pk] == 0 {
+				rep.StoppedNeverSent++
+			}
+			if p.entered[pk] == 0 {
+				rep.StoppedNeverEntered++
+				op.mu.Lock()
+				if op.faulted {
+					rep.StoppedNeverEnteredFaulted++
+				}
+				op.mu.Unlock()
+			}
+			p.mu.Unlock()
 			if len(opCharges) == 0 {
 				rep.StoppedUncharged++
 			} else {
@@ -383,6 +404,8 @@ func (rep *flowSoakReport) violations() []string {
 	add(rep.Doubled > rep.DoubledFrozen && !rep.doublesExpected(), "%d operations charged more than once (%d extra charges), %d of them by a call whose process was frozen while it was under way",
 		rep.Doubled, rep.Extra, rep.DoubledFrozen)
 	add(rep.Stopped > 0 && !rep.AtMostOnce, "%d flows stopped for a person, with no call marked AtMostOnce", rep.Stopped)
+	add(rep.StoppedNeverEntered > rep.StoppedNeverEnteredFaulted, "%d flows stopped for a person whose call's function was never entered, though no worker died or froze during their attempts",
+		rep.StoppedNeverEntered-rep.StoppedNeverEnteredFaulted)
 	add(rep.CallsAfterDone > rep.FrozenLate, "%d provider calls arrived after their flow was done (%d applied), %d of them from a process frozen while the call was under way: a fenced executor called",
 		rep.CallsAfterDone, rep.AppliedAfterDone, rep.FrozenLate)
 	add(rep.WokenEarly > 0, "%d frozen workers woken before their flows were taken over, within %s", rep.WokenEarly, rep.LongestFrozen.Round(time.Millisecond))
@@ -492,7 +515,8 @@ func (l *flowSoakLoad) print(w io.Writer, rep *flowSoakReport) {
 			rep.FrozenLate, rep.FrozenLateApplied, rep.DoubledFrozen, rep.ExtraFrozen)
 	}
 	if rep.AtMostOnce || rep.Stopped > 0 {
-		fmt.Fprintf(w, "  stopped for a person's decision: %d (charged once %d, not charged %d)\n", rep.Stopped, rep.StoppedCharged, rep.StoppedUncharged)
+		fmt.Fprintf(w, "  stopped for a person's decision: %d (charged once %d, not charged %d; whose call's function was never entered %d, all but %d of them with a worker killed or frozen during an attempt; whose call the provider never received %d)\n",
+			rep.Stopped, rep.StoppedCharged, rep.StoppedUncharged, rep.StoppedNeverEntered, rep.StoppedNeverEntered-rep.StoppedNeverEnteredFaulted, rep.StoppedNeverSent)
 	}
 	fmt.Fprintf(w, "business rows:        %d payments, %d ledger entries for %d operations (missing %d, doubled %d)\n",
 		rep.Payments, rep.Ledger, rep.Ops, rep.MissingRows, rep.DoubledRows)

@@ -681,3 +681,13 @@ SELECT count(*) FILTER (WHERE state = 'running' AND leased_until > now()) AS run
        count(*) FILTER (WHERE expires_at <= now()) AS expired,
        min(created_at) FILTER (WHERE state = 'running')::timestamptz AS oldest_running
 FROM idem_flow;
+
+-- name: FlowWaitClaim :exec
+-- FlowWaitClaim waits until no transaction holds the flow's advisory lock
+-- (@lock_id: keylock.FlowID), then holds it until its own transaction
+-- ends: sent before a statement that must see the outcome of a claim's
+-- transaction whose COMMIT may still be under way (a run whose context
+-- ended as it committed): that statement, sent after it in the same
+-- transaction, reads with a snapshot taken once the claim committed or
+-- rolled back.
+SELECT pg_advisory_xact_lock(@lock_id::bigint);

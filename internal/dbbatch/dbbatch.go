@@ -304,6 +304,12 @@ func QueueFlowRelease(b *pgx.Batch, arg dbsqlc.FlowReleaseParams, n *int64) {
 	queueRows(queueCall(b, nil, func(q *dbsqlc.Queries) { _, _ = q.FlowRelease(context.Background(), arg) }), n)
 }
 
+// QueueFlowRecordSteps queues FlowRecordSteps on b, setting n to the rows
+// it affected when the batch's results are read.
+func QueueFlowRecordSteps(b *pgx.Batch, arg dbsqlc.FlowRecordStepsParams, n *int64) {
+	queueRows(queueCall(b, nil, func(q *dbsqlc.Queries) { _, _ = q.FlowRecordSteps(context.Background(), arg) }), n)
+}
+
 // QueueFlowStop queues FlowStop on b, setting n to the rows it
 // affected when the batch's results are read.
 func QueueFlowStop(b *pgx.Batch, arg dbsqlc.FlowStopParams, n *int64) {

@@ -1506,3 +1506,19 @@ func (q *Queries) FlowTakeOver(ctx context.Context, arg FlowTakeOverParams) (Flo
 	err := row.Scan(&i.ProviderNamespace, &i.Operation, &i.Input)
 	return i, err
 }
+
+const flowWaitClaim = `-- name: FlowWaitClaim :exec
+SELECT pg_advisory_xact_lock($1::bigint)
+`
+
+// FlowWaitClaim waits until no transaction holds the flow's advisory lock
+// (@lock_id: keylock.FlowID), then holds it until its own transaction
+// ends: sent before a statement that must see the outcome of a claim's
+// transaction whose COMMIT may still be under way (a run whose context
+// ended as it committed): that statement, sent after it in the same
+// transaction, reads with a snapshot taken once the claim committed or
+// rolled back.
+func (q *Queries) FlowWaitClaim(ctx context.Context, lockID int64) error {
+	_, err := q.db.Exec(ctx, flowWaitClaim, lockID)
+	return err
+}
