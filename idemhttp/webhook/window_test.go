@@ -70,14 +70,15 @@ func TestRetentionShorterThanTwiceTheToleranceIsRefused(t *testing.T) {
 	}
 }
 
-// Whatever configuration NewReceiver accepts, a delivery sent again and
+// With the shortest retention NewReceiver accepts, twice the tolerance (a
+// shorter one is refused: the test above), a delivery sent again and
 // again while its signature is accepted, signed as far ahead of the
 // receiver's clock as the tolerance (a sender whose clock runs fast, or a
 // receiver whose clock runs slow), is applied once: its id is remembered
 // for as long as its signature is accepted.
 func TestADeliveryIsAppliedOnceForAsLongAsItsSignatureIsAccepted(t *testing.T) {
 	const tolerance = time.Second
-	for _, retention := range []time.Duration{tolerance, 2 * tolerance} {
+	for _, retention := range []time.Duration{2 * tolerance} {
 		for _, kind := range []string{"StandardWebhooks", "Stripe"} {
 			t.Run(fmt.Sprintf("%s, Retention %s", kind, retention), func(t *testing.T) {
 				stripe, _ := webhook.NewStripe(stripeSecret)
@@ -86,7 +87,7 @@ func TestADeliveryIsAppliedOnceForAsLongAsItsSignatureIsAccepted(t *testing.T) {
 					cfg.Scheme = stripe
 				}
 				if _, err := webhook.NewReceiver(env.Pool(t), func(context.Context, pgx.Tx, webhook.Event) error { return nil }, withScope(cfg)); err != nil {
-					t.Skipf("refused: %v", err)
+					t.Fatalf("refused: %v", err)
 				}
 				f := newFixture(t, cfg)
 				id := "evt_window"
