@@ -124,14 +124,15 @@ func (h *held) of(tx pgx.Tx, conn *pgx.Conn) bool {
 	return h.tx != nil && tx != nil && reflect.TypeOf(tx).Comparable() && h.tx == tx
 }
 
-// count adds what KeyLock did to the count of its start, in tx. A lock
-// that was busy is counted too: the claim waits for it, and then holds it.
-func (h *held) count(lock dbsqlc.KeyLockRow, tx pgx.Tx) {
+// count adds what KeyLock did to the count of its start, in tx, on a
+// database that has Citus when citus is set. A lock that was busy is
+// counted too: the claim waits for it, and then holds it.
+func (h *held) count(lock dbsqlc.KeyLockRow, tx pgx.Tx, citus bool) {
 	h.tx = tx
 	i := slices.IndexFunc(h.counts, func(c lockCount) bool { return c.since.Equal(lock.TxStart.Time) })
 	if i < 0 {
 		switch {
-		case !lock.Citus:
+		case !citus:
 			// One server: another start is another transaction.
 			h.counts = h.counts[:0]
 		case len(h.counts) >= maxCounts:

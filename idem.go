@@ -276,11 +276,11 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	lock, rec, found := got.lock, &got.rec, &got.found
 	var waited time.Duration
 	get := dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}
-	held.count(lock, tx)
 	if !citusKnown {
 		citus = lock.Citus
 		setCitus(data, citus)
 	}
+	held.count(lock, tx, citus)
 	if lock.ReadOnly {
 		return claimed{outcome: outcomeInvalid}, tx, errReadOnly
 	}
