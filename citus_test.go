@@ -155,6 +155,7 @@ func TestCitus(t *testing.T) {
 	t.Run("FlowDuplicateOfAStartingFlow", func(t *testing.T) { duplicateOfAStartingFlow(t, ctx, pool, testdb.Name("dup")) })
 	t.Run("FlowClaimCrashes", func(t *testing.T) { citusClaimCrashes(t, ctx, c, pool) })
 	t.Run("FlowStartedThroughTwoNodes", func(t *testing.T) { citusFlowStartedThroughTwoNodes(t, ctx, c, pool) })
+	t.Run("AnyNode", func(t *testing.T) { citusAnyNode(t, ctx, c, pool) })
 	t.Run("Outbox", func(t *testing.T) { citusOutbox(t, ctx, pool) })
 	t.Run("IdemHTTP", func(t *testing.T) { citusHTTP(t, ctx, pool) })
 	t.Run("Purge", func(t *testing.T) { citusPurge(t, ctx, pool) })

@@ -5,6 +5,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/pgidem/idem/internal/dbbatch"
+	"github.com/pgidem/idem/internal/dbsqlc"
 )
 
 // RouteStoreOnCitus sets whether a record is stored on Citus by the
@@ -24,12 +25,12 @@ func TxOver(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) pgx.Tx {
 }
 
 // ClaimStatementName is the name under which a flow's claim prepares its
-// first statement, FlowStartLock, in pgx's default exec mode
+// lock, FlowStartLock, in pgx's default exec mode
 // (namedStatements), for TestAStaleStatementOfIdemsNameIsReplaced.
 func ClaimStatementName() string {
 	var named []string
 	b := &pgx.Batch{}
-	dbbatch.QueueFlowStartLock(b, nil, 0, nil)
+	dbbatch.QueueFlowStartLock(b, nil, dbsqlc.FlowStartLockParams{}, nil)
 	for _, q := range b.QueuedQueries {
 		named = append(named, statementName(q.SQL))
 	}

@@ -495,7 +495,7 @@ func (r *flowRun) recordStepsAfter(ctx context.Context, seq int32, rec *stepReco
 	steps.put(seq, rec, rec.inRow)
 	b := &pgx.Batch{}
 	if afterClaim {
-		dbbatch.Queue(b).FlowWaitClaim(ctx, keylock.FlowID(r.k.scope, r.k.key))
+		dbbatch.Queue(b).FlowWaitClaim(ctx, dbsqlc.FlowWaitClaimParams{LockID: keylock.FlowID(r.k.scope, r.k.key), Scope: r.k.scope, Key: r.k.key})
 	}
 	var n int64
 	if rec.inRow {

@@ -262,9 +262,13 @@ func heldIdleInTransaction(t *testing.T, ctx context.Context, pool *pgxpool.Pool
 	}
 	if !flowCommitted(t, ctx, pool, scope, key) {
 		// A new flow, whose first step's open transaction holds its row,
-		// uncommitted, and the flow's lock.
+		// uncommitted, and the flow's lock (on Citus, on the node of the
+		// scope's shard: the statement names the flow's row, as the
+		// claim's lock does, so that Citus runs it there).
 		var taken bool
-		if err := pool.QueryRow(ctx, `SELECT NOT pg_try_advisory_xact_lock($1)`, keylock.FlowID(scope, key)).Scan(&taken); err != nil || !taken {
+		if err := pool.QueryRow(ctx, `SELECT NOT pg_try_advisory_xact_lock($1)
+			WHERE NOT EXISTS (SELECT FROM idem_flow WHERE scope = $2 AND key = $3 LIMIT 0)`,
+			keylock.FlowID(scope, key), scope, key).Scan(&taken); err != nil || !taken {
 			t.Fatalf("the flow's lock taken: %t, %v; want the frozen session to hold it", taken, err)
 		}
 		return pid

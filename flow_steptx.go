@@ -70,7 +70,7 @@ func (r *flowRun) newStepTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOpti
 	t.b.BeginTx(opts)
 	queueIdleTimeout(t.b, r.o, namedFor(r.db))
 	if p := r.start; p != nil {
-		dbbatch.QueueFlowStartLock(t.b, nil, p.LockID, &t.namespace)
+		dbbatch.QueueFlowStartLock(t.b, nil, dbsqlc.FlowStartLockParams{LockID: p.LockID, Scope: p.Scope, Key: p.Key}, &t.namespace)
 		dbbatch.QueueFlowStartFree(t.b, nil, dbsqlc.FlowStartFreeParams{Scope: p.Scope, Key: p.Key})
 	} else {
 		dbbatch.QueueFlowLock(t.b, dbsqlc.FlowLockParams{Scope: r.k.scope, Key: r.k.key, Epoch: r.epoch})

@@ -52,8 +52,21 @@ RETURNING provider_namespace, operation;
 -- snapshot would be taken before its lock). The row is written once, by
 -- FlowStartHeld in the same transaction, with the step's record and what
 -- travels with it (the first call's intent), as the transaction commits.
+--
+-- It names the flow's row, which it never reads (LIMIT 0), so that Citus
+-- runs it, lock included, on the node of the scope's shard, whichever
+-- node the query came in through (as KeyLockWait does): two runs of one
+-- flow through two nodes meet at that lock. There it holds the lock only
+-- inside a transaction block, so on Citus the claim sends it after BEGIN
+-- (see flow_claim.go). On PostgreSQL the lookup is never executed.
 SELECT (SELECT id FROM idem_installation)::uuid AS provider_namespace
-WHERE 1 / pg_try_advisory_xact_lock(@lock_id::bigint)::int = 1;
+WHERE 1 / pg_try_advisory_xact_lock(@lock_id::bigint)::int = 1
+  AND NOT EXISTS (
+      SELECT FROM idem_flow
+      WHERE scope = @scope::text
+        AND key = @key::text
+      LIMIT 0
+  );
 
 -- name: FlowStartFree :exec
 -- FlowStartFree fails (division by zero, 22012) when the key has a flow,
@@ -689,5 +702,13 @@ FROM idem_flow;
 -- transaction whose COMMIT may still be under way (a run whose context
 -- ended as it committed): that statement, sent after it in the same
 -- transaction, reads with a snapshot taken once the claim committed or
--- rolled back.
-SELECT pg_advisory_xact_lock(@lock_id::bigint);
+-- rolled back. It names the flow's row, which it never reads, so that
+-- Citus runs it on the node of the scope's shard, where the claim took
+-- the lock (see FlowStartLock).
+SELECT pg_advisory_xact_lock(@lock_id::bigint)
+WHERE NOT EXISTS (
+    SELECT FROM idem_flow
+    WHERE scope = @scope::text
+      AND key = @key::text
+    LIMIT 0
+);

@@ -181,8 +181,8 @@ func notHeld(err error) error {
 // QueueFlowStartLock queues FlowStartLock on b; namespace is filled in
 // when the batch's results are read, whose error is ErrNotHeld when it did
 // not get the lock. rw (nil for none) rewrites its SQL as it is sent.
-func QueueFlowStartLock(b *pgx.Batch, rw pgx.QueryRewriter, lockID int64, namespace *pgtype.UUID) {
-	queueCall(b, rw, func(q *dbsqlc.Queries) { _, _ = q.FlowStartLock(context.Background(), lockID) }).Fn = func(br pgx.BatchResults) error {
+func QueueFlowStartLock(b *pgx.Batch, rw pgx.QueryRewriter, arg dbsqlc.FlowStartLockParams, namespace *pgtype.UUID) {
+	queueCall(b, rw, func(q *dbsqlc.Queries) { _, _ = q.FlowStartLock(context.Background(), arg) }).Fn = func(br pgx.BatchResults) error {
 		return notHeld(br.QueryRow().Scan(namespace))
 	}
 }

@@ -92,9 +92,13 @@ func TestQueuedArgumentsMatchTheGeneratedMethods(t *testing.T) {
 			func(q *dbsqlc.Queries, arg any) {
 				_, _ = q.FlowStartHeld(context.Background(), *arg.(*dbsqlc.FlowStartHeldParams))
 			}},
-		{"FlowStartLock", &lockID{},
-			func(b *pgx.Batch, arg any) { QueueFlowStartLock(b, nil, arg.(*lockID).LockID, &namespace) },
-			func(q *dbsqlc.Queries, arg any) { _, _ = q.FlowStartLock(context.Background(), arg.(*lockID).LockID) }},
+		{"FlowStartLock", &dbsqlc.FlowStartLockParams{},
+			func(b *pgx.Batch, arg any) {
+				QueueFlowStartLock(b, nil, *arg.(*dbsqlc.FlowStartLockParams), &namespace)
+			},
+			func(q *dbsqlc.Queries, arg any) {
+				_, _ = q.FlowStartLock(context.Background(), *arg.(*dbsqlc.FlowStartLockParams))
+			}},
 		{"FlowStartFree", &dbsqlc.FlowStartFreeParams{},
 			func(b *pgx.Batch, arg any) { QueueFlowStartFree(b, nil, *arg.(*dbsqlc.FlowStartFreeParams)) },
 			func(q *dbsqlc.Queries, arg any) {
@@ -183,9 +187,6 @@ func TestQueuedArgumentsMatchTheGeneratedMethods(t *testing.T) {
 		}
 	}
 }
-
-// lockID is FlowStartLock's one parameter, as a struct for fillDistinct.
-type lockID struct{ LockID int64 }
 
 // fillDistinct gives each field of the struct v a value no other field of
 // it has.

@@ -1072,7 +1072,19 @@ func (q *Queries) FlowStartHeld(ctx context.Context, arg FlowStartHeldParams) (F
 const flowStartLock = `-- name: FlowStartLock :one
 SELECT (SELECT id FROM idem_installation)::uuid AS provider_namespace
 WHERE 1 / pg_try_advisory_xact_lock($1::bigint)::int = 1
+  AND NOT EXISTS (
+      SELECT FROM idem_flow
+      WHERE scope = $2::text
+        AND key = $3::text
+      LIMIT 0
+  )
 `
+
+type FlowStartLockParams struct {
+	LockID int64
+	Scope  string
+	Key    string
+}
 
 // FlowStartLock begins the first local step of a flow that no one has
 // started, on a connection that keeps its transaction open until the
@@ -1088,8 +1100,15 @@ WHERE 1 / pg_try_advisory_xact_lock($1::bigint)::int = 1
 // snapshot would be taken before its lock). The row is written once, by
 // FlowStartHeld in the same transaction, with the step's record and what
 // travels with it (the first call's intent), as the transaction commits.
-func (q *Queries) FlowStartLock(ctx context.Context, lockID int64) (pgtype.UUID, error) {
-	row := q.db.QueryRow(ctx, flowStartLock, lockID)
+//
+// It names the flow's row, which it never reads (LIMIT 0), so that Citus
+// runs it, lock included, on the node of the scope's shard, whichever
+// node the query came in through (as KeyLockWait does): two runs of one
+// flow through two nodes meet at that lock. There it holds the lock only
+// inside a transaction block, so on Citus the claim sends it after BEGIN
+// (see flow_claim.go). On PostgreSQL the lookup is never executed.
+func (q *Queries) FlowStartLock(ctx context.Context, arg FlowStartLockParams) (pgtype.UUID, error) {
+	row := q.db.QueryRow(ctx, flowStartLock, arg.LockID, arg.Scope, arg.Key)
 	var provider_namespace pgtype.UUID
 	err := row.Scan(&provider_namespace)
 	return provider_namespace, err
@@ -1509,7 +1528,19 @@ func (q *Queries) FlowTakeOver(ctx context.Context, arg FlowTakeOverParams) (Flo
 
 const flowWaitClaim = `-- name: FlowWaitClaim :exec
 SELECT pg_advisory_xact_lock($1::bigint)
+WHERE NOT EXISTS (
+    SELECT FROM idem_flow
+    WHERE scope = $2::text
+      AND key = $3::text
+    LIMIT 0
+)
 `
+
+type FlowWaitClaimParams struct {
+	LockID int64
+	Scope  string
+	Key    string
+}
 
 // FlowWaitClaim waits until no transaction holds the flow's advisory lock
 // (@lock_id: keylock.FlowID), then holds it until its own transaction
@@ -1517,8 +1548,10 @@ SELECT pg_advisory_xact_lock($1::bigint)
 // transaction whose COMMIT may still be under way (a run whose context
 // ended as it committed): that statement, sent after it in the same
 // transaction, reads with a snapshot taken once the claim committed or
-// rolled back.
-func (q *Queries) FlowWaitClaim(ctx context.Context, lockID int64) error {
-	_, err := q.db.Exec(ctx, flowWaitClaim, lockID)
+// rolled back. It names the flow's row, which it never reads, so that
+// Citus runs it on the node of the scope's shard, where the claim took
+// the lock (see FlowStartLock).
+func (q *Queries) FlowWaitClaim(ctx context.Context, arg FlowWaitClaimParams) error {
+	_, err := q.db.Exec(ctx, flowWaitClaim, arg.LockID, arg.Scope, arg.Key)
 	return err
 }
