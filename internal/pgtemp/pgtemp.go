@@ -44,6 +44,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/idem"
 )
@@ -345,6 +346,12 @@ func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.C
 		cancel()
 		if err == nil {
 			_ = conn.Close(ctx)
+			return nil
+		}
+		// A server whose postgres role's password was changed (a Citus
+		// worker takes its coordinator's) refuses the URL's: that is an
+		// answer, from a server that accepts connections.
+		if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) && pgErr.Code == "28P01" {
 			return nil
 		}
 		select {
