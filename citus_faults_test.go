@@ -311,6 +311,9 @@ func clientsThroughEveryNode(t *testing.T, ctx context.Context, fc *faultCluster
 	call func(ctx context.Context, op, n int) error,
 ) outage {
 	total := int64(ops * len(fc.nodes))
+	// A generous deadline for every client: answered, or lost.
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
 	done := make(chan struct{})
 	faulted := faultAt(t, ctx, s, f, total/4, 10, done)
 	var wg sync.WaitGroup
@@ -974,7 +977,7 @@ func preparedRecovered(t *testing.T, ctx context.Context, fc *faultCluster) {
 	if err := coord.QueryRow(ctx, `SELECT recover_prepared_transactions()`).Scan(&recovered); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("worker 0 stopped with %d prepared transactions of %d sessions waiting on the coordinator (completers failed: %d, purge failed: %d); after its restart %d prepared, %d in pg_dist_transaction; recover_prepared_transactions() = %d",
+	t.Logf("worker 0 stopped with %d prepared transactions, %d sessions waiting on the coordinator (the probe's among them) (completers failed: %d, purge failed: %d); after its restart %d prepared, %d in pg_dist_transaction; recover_prepared_transactions() = %d",
 		preparedAtStop, waiting, resumeErrs.Load(), purgeErrs.Load(), afterRestart, pending, recovered)
 	if afterRestart == 0 || recovered < afterRestart {
 		t.Fatalf("worker 0 came back with %d prepared transactions, %d recovered; want at least one, each recovered", afterRestart, recovered)
