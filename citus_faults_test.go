@@ -138,7 +138,8 @@ func TestCitusFaults(t *testing.T) {
 	t.Run("CoordinatorRestartedDuringFlowStorm", func(t *testing.T) { flowStormWithFault(t, ctx, fc, coordinator) })
 	t.Run("PreparedTransactions", func(t *testing.T) {
 		t.Run("WhichCallsMakeThem", func(t *testing.T) { whichCallsPrepare(t, ctx, fc) })
-		t.Run("WorkerStoppedWhileCommitting", func(t *testing.T) { preparedRecovered(t, ctx, fc) })
+		t.Run("WorkerStoppedWhileCommitting", func(t *testing.T) { preparedRecovered(t, ctx, fc, false) })
+		t.Run("CoordinatorStoppedWhileCommitting", func(t *testing.T) { preparedRecovered(t, ctx, fc, true) })
 	})
 }
 
@@ -700,7 +701,9 @@ func whichCallsPrepare(t *testing.T, ctx context.Context, fc *faultCluster) {
 	// outbox_message is a plain table of the coordinator's, which Citus
 	// does not count as a node the transaction wrote: it commits the
 	// worker's part alone (COMMIT, before the coordinator's own commit),
-	// not with two-phase commit.
+	// not with two-phase commit: a failure between the two (the
+	// coordinator's crash, or a serialization failure raised at its
+	// commit) leaves the payment and the record without the message.
 	measure("Run (a payment and outbox.Enqueue) through the coordinator", coord, false, func() error {
 		_, err := idem.Run(ctx, coord.conn, s0, "outbox", fpA, func(ctx context.Context, tx pgx.Tx) (payment, error) {
 			p, err := pay(s0, "outbox", 1, &calls)(ctx, tx)
@@ -814,12 +817,15 @@ func waitFor(t *testing.T, ctx context.Context, what string, cond func() (bool, 
 // its own commit, which decides the transaction, waits after the workers
 // prepared. Worker 0 is stopped; the wait is released (the coordinator
 // commits, and its COMMIT PREPARED to worker 0 fails); worker 0 starts
-// again with the prepared transactions on its disk; Citus's recovery
+// again with the prepared transactions on its disk. Or the coordinator is
+// stopped instead, its commit on its disk and its COMMIT PREPARED never
+// sent, and starts again. Either way Citus's recovery
 // (recover_prepared_transactions, its maintenance daemon's held off)
-// commits them. No prepared transaction is left on any worker, every
-// flow finishes with one payment and one charge, and Purge deletes every
-// expired record and nothing else.
-func preparedRecovered(t *testing.T, ctx context.Context, fc *faultCluster) {
+// commits the prepared transactions, as the coordinator decided. No
+// prepared transaction is left on any worker, every flow finishes with
+// one payment and one charge, and Purge deletes every expired record and
+// nothing else.
+func preparedRecovered(t *testing.T, ctx context.Context, fc *faultCluster, stopCoordinator bool) {
 	start := time.Now()
 	prefix := testdb.Name("2pc")
 	coord := fc.coord()
@@ -836,7 +842,7 @@ func preparedRecovered(t *testing.T, ctx context.Context, fc *faultCluster) {
 			}
 		}
 	}
-	// The maintenance daemon would recover the transactions once worker 0
+	// The maintenance daemon would recover the transactions once the node
 	// is back, before the test counts them: the test calls the recovery.
 	admin(`ALTER SYSTEM SET citus.recover_2pc_interval = -1`)
 	released := false
@@ -952,22 +958,42 @@ func preparedRecovered(t *testing.T, ctx context.Context, fc *faultCluster) {
 		return preparedAtStop > 0, err
 	})
 	waiting, _ := syncRepWaiters()
-	if err := fc.c.Workers[0].Kill(syscall.SIGQUIT); err != nil {
-		t.Fatal(err)
-	}
-	release()
-	if probing {
-		if err := <-probeDone; err != nil {
-			t.Errorf("the probe: %v", err)
+	node := "worker 0"
+	if stopCoordinator {
+		node = "the coordinator"
+		if err := fc.c.Coordinator.Kill(syscall.SIGQUIT); err != nil {
+			t.Fatal(err)
+		}
+		if probing {
+			<-probeDone // its session ended with the coordinator
+		}
+		wg.Wait()
+		if err := fc.c.RestartCoordinator(ctx); err != nil {
+			t.Fatal(err)
+		}
+		release() // written in its configuration, it came back with it
+	} else {
+		if err := fc.c.Workers[0].Kill(syscall.SIGQUIT); err != nil {
+			t.Fatal(err)
+		}
+		release()
+		if probing {
+			if err := <-probeDone; err != nil {
+				t.Errorf("the probe: %v", err)
+			}
+		}
+		wg.Wait()
+		if err := fc.c.RestartWorker(ctx, 0); err != nil {
+			t.Fatal(err)
 		}
 	}
-	wg.Wait()
-	if err := fc.c.RestartWorker(ctx, 0); err != nil {
-		t.Fatal(err)
-	}
-	afterRestart, err := countPrepared(ctx, worker0)
-	if err != nil {
-		t.Fatal(err)
+	afterRestart := 0
+	for i := range fc.c.Workers {
+		n, err := countPrepared(ctx, fc.c.WorkerURL(i, faultsDB))
+		if err != nil {
+			t.Fatal(err)
+		}
+		afterRestart += n
 	}
 	var pending int
 	if err := coord.QueryRow(ctx, `SELECT count(*) FROM pg_dist_transaction`).Scan(&pending); err != nil {
@@ -977,10 +1003,10 @@ func preparedRecovered(t *testing.T, ctx context.Context, fc *faultCluster) {
 	if err := coord.QueryRow(ctx, `SELECT recover_prepared_transactions()`).Scan(&recovered); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("worker 0 stopped with %d prepared transactions, %d sessions waiting on the coordinator (the probe's among them) (completers failed: %d, purge failed: %d); after its restart %d prepared, %d in pg_dist_transaction; recover_prepared_transactions() = %d",
-		preparedAtStop, waiting, resumeErrs.Load(), purgeErrs.Load(), afterRestart, pending, recovered)
+	t.Logf("%s stopped with %d prepared transactions on worker 0, %d sessions waiting on the coordinator (the probe's among them) (completers failed: %d, purge failed: %d); after its restart %d prepared on the workers, %d in pg_dist_transaction; recover_prepared_transactions() = %d",
+		node, preparedAtStop, waiting, resumeErrs.Load(), purgeErrs.Load(), afterRestart, pending, recovered)
 	if afterRestart == 0 || recovered < afterRestart {
-		t.Fatalf("worker 0 came back with %d prepared transactions, %d recovered; want at least one, each recovered", afterRestart, recovered)
+		t.Fatalf("after %s's restart, %d prepared transactions on the workers, %d recovered; want at least one, each recovered", node, afterRestart, recovered)
 	}
 	for i := range fc.c.Workers {
 		if n, err := countPrepared(ctx, fc.c.WorkerURL(i, faultsDB)); err != nil || n != 0 {
