@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
@@ -40,6 +41,12 @@ type Config struct {
 	ShardCount int
 	// Fast turns off durability on every node, as pgtemp.Config.Fast.
 	Fast bool
+	// Settings are server settings (name to value) of every node, after
+	// the cluster's own, which they override: synchronous_commit=on, say,
+	// for a Fast cluster whose nodes are stopped the hard way and
+	// restarted (RestartWorker, RestartCoordinator), whose commits must
+	// outlive the crash. Defaults to none.
+	Settings map[string]string
 }
 
 // Start starts the nodes, one after the other. The cluster must be
@@ -63,6 +70,7 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 		// One machine: the nodes need not tell one another their stats.
 		"citus.enable_statistics_collection": "off",
 	}
+	maps.Copy(settings, cfg.Settings)
 	c := &Cluster{}
 	defer func() {
 		if err != nil {
@@ -142,6 +150,27 @@ func (c *Cluster) DropDatabase(ctx context.Context, db string) error {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
+}
+
+// RestartWorker starts worker i (from 0) again, on its data directory and
+// port, once the test stopped it with Kill (syscall.SIGQUIT: an immediate
+// stop, which a restart recovers from as from a crash): see
+// pgtemp.Server.Restart. The cluster's metadata and connection strings
+// name the same node.
+func (c *Cluster) RestartWorker(ctx context.Context, i int) error {
+	if err := c.Workers[i].Restart(ctx); err != nil {
+		return fmt.Errorf("citustemp: worker %d: %w", i+1, err)
+	}
+	return nil
+}
+
+// RestartCoordinator starts the coordinator again once the test stopped
+// it with Kill, as RestartWorker does a worker.
+func (c *Cluster) RestartCoordinator(ctx context.Context) error {
+	if err := c.Coordinator.Restart(ctx); err != nil {
+		return fmt.Errorf("citustemp: coordinator: %w", err)
+	}
+	return nil
 }
 
 // Stop stops every node and removes it.

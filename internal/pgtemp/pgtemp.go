@@ -12,8 +12,9 @@
 // unprivileged OS user (nobody, or else postgres), which owns the directory.
 //
 // A server can also be started as a streaming standby of another
-// ([Config.StandbyOf]), promoted, and stopped the hard way ([Server.Kill]),
-// for tests of what a client sees when its primary fails over.
+// ([Config.StandbyOf]), promoted, stopped the hard way ([Server.Kill]) and
+// started again on its data ([Server.Restart]), for tests of what a client
+// sees when its primary fails over or crashes and comes back.
 //
 // It is the last of the servers [github.com/pgidem/idem/idemtest] tries,
 // and the one the lab's demo, bench and soaks start when no database is
@@ -43,6 +44,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/idem"
 )
@@ -65,9 +67,13 @@ type Server struct {
 
 	// password is the postgres role's: a standby's is its primary's.
 	password string
+	// cfg and cred are what the server was started with, for Restart.
+	cfg      Config
+	cred     *syscall.Credential
 	cmd      *exec.Cmd
 	exited   chan struct{}
 	stopOnce sync.Once
+	stopped  bool
 	stopErr  error
 }
 
@@ -200,6 +206,7 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, err
 	}
 	s.User = owner
+	s.cfg, s.cred = cfg, cred
 
 	s.Dir, err = os.MkdirTemp("", "idem-pg-")
 	if err != nil {
@@ -293,7 +300,8 @@ func (s *Server) initdb(ctx context.Context, data string, cred *syscall.Credenti
 
 func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.Credential, cfg Config) error {
 	logPath := filepath.Join(s.Dir, "postgres.log")
-	logFile, err := os.Create(logPath)
+	// Appended to: a restarted server's log goes on after the old one's.
+	logFile, err := os.OpenFile(logPath, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
 	if err != nil {
 		return err
 	}
@@ -338,6 +346,12 @@ func (s *Server) run(ctx context.Context, data string, port int, cred *syscall.C
 		cancel()
 		if err == nil {
 			_ = conn.Close(ctx)
+			return nil
+		}
+		// A server whose postgres role's password was changed (a Citus
+		// worker takes its coordinator's) refuses the URL's: that is an
+		// answer, from a server that accepts connections.
+		if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) && pgErr.Code == "28P01" {
 			return nil
 		}
 		select {
@@ -420,6 +434,7 @@ func (s *Server) kill() {
 // more than once.
 func (s *Server) Stop() error {
 	s.stopOnce.Do(func() {
+		s.stopped = true
 		if s.cmd != nil && s.cmd.Process != nil {
 			_ = s.cmd.Process.Signal(syscall.SIGINT)
 			select {
@@ -439,6 +454,47 @@ func (s *Server) Stop() error {
 		}
 	})
 	return s.stopErr
+}
+
+// restartTries bounds how many times Restart starts a postmaster that
+// exits during start-up.
+const restartTries = 50
+
+// Restart starts a server that [Server.Kill] stopped again, on the same
+// data directory, port and settings, for tests of a server that fails and
+// comes back: PostgreSQL recovers from what the stop left on disk (a
+// crash recovery, after SIGQUIT or SIGKILL), and Restart returns once it
+// accepts connections, so that clients of the old server's URL reach the
+// new one. The old postmaster's processes may hold its shared memory for
+// a moment after a SIGKILL: a postmaster that exits during start-up is
+// started again, a few times, until ctx ends. The server's log goes on
+// after the old one's. A server that is running is refused, and so is one
+// that Stop removed; Stop is still to be called. Config.Fast's
+// synchronous_commit=off loses the last commits of a server that crashes:
+// a test that counts on them sets it back on (Config.Settings).
+func (s *Server) Restart(ctx context.Context) error {
+	switch {
+	case s.stopped || s.Dir == "":
+		return errors.New("pgtemp: Restart: the server was stopped and removed")
+	case s.running():
+		return fmt.Errorf("pgtemp: Restart: the server on port %d is running", s.Port)
+	}
+	data := filepath.Join(s.Dir, "data")
+	var err error
+	for range restartTries {
+		if err = s.run(ctx, data, s.Port, s.cred, s.cfg); !errors.Is(err, errExited) {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("pgtemp: Restart on port %d: %w (last: %w)", s.Port, ctx.Err(), err)
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("pgtemp: Restart on port %d: %w", s.Port, err)
+	}
+	return nil
 }
 
 // serverUser returns the credentials to run the server with: none when we

@@ -30,5 +30,10 @@ func Start(context.Context, Config) (*Server, error) {
 // Stop does nothing.
 func (s *Server) Stop() error { return nil }
 
+// Restart fails: throwaway servers need a Unix system.
+func (s *Server) Restart(context.Context) error {
+	return errors.New("pgtemp: throwaway servers need a Unix system")
+}
+
 // Kill does nothing.
 func (s *Server) Kill(os.Signal) error { return nil }
