@@ -33,6 +33,10 @@ SELECT create_reference_table('idem_installation');
 
 -- outbox_message stays a table of the coordinator: a relay leases messages
 -- across scopes with FOR UPDATE SKIP LOCKED, which Citus runs only on a
--- single shard, and a transaction that writes a distributed table enqueues
--- into it all the same (Citus commits both with two-phase commit).
+-- single shard. A transaction that writes a distributed table enqueues
+-- into it all the same, but Citus commits the worker's part first, on its
+-- own, then the coordinator's: not with two-phase commit. A failure
+-- between the two (the coordinator's crash, a serialization failure at its
+-- commit) keeps the business write and the key's record without the
+-- message (docs/large-deployments.md).
 -- goose_db_version, idem_flow_seq and idem_key_lock stay on the coordinator.
