@@ -7,6 +7,16 @@ import (
 	"github.com/pgidem/idem/internal/dbbatch"
 )
 
+// RouteStoreOnCitus sets whether a record is stored on Citus by the
+// statements Citus routes to one node (queueRouted), for BenchmarkCitusRun's
+// comparison with PostgreSQL's statements, and returns the function that
+// puts it back.
+func RouteStoreOnCitus(on bool) (restore func()) {
+	was := storeRoutedOnCitus
+	storeRoutedOnCitus = on
+	return func() { storeRoutedOnCitus = was }
+}
+
 // TxOver is txOver of an empty batch that begins a transaction with
 // opts, for TestAnEmptyBatchBeginsNoTransaction.
 func TxOver(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) pgx.Tx {
