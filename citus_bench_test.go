@@ -5,7 +5,9 @@ package idem_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"hash/fnv"
 	"os"
 	"strconv"
 	"strings"
@@ -55,6 +57,15 @@ import (
 func BenchmarkCitusRatios(b *testing.B) {
 	_, pool := startCitus(b)
 	ctx := context.Background()
+	if _, err := pool.Exec(ctx, citusClaimFunctions); err != nil {
+		b.Fatalf("the claim's functions: %v", err)
+	}
+	// The design the functions prototype must keep Run's promise before
+	// it is measured: a duplicate that waited for the key's holder
+	// replays what the holder committed.
+	if err := citusFunctionClaimReplaysAfterItsWait(ctx, pool); err != nil {
+		b.Fatal(err)
+	}
 	const clients, tenants = 16, 20
 	phases := citusPhases(pool, tenants)
 	b.Run(fmt.Sprintf("clients=%d", clients), func(b *testing.B) {
@@ -76,6 +87,10 @@ func BenchmarkCitusRatios(b *testing.B) {
 			b.ReportMetric(first/bare, "first"+v.suffix+"/bare")
 			b.ReportMetric(replay/bare, "replay"+v.suffix+"/bare")
 		}
+		fnFirst, fnReplay := rate("fn-first"), rate("fn-replay")
+		b.ReportMetric(fnFirst/floor, "fn-first/floor")
+		b.ReportMetric(fnFirst/bare, "fn-first/bare")
+		b.ReportMetric(fnReplay/bare, "fn-replay/bare")
 		b.ReportMetric(floor/bare, "floor/bare")
 		b.ReportMetric(rate("flow")/rate("held"), "flow/held")
 		for _, p := range phases {
@@ -111,7 +126,11 @@ type citusVariant struct {
 
 // citusVariants are the ways Run's first executions and replays are
 // measured.
-var citusVariants = []citusVariant{{suffix: "", use: func() func() { return func() {} }}}
+var citusVariants = []citusVariant{
+	{suffix: "", use: func() func() { return func() {} }},
+	// Run's statements before KeyLockCitus and KeyStoreBudgetCitus.
+	{suffix: "-before", use: func() func() { return idem.CitusStatementsAsBefore(true) }},
+}
 
 // citusPhase is one phase of BenchmarkCitusRatios: op performs one
 // operation; use, when not nil, is called before the phase's operations
@@ -218,6 +237,42 @@ VALUES ($1, $2, $3, 'done', $4::text::jsonb, now() + interval '24 hours')`, scop
 				return err
 			}, v.use})
 	}
+	// The prototype of a claim and a record each in one statement that
+	// Citus delegates to the worker of the scope's shard (citusClaimFunctions),
+	// driven by hand as Run drives its statements.
+	var fnMu sync.Mutex
+	var fnDone []int64
+	phases = append(phases,
+		citusPhase{"fn-first", func(ctx context.Context, db *pgxpool.Pool) error {
+			n := seq.Add(1)
+			scope, key := scopeOf(n), set+"fn-"+strconv.FormatInt(n, 10)
+			replayed, err := citusRunViaFunctions(ctx, db, scope, key, fp, n)
+			if err == nil && replayed {
+				return fmt.Errorf("key %s replayed on its first execution", key)
+			}
+			if err == nil {
+				fnMu.Lock()
+				fnDone = append(fnDone, n)
+				fnMu.Unlock()
+			}
+			return err
+		}, nil},
+		citusPhase{"fn-replay", func(ctx context.Context, db *pgxpool.Pool) error {
+			i := seq.Add(1)
+			fnMu.Lock()
+			if len(fnDone) == 0 {
+				fnMu.Unlock()
+				return fmt.Errorf("no completed keys to replay")
+			}
+			n := fnDone[i%int64(len(fnDone))]
+			fnMu.Unlock()
+			scope, key := scopeOf(n), set+"fn-"+strconv.FormatInt(n, 10)
+			replayed, err := citusRunViaFunctions(ctx, db, scope, key, fp, n)
+			if err == nil && !replayed {
+				return fmt.Errorf("key %s ran again instead of replaying", key)
+			}
+			return err
+		}, nil})
 	flow := idem.MustNewFlow("bench-citus-charge", func(ctx context.Context, s *idem.Steps, amount int64) (string, error) {
 		id, err := idem.Local(s, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
@@ -431,6 +486,218 @@ func citusCounts(ctx context.Context, tb testing.TB, base *pgxpool.Pool, tenants
 		})
 	}
 	return counts, nil
+}
+
+// citusClaimFunctions prototypes, for BenchmarkCitusRatios, Run's claim
+// and record on Citus each as one statement: plpgsql functions
+// distributed by their scope argument, co-located with idempotency_key,
+// with force_delegation, so that the coordinator delegates a call inside
+// a transaction block to the worker of the scope's shard, over the
+// transaction's connection there, in one remote command.
+//
+// idem_bench_claim is KeyLock then KeyGet: its second statement takes a
+// snapshot of its own (a VOLATILE function's statements do, at READ
+// COMMITTED), after the lock is held, and so sees a record its previous
+// holder committed meanwhile. A lock held by another transaction is
+// waited for there, under @lock_timeout (KeyLockWait), and the worker's
+// lock_timeout restored. idem_bench_store is KeyWaitBudgetCitus then
+// KeyInsertCitus, for a record sent with COMMIT (no restore).
+const citusClaimFunctions = `
+CREATE FUNCTION idem_bench_claim(p_scope text, p_key text, p_lock_id bigint, p_lock_timeout text)
+RETURNS TABLE (lock int, waited bool, has_record bool, fingerprint bytea, state text, response text, expired bool)
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    saved text;
+BEGIN
+    SELECT CASE
+               WHEN EXISTS (SELECT FROM idempotency_key k
+                            WHERE k.scope = p_scope AND k.key = p_key
+                              AND k.expires_at > now() AND k.state = 'done') THEN 0
+               WHEN pg_try_advisory_xact_lock(p_lock_id) THEN 1
+               ELSE 2
+           END
+      INTO lock;
+    waited := lock = 2;
+    IF waited THEN
+        saved := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', p_lock_timeout, true);
+        PERFORM pg_advisory_xact_lock(p_lock_id);
+        PERFORM set_config('lock_timeout', saved, true);
+    END IF;
+    SELECT k.fingerprint, k.state, k.response::text, k.expires_at <= now()
+      INTO fingerprint, state, response, expired
+      FROM idempotency_key k
+     WHERE k.scope = p_scope AND k.key = p_key;
+    has_record := FOUND;
+    RETURN NEXT;
+END
+$fn$;
+CREATE FUNCTION idem_bench_store(p_scope text, p_key text, p_fingerprint bytea, p_response text,
+                                 p_retention interval, p_lock_timeout text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    PERFORM set_config('lock_timeout', p_lock_timeout, true);
+    INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
+    VALUES (p_scope, p_key, p_fingerprint, 'done', p_response::jsonb, now() + p_retention);
+END
+$fn$;
+SELECT create_distributed_function('idem_bench_claim(text,text,bigint,text)', 'p_scope',
+                                   colocate_with => 'idempotency_key', force_delegation => true);
+SELECT create_distributed_function('idem_bench_store(text,text,bytea,text,interval,text)', 'p_scope',
+                                   colocate_with => 'idempotency_key', force_delegation => true);
+`
+
+// citusFunctionClaim is what idem_bench_claim answers.
+type citusFunctionClaim struct {
+	lock            int
+	waited, found   bool
+	fingerprint     []byte
+	state, response *string
+	expired         *bool
+}
+
+// queueFunctionClaim queues idem_bench_claim's call on b.
+func queueFunctionClaim(b *pgx.Batch, scope, key string, c *citusFunctionClaim) {
+	b.Queue(`SELECT lock, waited, has_record, fingerprint, state, response, expired FROM idem_bench_claim($1, $2, $3, $4)`,
+		scope, key, citusLockID(scope, key), "5s").QueryRow(func(r pgx.Row) error {
+		return r.Scan(&c.lock, &c.waited, &c.found, &c.fingerprint, &c.state, &c.response, &c.expired)
+	})
+}
+
+// citusLockID is a key's lock id for the prototype (idem's own is
+// internal).
+func citusLockID(scope, key string) int64 {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(scope))
+	_, _ = h.Write([]byte{0})
+	_, _ = h.Write([]byte(key))
+	return int64(h.Sum64())
+}
+
+// citusRunViaFunctions is Run's first execution or replay through the
+// prototype's functions: BEGIN and the claim in one round trip, the
+// payment, then the record and COMMIT in one round trip.
+func citusRunViaFunctions(ctx context.Context, db *pgxpool.Pool, scope, key string, fp []byte, n int64) (replayed bool, err error) {
+	conn, err := db.Acquire(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Release()
+	var c citusFunctionClaim
+	b := &pgx.Batch{}
+	b.Queue("begin isolation level read committed")
+	queueFunctionClaim(b, scope, key, &c)
+	if err := conn.SendBatch(ctx, b).Close(); err != nil {
+		_, _ = conn.Exec(ctx, "ROLLBACK")
+		return false, err
+	}
+	if c.found && !*c.expired && *c.state == "done" {
+		_, err := conn.Exec(ctx, "COMMIT")
+		return true, err
+	}
+	p := payment{AmountCents: n}
+	if err := conn.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
+		scope, key, n).Scan(&p.ID); err != nil {
+		_, _ = conn.Exec(ctx, "ROLLBACK")
+		return false, err
+	}
+	response, err := json.Marshal(p)
+	if err != nil {
+		_, _ = conn.Exec(ctx, "ROLLBACK")
+		return false, err
+	}
+	b = &pgx.Batch{}
+	b.Queue(`SELECT idem_bench_store($1, $2, $3, $4, $5, $6)`, scope, key, fp, string(response), 24*time.Hour, "5s")
+	b.Queue("COMMIT")
+	if err := conn.SendBatch(ctx, b).Close(); err != nil {
+		_, _ = conn.Exec(ctx, "ROLLBACK")
+		return false, err
+	}
+	return false, nil
+}
+
+// citusFunctionClaimReplaysAfterItsWait checks, through the coordinator,
+// that a duplicate whose claim (idem_bench_claim) waits for the key's
+// holder, which then commits its record, reads that record after its
+// wait and replays it: that the function's read after the lock is not
+// made with a snapshot taken before the lock was granted. It also checks
+// that the lock is taken on the worker of the scope's shard.
+func citusFunctionClaimReplaysAfterItsWait(ctx context.Context, pool *pgxpool.Pool) error {
+	scope, key := "claim-fn-check", "k1"
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	var h citusFunctionClaim
+	b := &pgx.Batch{}
+	queueFunctionClaim(b, scope, key, &h)
+	if err := holder.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("holder's claim: %w", err)
+	}
+	if h.lock != 1 || h.found {
+		return fmt.Errorf("holder's claim: %+v, want the lock taken and no record", h)
+	}
+	// The lock is on the worker of the scope's shard, none on the coordinator.
+	var onCoordinator int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted`).Scan(&onCoordinator); err != nil {
+		return err
+	}
+	var onWorkers int
+	if err := pool.QueryRow(ctx, `SELECT coalesce(sum(result::int), 0) FROM run_command_on_workers(
+		$$SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted$$)`).Scan(&onWorkers); err != nil {
+		return err
+	}
+	if onCoordinator != 0 || onWorkers != 1 {
+		return fmt.Errorf("the claim's lock: %d on the coordinator, %d on the workers, want 0 and 1", onCoordinator, onWorkers)
+	}
+	type answer struct {
+		c   citusFunctionClaim
+		err error
+	}
+	waiting := make(chan answer, 1)
+	go func() {
+		var d citusFunctionClaim
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			b := &pgx.Batch{}
+			queueFunctionClaim(b, scope, key, &d)
+			return tx.SendBatch(ctx, b).Close()
+		})
+		waiting <- answer{d, err}
+	}()
+	// The duplicate's claim waits on the worker for the holder's lock.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var waiters int
+		if err := pool.QueryRow(ctx, `SELECT coalesce(sum(result::int), 0) FROM run_command_on_workers(
+			$$SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted$$)`).Scan(&waiters); err != nil {
+			return err
+		}
+		if waiters == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			return errors.New("the duplicate's claim never waited for the holder's lock")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	b = &pgx.Batch{}
+	b.Queue(`SELECT idem_bench_store($1, $2, $3, $4, $5, $6)`, scope, key, []byte("fp"), `{"id": 1}`, 24*time.Hour, "5s")
+	if err := holder.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("holder's record: %w", err)
+	}
+	if err := holder.Commit(ctx); err != nil {
+		return err
+	}
+	a := <-waiting
+	if a.err != nil {
+		return fmt.Errorf("duplicate's claim: %w", a.err)
+	}
+	if !a.c.waited || !a.c.found || a.c.state == nil || *a.c.state != "done" {
+		return fmt.Errorf("duplicate's claim after its wait: %+v, want the holder's record, done", a.c)
+	}
+	return nil
 }
 
 // BenchmarkCitusRun measures Run's first executions and replays through a
