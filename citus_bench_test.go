@@ -118,10 +118,12 @@ func BenchmarkCitusRatios(b *testing.B) {
 
 // citusVariant is a way of Run's on Citus that the benchmark compares
 // with the others in the same rounds: suffix names its phases, use sets
-// it and returns the function that puts the previous one back.
+// it and returns the function that puts the previous one back, opts are
+// Run's options.
 type citusVariant struct {
 	suffix string
 	use    func() (restore func())
+	opts   []idem.Option
 }
 
 // citusVariants are the ways Run's first executions and replays are
@@ -130,6 +132,9 @@ var citusVariants = []citusVariant{
 	{suffix: "", use: func() func() { return func() {} }},
 	// Run's statements before KeyLockCitus and KeyStoreBudgetCitus.
 	{suffix: "-before", use: func() func() { return idem.CitusStatementsAsBefore(true) }},
+	// WithLookupFirst: a replay found by a read outside any transaction,
+	// a first execution after it.
+	{suffix: "-lookup", use: func() func() { return func() {} }, opts: []idem.Option{idem.WithLookupFirst()}},
 }
 
 // citusPhase is one phase of BenchmarkCitusRatios: op performs one
@@ -202,7 +207,7 @@ VALUES ($1, $2, $3, 'done', $4::text::jsonb, now() + interval '24 hours')`, scop
 		var completed atomic.Int64
 		run := func(ctx context.Context, db *pgxpool.Pool, n int64) (idem.Result[payment], error) {
 			scope, key := scopeOf(n), set+"r"+v.suffix+"-"+strconv.FormatInt(n, 10)
-			return idem.Run(ctx, db, scope, key, fp, pay(scope, key, n, &calls))
+			return idem.Run(ctx, db, scope, key, fp, pay(scope, key, n, &calls), v.opts...)
 		}
 		var mu sync.Mutex
 		var done []int64
@@ -495,12 +500,13 @@ func citusCounts(ctx context.Context, tb testing.TB, base *pgxpool.Pool, tenants
 // a transaction block to the worker of the scope's shard, over the
 // transaction's connection there, in one remote command.
 //
-// idem_bench_claim is KeyLock then KeyGet: its second statement takes a
-// snapshot of its own (a VOLATILE function's statements do, at READ
-// COMMITTED), after the lock is held, and so sees a record its previous
-// holder committed meanwhile. A lock held by another transaction is
-// waited for there, under @lock_timeout (KeyLockWait), and the worker's
-// lock_timeout restored. idem_bench_store is KeyWaitBudgetCitus then
+// idem_bench_claim reads the key's record; a live completed one is
+// replayed, with no lock. Otherwise it takes the key's lock, waiting for
+// it under @lock_timeout (KeyLockWait) when another transaction holds it,
+// and restores the worker's lock_timeout, then reads the record again, in
+// a statement of its own whose snapshot (a VOLATILE function's statements
+// each take one, at READ COMMITTED) follows the lock, and so sees a record
+// its previous holder committed meanwhile. idem_bench_store is KeyWaitBudgetCitus then
 // KeyInsertCitus, for a record sent with COMMIT (no restore).
 const citusClaimFunctions = `
 CREATE FUNCTION idem_bench_claim(p_scope text, p_key text, p_lock_id bigint, p_lock_timeout text)
@@ -509,21 +515,31 @@ LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
     saved text;
 BEGIN
-    SELECT CASE
-               WHEN EXISTS (SELECT FROM idempotency_key k
-                            WHERE k.scope = p_scope AND k.key = p_key
-                              AND k.expires_at > now() AND k.state = 'done') THEN 0
-               WHEN pg_try_advisory_xact_lock(p_lock_id) THEN 1
-               ELSE 2
-           END
-      INTO lock;
-    waited := lock = 2;
-    IF waited THEN
+    waited := false;
+    SELECT k.fingerprint, k.state, k.response::text, k.expires_at <= now()
+      INTO fingerprint, state, response, expired
+      FROM idempotency_key k
+     WHERE k.scope = p_scope AND k.key = p_key;
+    has_record := FOUND;
+    IF has_record AND NOT expired AND state = 'done' THEN
+        -- A live completed record this snapshot sees committed: a replay,
+        -- which takes no lock.
+        lock := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF pg_try_advisory_xact_lock(p_lock_id) THEN
+        lock := 1;
+    ELSE
+        lock := 2;
+        waited := true;
         saved := current_setting('lock_timeout');
         PERFORM set_config('lock_timeout', p_lock_timeout, true);
         PERFORM pg_advisory_xact_lock(p_lock_id);
         PERFORM set_config('lock_timeout', saved, true);
     END IF;
+    -- A statement of its own, after the lock: at READ COMMITTED its
+    -- snapshot sees what the lock's previous holder committed.
     SELECT k.fingerprint, k.state, k.response::text, k.expires_at <= now()
       INTO fingerprint, state, response, expired
       FROM idempotency_key k
