@@ -92,6 +92,8 @@ func BenchmarkCitusRatios(b *testing.B) {
 		b.ReportMetric(fnFirst/bare, "fn-first/bare")
 		b.ReportMetric(fnReplay/bare, "fn-replay/bare")
 		b.ReportMetric(floor/bare, "floor/bare")
+		b.ReportMetric(rate("floor+1")/floor, "floor+1/floor")
+		b.ReportMetric(rate("floor+3")/floor, "floor+3/floor")
 		b.ReportMetric(rate("flow")/rate("held"), "flow/held")
 		for _, p := range phases {
 			b.ReportMetric(rate(p.name), p.name+"-ops/s")
@@ -156,6 +158,53 @@ func citusPhases(_ *pgxpool.Pool, tenants int64) []citusPhase {
 	scopeOf := func(n int64) string { return "bench-" + strconv.FormatInt(n%tenants, 10) }
 	fp := idem.Fingerprint([]byte("benchmark payment"))
 	var calls atomic.Int64
+	// floorOp is the key-row floor's operation, with claimReads reads of
+	// the key's row sent with BEGIN and storeReads with the row's INSERT.
+	floorOp := func(claimReads, storeReads int) func(ctx context.Context, db *pgxpool.Pool) error {
+		const read = `SELECT fingerprint FROM idempotency_key WHERE scope = $1 AND key = $2`
+		return func(ctx context.Context, db *pgxpool.Pool) error {
+			n := seq.Add(1)
+			scope, key := scopeOf(n), set+"f"+strconv.FormatInt(n, 10)
+			conn, err := db.Acquire(ctx)
+			if err != nil {
+				return err
+			}
+			defer conn.Release()
+			rollback := func() { _, _ = conn.Exec(ctx, "ROLLBACK") }
+			batch := &pgx.Batch{}
+			batch.Queue("begin")
+			for range claimReads {
+				batch.Queue(read, scope, key)
+			}
+			if err := conn.SendBatch(ctx, batch).Close(); err != nil {
+				rollback()
+				return err
+			}
+			p := payment{AmountCents: n}
+			if err := conn.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
+				scope, key, n).Scan(&p.ID); err != nil {
+				rollback()
+				return err
+			}
+			response, err := json.Marshal(p)
+			if err != nil {
+				rollback()
+				return err
+			}
+			batch = &pgx.Batch{}
+			for range storeReads {
+				batch.Queue(read, scope, key)
+			}
+			batch.Queue(`INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
+VALUES ($1, $2, $3, 'done', $4::text::jsonb, now() + interval '24 hours')`, scope, key, fp, string(response))
+			batch.Queue(`COMMIT`)
+			if err := conn.SendBatch(ctx, batch).Close(); err != nil {
+				rollback()
+				return err
+			}
+			return nil
+		}
+	}
 	phases := []citusPhase{
 		{"bare", func(ctx context.Context, db *pgxpool.Pool) error {
 			n := seq.Add(1)
@@ -169,39 +218,13 @@ func citusPhases(_ *pgxpool.Pool, tenants int64) []citusPhase {
 			}
 			return tx.Commit(ctx)
 		}, nil},
-		{"floor", func(ctx context.Context, db *pgxpool.Pool) error {
-			n := seq.Add(1)
-			scope, key := scopeOf(n), set+"f"+strconv.FormatInt(n, 10)
-			conn, err := db.Acquire(ctx)
-			if err != nil {
-				return err
-			}
-			defer conn.Release()
-			tx, err := conn.Begin(ctx)
-			if err != nil {
-				return err
-			}
-			p := payment{AmountCents: n}
-			if err := tx.QueryRow(ctx, `INSERT INTO payment (scope, key, amount_cents) VALUES ($1, $2, $3) RETURNING id`,
-				scope, key, n).Scan(&p.ID); err != nil {
-				_ = tx.Rollback(ctx)
-				return err
-			}
-			response, err := json.Marshal(p)
-			if err != nil {
-				_ = tx.Rollback(ctx)
-				return err
-			}
-			batch := &pgx.Batch{}
-			batch.Queue(`INSERT INTO idempotency_key (scope, key, fingerprint, state, response, expires_at)
-VALUES ($1, $2, $3, 'done', $4::text::jsonb, now() + interval '24 hours')`, scope, key, fp, string(response))
-			batch.Queue(`COMMIT`)
-			if err := tx.SendBatch(ctx, batch).Close(); err != nil {
-				_ = tx.Rollback(ctx)
-				return err
-			}
-			return nil
-		}, nil},
+		{"floor", floorOp(0, 0), nil},
+		// The floor with reads of the key's row added, each a statement
+		// Citus plans on its fast path and routes to the scope's worker:
+		// one in BEGIN's round trip; two there and one in COMMIT's, the
+		// commands Run's first execution sends the workers (7).
+		{"floor+1", floorOp(1, 0), nil},
+		{"floor+3", floorOp(2, 1), nil},
 	}
 	for _, v := range citusVariants {
 		var completed atomic.Int64
