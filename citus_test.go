@@ -31,7 +31,6 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
 	"github.com/pgidem/idem/internal/citustemp"
-	"github.com/pgidem/idem/internal/pgtemp"
 	"github.com/pgidem/idem/internal/testdb"
 	"github.com/pgidem/idem/outbox"
 )
@@ -1134,99 +1133,5 @@ func citusStats(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	}
 	if s.TableBytes <= shell || s.Done == 0 {
 		t.Fatalf("ReadStats: %+v (the coordinator's shell: %d bytes)", s, shell)
-	}
-}
-
-// BenchmarkCitusRun measures Run's first executions and replays through a
-// Citus coordinator (two workers, docs/citus.sql) against the same load on
-// one PostgreSQL server, both throwaway servers of this machine with the
-// same settings, interleaved in rounds: the cost of routing each statement
-// through the coordinator, not a scaling figure (every node shares the
-// machine's cores). docs/large-deployments.md has its command and numbers.
-func BenchmarkCitusRun(b *testing.B) {
-	_, citus := startCitus(b)
-	ctx := context.Background()
-	single, err := pgtemp.Start(ctx, pgtemp.Config{Fast: true})
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { _ = single.Stop() })
-	cfg, err := pgxpool.ParseConfig(single.URL)
-	if err != nil {
-		b.Fatal(err)
-	}
-	cfg.MaxConns = 40
-	plain, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(plain.Close)
-	sqlDB := stdlib.OpenDBFromPool(plain)
-	defer sqlDB.Close()
-	if err := idem.Migrate(ctx, sqlDB); err != nil {
-		b.Fatal(err)
-	}
-	if _, err := plain.Exec(ctx, testdb.AppSchema); err != nil {
-		b.Fatal(err)
-	}
-	// citus-unrouted stores the record as on PostgreSQL (KeyInsert, which
-	// Citus runs in three steps through the coordinator), citus by the
-	// statements Citus routes to the scope's worker (KeyInsertCitus):
-	// before and after, on one cluster.
-	pools := []struct {
-		name   string
-		pool   *pgxpool.Pool
-		routed bool
-	}{{"citus", citus, true}, {"citus-unrouted", citus, false}, {"postgres", plain, true}}
-	const tenants = 20
-	var seq atomic.Int64
-	for round := range 2 {
-		for _, p := range pools {
-			b.Run(fmt.Sprintf("round=%d/%s/first", round, p.name), func(b *testing.B) {
-				defer idem.RouteStoreOnCitus(p.routed)()
-				b.SetParallelism(8)
-				b.RunParallel(func(pb *testing.PB) {
-					var calls atomic.Int64
-					for pb.Next() {
-						n := seq.Add(1)
-						scope, key := fmt.Sprintf("bench-%d", n%tenants), fmt.Sprintf("k%d", n)
-						if _, err := idem.Run(ctx, p.pool, scope, key, fpA, pay(scope, key, 1, &calls)); err != nil {
-							b.Error(err)
-							return
-						}
-					}
-				})
-				b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "runs/s")
-			})
-		}
-		for _, p := range pools {
-			if !p.routed {
-				continue // a replay stores nothing
-			}
-			b.Run(fmt.Sprintf("round=%d/%s/replay", round, p.name), func(b *testing.B) {
-				var calls atomic.Int64
-				const keys = 200
-				for k := range keys {
-					scope := fmt.Sprintf("replay-%d", k%tenants)
-					if _, err := idem.Run(ctx, p.pool, scope, fmt.Sprint(k), fpA, pay(scope, fmt.Sprint(k), 1, &calls)); err != nil {
-						b.Fatal(err)
-					}
-				}
-				b.ResetTimer()
-				b.SetParallelism(8)
-				b.RunParallel(func(pb *testing.PB) {
-					for pb.Next() {
-						k := seq.Add(1) % keys
-						scope := fmt.Sprintf("replay-%d", k%tenants)
-						res, err := idem.Run(ctx, p.pool, scope, fmt.Sprint(k), fpA, pay(scope, fmt.Sprint(k), 1, &calls))
-						if err != nil || !res.Replayed {
-							b.Errorf("replay: %+v, %v", res, err)
-							return
-						}
-					}
-				})
-				b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "runs/s")
-			})
-		}
 	}
 }

@@ -18,6 +18,17 @@ func RouteStoreOnCitus(on bool) (restore func()) {
 	return func() { storeRoutedOnCitus = was }
 }
 
+// CitusStatementsAsBefore sets whether Run on Citus claims with KeyLock
+// and stores its record between KeyWaitBudgetCitus and
+// KeyWaitRestoreCitus, as before KeyLockCitus and KeyStoreBudgetCitus,
+// for BenchmarkCitusRatios's comparison, and returns the function that
+// puts it back.
+func CitusStatementsAsBefore(on bool) (restore func()) {
+	was := citusStatementsAsBefore
+	citusStatementsAsBefore = on
+	return func() { citusStatementsAsBefore = was }
+}
+
 // TxOver is txOver of an empty batch that begins a transaction with
 // opts, for TestAnEmptyBatchBeginsNoTransaction.
 func TxOver(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions) pgx.Tx {

@@ -244,7 +244,13 @@ func claim(ctx context.Context, tx pgx.Tx, conn *pgx.Conn, begin *pgx.TxOptions,
 	if o.idleTimeout > 0 {
 		_ = dbbatch.Queue(b).TxIdleTimeout(ctx, millis(o.idleTimeout))
 	}
-	dbbatch.QueueKeyLock(b, lockArg, &got.lock)
+	if citusKnown && citus && !citusStatementsAsBefore {
+		dbbatch.QueueKeyLockCitus(b, dbsqlc.KeyLockCitusParams{
+			FullSince: lockArg.FullSince, LockID: k.lockID, Scope: k.scope, Key: k.key,
+		}, &got.lock)
+	} else {
+		dbbatch.QueueKeyLock(b, lockArg, &got.lock)
+	}
 	dbbatch.QueueKeyGet(b, dbsqlc.KeyGetParams{Scope: k.scope, Key: k.key}, &got.rec, &got.found)
 	if full {
 		// A call that stores no answer (Once) writes its record
@@ -508,7 +514,7 @@ type store struct {
 func (s store) queue(ctx context.Context, q *dbsqlc.Queries, last bool) error {
 	switch {
 	case s.routed():
-		s.queueRouted(ctx, q)
+		s.queueRouted(ctx, q, last)
 		return nil
 	case s.c.early:
 		return q.KeyStoreResponse(ctx, dbsqlc.KeyStoreResponseParams{Scope: s.k.scope, Key: s.k.key, Response: s.response})
@@ -542,16 +548,35 @@ var storeRoutedOnCitus = true
 // in three steps through the coordinator), between the statements that
 // set the wait budget there and restore that node's lock_timeout
 // (queueWaiting): three statements, in the round trip of KeyInsert's one.
-func (s store) queueRouted(ctx context.Context, q *dbsqlc.Queries) {
-	_ = q.KeyWaitBudgetCitus(ctx, dbsqlc.KeyWaitBudgetCitusParams{LockTimeout: s.lockTimeout, Scope: s.k.scope})
+// With last (Run's, the transaction's COMMIT behind it in the round
+// trip) there are two: the budget is set by KeyStoreBudgetCitus, and not
+// restored, as KeyInsertLast does on PostgreSQL. Set with
+// set_config(..., true), it ends with the transaction, and nothing of the
+// caller's runs before that. Each statement the coordinator sends costs a
+// round trip to the worker, and its planning on the coordinator.
+func (s store) queueRouted(ctx context.Context, q *dbsqlc.Queries, last bool) {
+	last = last && !citusStatementsAsBefore
+	if last {
+		_ = q.KeyStoreBudgetCitus(ctx, dbsqlc.KeyStoreBudgetCitusParams{LockTimeout: s.lockTimeout, Scope: s.k.scope, Key: s.k.key})
+	} else {
+		_ = q.KeyWaitBudgetCitus(ctx, dbsqlc.KeyWaitBudgetCitusParams{LockTimeout: s.lockTimeout, Scope: s.k.scope})
+	}
 	arg := dbsqlc.KeyInsertCitusParams{Scope: s.k.scope, Key: s.k.key, Fingerprint: s.k.fp, Response: s.response, Retention: s.retention}
 	if s.c.expired {
 		_ = q.KeyReplaceCitus(ctx, dbsqlc.KeyReplaceCitusParams(arg))
 	} else {
 		_ = q.KeyInsertCitus(ctx, arg)
 	}
-	_ = q.KeyWaitRestoreCitus(ctx, s.k.scope)
+	if !last {
+		_ = q.KeyWaitRestoreCitus(ctx, s.k.scope)
+	}
 }
+
+// citusStatementsAsBefore is set only by BenchmarkCitusRatios, to measure
+// Run on Citus with the statements it sent before KeyLockCitus and
+// KeyStoreBudgetCitus (KeyLock; KeyWaitBudgetCitus, the record and
+// KeyWaitRestoreCitus) against the ones it sends now (export_test.go).
+var citusStatementsAsBefore = false
 
 // run runs the statement that records the operation in tx, through pgx:
 // on Citus, the statements of queueRouted in one round trip.
@@ -560,7 +585,7 @@ func (s store) run(ctx context.Context, tx pgx.Tx) error {
 		return s.queue(ctx, dbsqlc.New(tx), false)
 	}
 	b := &pgx.Batch{}
-	s.queueRouted(ctx, dbbatch.Queue(b))
+	s.queueRouted(ctx, dbbatch.Queue(b), false)
 	return tx.SendBatch(ctx, b).Close()
 }
 

@@ -54,6 +54,32 @@ SELECT CASE
             ELSE false
        END::bool AS citus;
 
+-- name: KeyLockCitus :one
+-- KeyLockCitus is KeyLock for a connection that knows its database has
+-- Citus (a claim before it said so): the same answer, in a statement that
+-- Citus plans on its fast path (one table, the scope's equality in the
+-- WHERE, no subquery, no CTE), routed whole to the node of the scope's
+-- shard, where the lock is taken. KeyLock's EXISTS, a subquery, makes
+-- Citus plan it with PostgreSQL's planner and its own router planner, a
+-- cost each claim pays on the coordinator. Here the key's record, if any,
+-- is read by an aggregate over the primary key, which gives one row
+-- whether or not there is a record, and the lock is tried once, in that
+-- row's CASE, only when no live completed record is there.
+SELECT CASE
+           WHEN current_setting('transaction_read_only')::bool THEN 0
+           WHEN now() = ANY(@full_since::timestamptz[]) THEN 0
+           WHEN coalesce(bool_or(expires_at > now() AND state = 'done'), false) THEN 0
+           WHEN pg_try_advisory_xact_lock(@lock_id::bigint) THEN 1
+           ELSE 2
+       END::int AS lock,
+       now()::timestamptz AS tx_start,
+       current_setting('transaction_isolation') = 'read committed' AS read_committed,
+       current_setting('transaction_read_only')::bool AS read_only,
+       true AS citus
+FROM idempotency_key
+WHERE scope = @scope::text
+  AND key = @key::text;
+
 -- name: KeyLockWait :exec
 -- KeyLockWait waits for the key's lock under the wait budget, then restores
 -- the caller's lock_timeout, in one statement: reading waited runs the wait
@@ -598,6 +624,20 @@ WHERE NOT EXISTS (
     WHERE scope = @scope::text
     LIMIT 0
 );
+
+-- name: KeyStoreBudgetCitus :exec
+-- KeyStoreBudgetCitus is KeyWaitBudgetCitus for a record sent with its
+-- transaction's COMMIT (Run's): it sets the wait budget, @lock_timeout,
+-- on the node of the scope's shard for what is left of the transaction,
+-- the record's INSERT and the COMMIT, and keeps nothing to restore, as
+-- KeyInsertLast does on PostgreSQL. It is a statement Citus plans on its
+-- fast path, routed whole to that node: an aggregate over the key's
+-- primary key, one row whatever is there, whose set_config runs once.
+SELECT set_config('lock_timeout', @lock_timeout::text, true) AS applied,
+       count(*) AS n
+FROM idempotency_key
+WHERE scope = @scope::text
+  AND key = @key::text;
 
 -- name: KeyWaitRestoreCitus :exec
 -- KeyWaitRestoreCitus gives the node of the scope's shard back the

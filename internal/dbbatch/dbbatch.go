@@ -67,6 +67,14 @@ func QueueKeyLock(b *pgx.Batch, arg dbsqlc.KeyLockParams, row *dbsqlc.KeyLockRow
 	})
 }
 
+// QueueKeyLockCitus queues KeyLockCitus on b; row, KeyLock's, is filled
+// in when the batch's results are read.
+func QueueKeyLockCitus(b *pgx.Batch, arg dbsqlc.KeyLockCitusParams, row *dbsqlc.KeyLockRow) {
+	queueCall(b, nil, func(q *dbsqlc.Queries) { _, _ = q.KeyLockCitus(context.Background(), arg) }).QueryRow(func(r pgx.Row) error {
+		return r.Scan(&row.Lock, &row.TxStart, &row.ReadCommitted, &row.ReadOnly, &row.Citus)
+	})
+}
+
 // QueueKeyClaimWait queues KeyClaimWait on b; row is filled in when the
 // batch's results are read.
 func QueueKeyClaimWait(b *pgx.Batch, arg dbsqlc.KeyClaimWaitParams, row *dbsqlc.KeyClaimWaitRow) {

@@ -748,6 +748,66 @@ func (q *Queries) KeyLock(ctx context.Context, arg KeyLockParams) (KeyLockRow, e
 	return i, err
 }
 
+const keyLockCitus = `-- name: KeyLockCitus :one
+SELECT CASE
+           WHEN current_setting('transaction_read_only')::bool THEN 0
+           WHEN now() = ANY($1::timestamptz[]) THEN 0
+           WHEN coalesce(bool_or(expires_at > now() AND state = 'done'), false) THEN 0
+           WHEN pg_try_advisory_xact_lock($2::bigint) THEN 1
+           ELSE 2
+       END::int AS lock,
+       now()::timestamptz AS tx_start,
+       current_setting('transaction_isolation') = 'read committed' AS read_committed,
+       current_setting('transaction_read_only')::bool AS read_only,
+       true AS citus
+FROM idempotency_key
+WHERE scope = $3::text
+  AND key = $4::text
+`
+
+type KeyLockCitusParams struct {
+	FullSince []pgtype.Timestamptz
+	LockID    int64
+	Scope     string
+	Key       string
+}
+
+type KeyLockCitusRow struct {
+	Lock          int32
+	TxStart       pgtype.Timestamptz
+	ReadCommitted bool
+	ReadOnly      bool
+	Citus         bool
+}
+
+// KeyLockCitus is KeyLock for a connection that knows its database has
+// Citus (a claim before it said so): the same answer, in a statement that
+// Citus plans on its fast path (one table, the scope's equality in the
+// WHERE, no subquery, no CTE), routed whole to the node of the scope's
+// shard, where the lock is taken. KeyLock's EXISTS, a subquery, makes
+// Citus plan it with PostgreSQL's planner and its own router planner, a
+// cost each claim pays on the coordinator. Here the key's record, if any,
+// is read by an aggregate over the primary key, which gives one row
+// whether or not there is a record, and the lock is tried once, in that
+// row's CASE, only when no live completed record is there.
+func (q *Queries) KeyLockCitus(ctx context.Context, arg KeyLockCitusParams) (KeyLockCitusRow, error) {
+	row := q.db.QueryRow(ctx, keyLockCitus,
+		arg.FullSince,
+		arg.LockID,
+		arg.Scope,
+		arg.Key,
+	)
+	var i KeyLockCitusRow
+	err := row.Scan(
+		&i.Lock,
+		&i.TxStart,
+		&i.ReadCommitted,
+		&i.ReadOnly,
+		&i.Citus,
+	)
+	return i, err
+}
+
 const keyLockWait = `-- name: KeyLockWait :exec
 WITH budget AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS saved,
@@ -1154,6 +1214,32 @@ func (q *Queries) KeyStats(ctx context.Context) (KeyStatsRow, error) {
 		&i.IndexBytes,
 	)
 	return i, err
+}
+
+const keyStoreBudgetCitus = `-- name: KeyStoreBudgetCitus :exec
+SELECT set_config('lock_timeout', $1::text, true) AS applied,
+       count(*) AS n
+FROM idempotency_key
+WHERE scope = $2::text
+  AND key = $3::text
+`
+
+type KeyStoreBudgetCitusParams struct {
+	LockTimeout string
+	Scope       string
+	Key         string
+}
+
+// KeyStoreBudgetCitus is KeyWaitBudgetCitus for a record sent with its
+// transaction's COMMIT (Run's): it sets the wait budget, @lock_timeout,
+// on the node of the scope's shard for what is left of the transaction,
+// the record's INSERT and the COMMIT, and keeps nothing to restore, as
+// KeyInsertLast does on PostgreSQL. It is a statement Citus plans on its
+// fast path, routed whole to that node: an aggregate over the key's
+// primary key, one row whatever is there, whose set_config runs once.
+func (q *Queries) KeyStoreBudgetCitus(ctx context.Context, arg KeyStoreBudgetCitusParams) error {
+	_, err := q.db.Exec(ctx, keyStoreBudgetCitus, arg.LockTimeout, arg.Scope, arg.Key)
+	return err
 }
 
 const keyStoreResponse = `-- name: KeyStoreResponse :exec
