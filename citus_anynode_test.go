@@ -179,6 +179,7 @@ func anyNodeFlows(t *testing.T, ctx context.Context, nodes []*pgxpool.Pool) {
 						return
 					}
 					retried.Add(1)
+					t.Logf("%s: %v (at %s); again", key, err, time.Now().Format("15:04:05.000"))
 					time.Sleep(50 * time.Millisecond)
 				}
 			})

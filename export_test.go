@@ -8,16 +8,6 @@ import (
 	"github.com/pgidem/idem/internal/dbsqlc"
 )
 
-// RouteStoreOnCitus sets whether a record is stored on Citus by the
-// statements Citus routes to one node (queueRouted), for BenchmarkCitusRun's
-// comparison with PostgreSQL's statements, and returns the function that
-// puts it back.
-func RouteStoreOnCitus(on bool) (restore func()) {
-	was := storeRoutedOnCitus
-	storeRoutedOnCitus = on
-	return func() { storeRoutedOnCitus = was }
-}
-
 // CitusStatementsAsBefore sets whether Run on Citus claims with KeyLock
 // and stores its record between KeyWaitBudgetCitus and
 // KeyWaitRestoreCitus, as before KeyLockCitus and KeyStoreBudgetCitus,

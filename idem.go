@@ -536,11 +536,7 @@ func (s store) queue(ctx context.Context, q *dbsqlc.Queries, last bool) error {
 // Citus routes whole to the node of the scope's shard (queueRouted): on a
 // Citus coordinator, for a record written once (the early claim's UPDATE
 // waits for no one).
-func (s store) routed() bool { return s.c.citus && !s.c.early && storeRoutedOnCitus }
-
-// storeRoutedOnCitus is false only in BenchmarkCitusRun's comparison with
-// the statements of PostgreSQL (export_test.go).
-var storeRoutedOnCitus = true
+func (s store) routed() bool { return s.c.citus && !s.c.early }
 
 // queueRouted queues the statements that store the record on Citus:
 // KeyInsertCitus, or KeyReplaceCitus over an expired record, which Citus
