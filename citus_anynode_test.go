@@ -150,9 +150,12 @@ func anyNodeFlows(t *testing.T, ctx context.Context, nodes []*pgxpool.Pool) {
 			n.(*atomic.Int64).Add(1)
 			return "ch-" + providerKey[:12], nil
 		})
-		// A lease of a minute, and so an idle timeout of 20s: a loaded
-		// machine does not make an executor lose its flow mid-run.
-	}, idem.WithLease(time.Minute))
+		// A lease of 20s, and so an idle timeout of 6.7s: a loaded machine
+		// does not make the server end an executor's session mid-run. (On
+		// a machine loaded enough, a failed run's release of its lease can
+		// outlast its bound, cleanupTimeout, and its flow then waits out
+		// its lease: its clients' retries wait up to 20s.)
+	}, idem.WithLease(20*time.Second))
 	resumer, err := idem.StartResumer(ctx, nodes[len(nodes)-1], idem.ResumerConfig{Interval: 100 * time.Millisecond}, flow)
 	if err != nil {
 		t.Fatal(err)
@@ -179,7 +182,7 @@ func anyNodeFlows(t *testing.T, ctx context.Context, nodes []*pgxpool.Pool) {
 						return
 					}
 					retried.Add(1)
-					t.Logf("%s: %v (at %s); again", key, err, time.Now().Format("15:04:05.000"))
+					t.Logf("%s: %v; again", key, err)
 					time.Sleep(50 * time.Millisecond)
 				}
 			})
