@@ -981,11 +981,10 @@ func (q *Queries) FlowStart(ctx context.Context, arg FlowStartParams) (FlowStart
 }
 
 const flowStartFree = `-- name: FlowStartFree :exec
-SELECT 1 / (NOT EXISTS (
-    SELECT FROM idem_flow
-    WHERE scope = $1::text
-      AND key = $2::text
-))::int
+SELECT 1 / (count(*) = 0)::int
+FROM idem_flow
+WHERE scope = $1::text
+  AND key = $2::text
 `
 
 type FlowStartFreeParams struct {
@@ -994,8 +993,11 @@ type FlowStartFreeParams struct {
 }
 
 // FlowStartFree fails (division by zero, 22012) when the key has a flow,
-// after FlowStartLock: the server then runs none of the statements sent
-// after it in the same round trip.
+// before the claim's BEGIN and again after FlowStartLock: the server then
+// runs none of the statements sent after it in the same round trip. An
+// aggregate over the flow's primary key, one row whatever is there: a
+// statement of one table with the scope's equality, no subquery, which
+// Citus plans on its fast path and routes whole to the scope's shard.
 func (q *Queries) FlowStartFree(ctx context.Context, arg FlowStartFreeParams) error {
 	_, err := q.db.Exec(ctx, flowStartFree, arg.Scope, arg.Key)
 	return err
