@@ -48,7 +48,7 @@ import (
 // notices). Every node shares this machine's cores: the ratios say what
 // the routing costs here, not how it scales.
 //
-//	go test -tags citus -run '^$' -bench CitusRatios -benchtime 5x .
+//	go test -tags citus -run '^$' -bench CitusRatios -benchtime 15x .
 func BenchmarkCitusRatios(b *testing.B) {
 	_, pool := startCitus(b)
 	ctx := context.Background()

@@ -20,37 +20,41 @@ import (
 
 // A run claims its flow before the flow's function runs, so that no code
 // of the flow runs for a replay, a mismatch or a duplicate that waits.
-// The claim's first round trip (claimStart), on a pgx pool or connection
-// at the session's isolation level, reads the flow (FlowGet) and checks
-// that the key has none (FlowStartFree); then BEGIN, which makes the
-// round trip's implicit transaction the one the flow's row will be
-// written in; then the flow's advisory lock (FlowStartLock), and the
-// check again (FlowStartFree), with a snapshot taken once the lock is
-// held. The lock follows BEGIN because on Citus it is taken on the node
-// of the scope's shard, whichever node the query came in through, and a
-// statement routed there holds its lock only inside a transaction block:
-// so runs of one flow through any nodes meet at one lock. So:
+// The claim's first round trip (claimStart) takes the flow's advisory
+// lock (FlowStartLock), reads the flow (FlowGet) and checks that the key
+// has none (FlowStartFree); then, on a pgx pool or connection at the
+// session's isolation level, BEGIN, which makes the round trip's implicit
+// transaction, the lock's, the one the flow's row will be written in.
+//
+// On Citus the lock is taken on the node of the scope's shard, whichever
+// node the query came in through (its statement names the flow's row), so
+// that runs of one flow through any nodes meet at one lock; but there a
+// statement of an implicit transaction is a transaction of its own, which
+// lets its lock go at once. So on Citus, and in a connection's first
+// claim, which asks whether its database has Citus (CitusInstalled), the
+// round trip is FlowGet and the check, then BEGIN, the lock, and the check
+// again with a snapshot taken once the lock is held. So:
 //
 //   - a key with no flow: the run holds the flow's lock in that open
 //     transaction, and its function runs; the flow's first statement (its
 //     first local step's, which runs in it, or a call's intent, or the
 //     answer) writes the flow's row there (FlowStartHeld) and commits it,
 //     so that the claim costs one round trip and no commit of its own;
-//   - a key with a flow: the first check fails, the server runs nothing
-//     after it, and the implicit transaction ends with the round trip,
-//     leaving the connection idle: the claim judges what FlowGet read (a
-//     replay, a mismatch, a stopped flow, one another executor holds) in
-//     one round trip;
-//   - a lock another executor holds (one starting the flow), or a row
-//     committed since the first check: nothing after it runs, the
-//     transaction is rolled back (a second round trip), and the claim
-//     waits, polling, as for a flow another executor holds.
+//   - a key with a flow: the check fails, the server runs nothing after
+//     it, and the implicit transaction ends with the round trip, leaving
+//     the connection idle: the claim judges what FlowGet read (a replay, a
+//     mismatch, a stopped flow, one another executor holds) in one round
+//     trip;
+//   - a lock another executor holds (one starting the flow): nothing after
+//     it runs, and the claim waits, polling, as for a flow another
+//     executor holds. (In the Citus form, the lock, or the check after it
+//     when a row was committed since the first, fails after BEGIN: the
+//     transaction is rolled back, a second round trip.)
 //
 // A transaction with options that must begin it (an isolation level other
 // than the session's, a BeginQuery or CommitQuery, or a TxBeginner that
-// is no pgx pool or connection) begins first, then takes the lock, reads
-// and checks, and one that found the key taken is rolled back: a second
-// round trip. A flow that expired, or that
+// is no pgx pool or connection) begins first, and one that found the key
+// taken is rolled back: a second round trip. A flow that expired, or that
 // its executor abandoned, takes a second round trip, which starts it
 // again (FlowRestart) or takes it over (FlowTakeOver) and reads its steps
 // (FlowSteps); a look once the key was seen to have a flow is FlowGet
@@ -225,9 +229,20 @@ func claimStart(ctx context.Context, db TxBeginner, k keyRef, o *options, rec *d
 		}
 	} else {
 		late := opts.CommitQuery == "" && beginsLate(opts) && canBeginLate(conn)
+		// On Citus, or on a connection that does not know yet whether its
+		// database has Citus (it then asks, in the same round trip), the
+		// lock follows BEGIN.
+		data := conn.PgConn().CustomData()
+		citus, known := citusOf(data)
+		var installed, asked bool
 		for {
 			b := &pgx.Batch{}
-			if late {
+			switch {
+			case late && (citus || !known):
+				if !known {
+					dbbatch.QueueCitusInstalled(b, &installed)
+					asked = true
+				}
 				// The look first, in the round trip's implicit transaction,
 				// which BEGIN makes explicit; then the lock, and the check
 				// again with a snapshot taken once it is held.
@@ -236,7 +251,15 @@ func claimStart(ctx context.Context, db TxBeginner, k keyRef, o *options, rec *d
 				queueIdleTimeout(b, o, named)
 				lock(b)
 				dbbatch.QueueFlowStartFree(b, named, dbsqlc.FlowStartFreeParams{Scope: k.scope, Key: k.key})
-			} else {
+			case late:
+				// On PostgreSQL the lock, the look and the check, in the
+				// round trip's implicit transaction, which BEGIN makes
+				// explicit: a claim that finds the lock taken or the flow
+				// leaves the connection idle.
+				look(b)
+				b.Queue(beginSQL(opts), named)
+				queueIdleTimeout(b, o, named)
+			default:
 				b.BeginTx(opts)
 				queueIdleTimeout(b, o, named)
 				look(b)
@@ -251,7 +274,14 @@ func claimStart(ctx context.Context, db TxBeginner, k keyRef, o *options, rec *d
 			}
 			break
 		}
-		if late && err == nil {
+		if asked && (err == nil || errors.Is(err, dbbatch.ErrNotHeld)) {
+			// CitusInstalled, the round trip's first statement, ran.
+			setCitus(data, installed)
+		}
+		if late && (err == nil || conn.PgConn().TxStatus() != 'I') {
+			// The transaction BEGIN began, open, or failed after BEGIN (the
+			// lock taken, a row committed since the first check), to roll
+			// back.
 			tx = txOver(ctx, conn, emptyBegin(opts))
 		}
 	}

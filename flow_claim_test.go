@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -142,5 +144,84 @@ func TestFlowClaimGivesItsConnectionBackOnEveryPath(t *testing.T) {
 			}
 			free(t, d, key)
 		})
+	}
+}
+
+// TestFlowClaimThatFindsTheLockTakenLeavesItsConnectionIdle claims a new
+// flow whose lock another session holds, on a single connection and on a
+// pool of one: the claim finds the lock taken, waits, and runs the flow
+// once the lock is free. The connection's first claim, which asks whether
+// its database has Citus and takes the lock after BEGIN (as on Citus),
+// rolls back what it began; the next claim on it, which knows, takes the
+// lock before BEGIN. Either way the connection is left idle, and the pool
+// keeps its one connection.
+func TestFlowClaimThatFindsTheLockTakenLeavesItsConnectionIdle(t *testing.T) {
+	ctx, _, scope := setup(t)
+	cfg := env.DirectPool(t).Config()
+	conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	holder, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = holder.Close(context.Background()) })
+
+	var ran int
+	flow := idem.MustNewFlow(testdb.Name("locktaken"), func(ctx context.Context, s *idem.Steps, _ int) (int, error) {
+		ran++
+		return 1, nil
+	})
+	for _, c := range []struct {
+		name string
+		db   idem.TxBeginner
+	}{{"conn, first claim", conn}, {"conn, next claim", conn}, {"pool, first claim", pool}, {"pool, next claim", pool}} {
+		key := c.name
+		id := keylock.FlowID(scope, key)
+		if _, err := holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, id); err != nil {
+			t.Fatal(err)
+		}
+		var waited atomic.Bool
+		released := make(chan error, 1)
+		go func() {
+			// The lock is let go once the claim has found it taken at
+			// least once: the claim's session then waits for it.
+			for !waited.Load() {
+				var waiting bool
+				if err := holder.QueryRow(ctx, `SELECT count(*) > 0 FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND datname = current_database()
+					AND query LIKE '%FlowStartLock%'`).Scan(&waiting); err != nil {
+					released <- err
+					return
+				}
+				if waiting {
+					waited.Store(true)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			_, err := holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, id)
+			released <- err
+		}()
+		ran = 0
+		res, err := flow.Run(ctx, c.db, scope, key, nil, 0, idem.WithWait(30*time.Second))
+		if err := <-released; err != nil {
+			t.Fatal(err)
+		}
+		if err != nil || res.Value != 1 || ran != 1 {
+			t.Fatalf("%s: %+v, %v, the function ran %d times; want the flow run once the lock was free", c.name, res, err, ran)
+		}
+		if s := conn.PgConn().TxStatus(); s != 'I' {
+			t.Fatalf("%s: the connection's state is %c, want idle (I)", c.name, s)
+		}
+		if n := pool.Stat().NewConnsCount(); n > 1 {
+			t.Fatalf("%s: the pool opened %d connections, want 1: the claim gave back one in a transaction", c.name, n)
+		}
 	}
 }
