@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strings"
 	"sync"
@@ -263,11 +264,31 @@ func citusOutboxWriteSkew(t *testing.T, ctx context.Context, c *citustemp.Cluste
 	}
 }
 
+// failOnError is a relay's logger that fails the test on the errors a
+// relay logs and goes on from (a statement that failed), but for the
+// parking of a message, which a test asks for.
+type failOnError struct{ t *testing.T }
+
+func (h failOnError) Enabled(_ context.Context, l slog.Level) bool { return l >= slog.LevelError }
+func (h failOnError) WithAttrs([]slog.Attr) slog.Handler           { return h }
+func (h failOnError) WithGroup(string) slog.Handler                { return h }
+func (h failOnError) Handle(_ context.Context, r slog.Record) error {
+	if !strings.Contains(r.Message, "message parked") {
+		var attrs []string
+		r.Attrs(func(a slog.Attr) bool { attrs = append(attrs, a.String()); return true })
+		h.t.Errorf("a relay logged %q %v", r.Message, attrs)
+	}
+	return nil
+}
+
 // citusOutboxRelay delivers, with two relays through the coordinator,
 // messages enqueued beside payments: some in the order of their ordering
-// keys, some failing once (retried), one parked and requeued. Each is
-// delivered once, those with an ordering key one at a time and in order,
-// and every message ends delivered.
+// keys, some failing once (retried), one parked and requeued, one whose
+// lease the handler extends. Each is delivered once, those with an
+// ordering key one at a time and in order, and every message ends
+// delivered; enqueued again, one and many, they are found, not added;
+// a relay with a short retention purges them. The relays log no error:
+// every statement of the outbox runs on Citus's local table.
 func citusOutboxRelay(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	scope := testdb.Name("relay")
 	dest := testdb.Name("dest")
@@ -307,6 +328,11 @@ func citusOutboxRelay(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 		}
 		mu.Unlock()
 		time.Sleep(5 * time.Millisecond)
+		if msg.Key == "k03" && msg.Attempt == 1 {
+			if err := outbox.ExtendLease(ctx, time.Minute); err != nil {
+				t.Errorf("ExtendLease: %v", err)
+			}
+		}
 		mu.Lock()
 		defer mu.Unlock()
 		delete(inFlight, msg.OrderingKey)
@@ -333,7 +359,8 @@ func citusOutboxRelay(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	relayCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	cfg := &outbox.Config{Destinations: []string{dest}, BatchSize: 4, PollInterval: 20 * time.Millisecond,
-		RetryDelay: 20 * time.Millisecond, MaxRetryDelay: 50 * time.Millisecond}
+		RetryDelay: 20 * time.Millisecond, MaxRetryDelay: 50 * time.Millisecond,
+		Logger: slog.New(failOnError{t})}
 	var relays []*outbox.Relay
 	for range 2 {
 		r, err := outbox.StartRelay(relayCtx, pool, handler, cfg)
@@ -384,10 +411,44 @@ func citusOutboxRelay(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 		return done.Load() == n && left == 0, err
 	})
 	mu.Lock()
-	defer mu.Unlock()
 	for ok, ids := range order {
 		if !slices.IsSorted(ids) || len(ids) != 6 {
 			t.Errorf("ordering key %s: delivered %v, want 6 in the order of their ids", ok, ids)
 		}
 	}
+	mu.Unlock()
+
+	// Enqueued again, one and many, the messages are found.
+	again := []outbox.Entry{{Scope: scope, Key: "k01", Destination: dest, Payload: []byte("k01"), OrderingKey: "o1"},
+		{Scope: scope, Key: "k02", Destination: dest, Payload: []byte("k02"), OrderingKey: "o2"}}
+	if err := idem.WithTx(ctx, pool, pgx.TxOptions{}, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := outbox.Enqueue(ctx, tx, again[0]); err != nil {
+			return err
+		}
+		_, err := outbox.EnqueueMany(ctx, tx, again)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var total int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox_message WHERE destination = $1`, dest).Scan(&total); err != nil {
+		t.Fatal(err)
+	}
+	if total != n {
+		t.Fatalf("%d messages after enqueuing two again, want %d", total, n)
+	}
+
+	// A relay that keeps delivered messages a millisecond purges them
+	// when it starts.
+	purging := *cfg
+	purging.DeliveredRetention = time.Millisecond
+	r, err := outbox.StartRelay(relayCtx, pool, handler, &purging)
+	if err != nil {
+		t.Fatal(err)
+	}
+	relays = append(relays, r)
+	wait("the delivered messages purged", func() (bool, error) {
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox_message WHERE destination = $1`, dest).Scan(&total)
+		return total == 0, err
+	})
 }

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -1061,7 +1062,7 @@ func citusOutbox(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool *
 			stop()
 		}
 		return nil
-	}, &outbox.Config{Destinations: []string{"ledger"}, PollInterval: 50 * time.Millisecond})
+	}, &outbox.Config{Destinations: []string{"ledger"}, PollInterval: 50 * time.Millisecond, Logger: slog.New(failOnError{t})})
 	if err != nil {
 		t.Fatal(err)
 	}
