@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -118,6 +119,7 @@ func TestCitus(t *testing.T) {
 			"entity_version": "distributed scope", "idem_flow": "distributed scope",
 			"idem_flow_step_row": "distributed scope", "idempotency_key": "distributed scope",
 			"payment": "distributed scope", "idem_installation": "reference <none>",
+			"outbox_message": "local <none>",
 		}
 		if len(got) != len(want) {
 			t.Fatalf("citus_tables: %v, want %v", got, want)
@@ -155,7 +157,7 @@ func TestCitus(t *testing.T) {
 	t.Run("FlowClaimCrashes", func(t *testing.T) { citusClaimCrashes(t, ctx, c, pool) })
 	t.Run("FlowStartedThroughTwoNodes", func(t *testing.T) { citusFlowStartedThroughTwoNodes(t, ctx, c, pool) })
 	t.Run("AnyNode", func(t *testing.T) { citusAnyNode(t, ctx, c, pool) })
-	t.Run("Outbox", func(t *testing.T) { citusOutbox(t, ctx, pool) })
+	t.Run("Outbox", func(t *testing.T) { citusOutbox(t, ctx, c, pool) })
 	t.Run("IdemHTTP", func(t *testing.T) { citusHTTP(t, ctx, pool) })
 	t.Run("Purge", func(t *testing.T) { citusPurge(t, ctx, pool) })
 	t.Run("ReadStatsCountsTheShards", func(t *testing.T) { citusStats(t, ctx, pool) })
@@ -1025,9 +1027,11 @@ func citusHTTP(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	}
 }
 
-// citusOutbox enqueues with the coordinator's outbox table in transactions
-// that write distributed payments, and a relay delivers each message once.
-func citusOutbox(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
+// citusOutbox enqueues into the outbox, a Citus local table on the
+// coordinator, in transactions that write distributed payments, and a
+// relay delivers each message once; then citus_outbox_test.go's
+// subtests.
+func citusOutbox(t *testing.T, ctx context.Context, c *citustemp.Cluster, pool *pgxpool.Pool) {
 	scope := testdb.Name("outbox")
 	const n = 20
 	var calls atomic.Int64
@@ -1057,7 +1061,7 @@ func citusOutbox(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 			stop()
 		}
 		return nil
-	}, &outbox.Config{Destinations: []string{"ledger"}, PollInterval: 50 * time.Millisecond})
+	}, &outbox.Config{Destinations: []string{"ledger"}, PollInterval: 50 * time.Millisecond, Logger: slog.New(failOnError{t})})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1066,6 +1070,10 @@ func citusOutbox(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 	if count.Load() != n {
 		t.Fatalf("%d of %d delivered", count.Load(), n)
 	}
+
+	t.Run("TwoPhaseCommit", func(t *testing.T) { citusOutboxTwoPhase(t, ctx, c, pool) })
+	t.Run("CoordinatorsCommitFails", func(t *testing.T) { citusOutboxWriteSkew(t, ctx, c, pool) })
+	t.Run("Relays", func(t *testing.T) { citusOutboxRelay(t, ctx, pool) })
 }
 
 // citusPurge expires records and flows in many scopes, on every shard,

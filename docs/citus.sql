@@ -31,12 +31,29 @@ SELECT create_distributed_table('idem_flow_step_row', 'scope', colocate_with => 
 -- node, so that a statement on one shard can read it there.
 SELECT create_reference_table('idem_installation');
 
--- outbox_message stays a table of the coordinator: a relay leases messages
--- across scopes with FOR UPDATE SKIP LOCKED, which Citus runs only on a
--- single shard. A transaction that writes a distributed table enqueues
--- into it all the same, but Citus commits the worker's part first, on its
--- own, then the coordinator's: not with two-phase commit. A failure
--- between the two (the coordinator's crash, a serialization failure at its
--- commit) keeps the business write and the key's record without the
--- message (docs/large-deployments.md).
+-- The outbox, a Citus local table: its rows stay in one shard on the
+-- coordinator, which must be in Citus's metadata (citus_set_coordinator_host,
+-- as Citus's documentation has a cluster set up). A transaction through the
+-- coordinator that writes a distributed table and enqueues a message
+-- writes the coordinator's shard by Citus's local execution, which turns on
+-- two-phase commit: the worker's part is prepared (PREPARE TRANSACTION)
+-- before the coordinator commits and committed (COMMIT PREPARED) after, so
+-- the business write, the key's record and the message commit together or
+-- not at all. A failure of the coordinator's commit (a serialization
+-- failure raised there) rolls the worker's part back; after the
+-- coordinator's crash, Citus's recovery of prepared transactions commits
+-- it or rolls it back as the coordinator's commit did or did not happen.
+-- (As a plain table of the coordinator's, the outbox was not a node the
+-- transaction wrote, for Citus: it committed the worker's part first, on
+-- its own.) A relay's statements, its lease with FOR UPDATE SKIP LOCKED
+-- among them, run on the one shard; relays connect to the coordinator
+-- (through a worker, they are untested).
+-- Through a worker, a transaction enqueues too, with two-phase commit on
+-- both nodes, but the message's id comes from that worker's range of the
+-- sequence, not after those enqueued through other nodes: the order of
+-- messages with one ordering key (by id) holds only for messages
+-- enqueued through one node, and the notification wakes only relays
+-- listening on that worker (the others find the message when they poll).
+SELECT citus_add_local_table_to_metadata('outbox_message');
+
 -- goose_db_version, idem_flow_seq and idem_key_lock stay on the coordinator.

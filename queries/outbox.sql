@@ -102,26 +102,41 @@ LISTEN idem_outbox;
 -- from the next statement on.
 WITH recorded AS (
     UPDATE outbox_message AS m
-    SET state = CASE o.outcome
-                    WHEN 'delivered' THEN 'delivered'
-                    WHEN 'parked' THEN 'parked'
+    SET state = CASE
+                    WHEN o.outcome = 'delivered' THEN 'delivered'
+                    WHEN o.outcome = 'parked' THEN 'parked'
                     ELSE 'pending'
                 END,
-        delivered_at = CASE WHEN o.outcome = 'delivered' THEN now() END,
+        delivered_at = CASE WHEN o.outcome = 'delivered' THEN o.now END,
         leased_until = NULL,
         attempts = CASE WHEN o.outcome = 'released' THEN m.attempts - 1 ELSE m.attempts END,
         next_attempt_at = CASE
-                              WHEN o.outcome = 'retried' THEN now() + o.delay_us * interval '1 microsecond'
-                              WHEN o.outcome = 'released' THEN now()
+                              WHEN o.outcome = 'retried' THEN o.retry_at
+                              WHEN o.outcome = 'released' THEN o.now
                               ELSE m.next_attempt_at
                           END,
         last_error = CASE WHEN o.outcome = 'delivered' THEN NULL ELSE o.last_error END
     FROM (
-        SELECT unnest(@ids::bigint[]) AS id,
-               unnest(@attempts::int[]) AS attempt,
-               unnest(@outcomes::text[]) AS outcome,
-               unnest(@delays_us::bigint[]) AS delay_us,
-               unnest(@last_errors::text[]) AS last_error
+        -- The times are computed here, not in the CASEs above: now() is
+        -- the transaction's start either way, but Citus refuses an UPDATE
+        -- of one of its tables (docs/citus.sql makes outbox_message one)
+        -- whose CASE calls a function that is not IMMUTABLE, or a STABLE
+        -- one (timestamptz + interval) with a column. OFFSET 0 keeps the
+        -- planner from merging this subquery into the UPDATE, which would
+        -- put the calls back into the CASEs; PostgreSQL never merged the
+        -- set-returning functions' subquery anyway.
+        SELECT u.id, u.attempt, u.outcome, u.last_error, now() AS now,
+               now() + u.delay_us * interval '1 microsecond' AS retry_at
+        FROM (
+            -- Set-returning functions side by side in a select list
+            -- advance together: one row per index of the arrays, in order.
+            SELECT unnest(@ids::bigint[]) AS id,
+                   unnest(@attempts::int[]) AS attempt,
+                   unnest(@outcomes::text[]) AS outcome,
+                   unnest(@delays_us::bigint[]) AS delay_us,
+                   unnest(@last_errors::text[]) AS last_error
+        ) AS u
+        OFFSET 0
     ) AS o
     WHERE m.id = o.id
       AND m.state = 'pending'
