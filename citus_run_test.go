@@ -5,6 +5,8 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -32,6 +34,8 @@ func TestCitusRunOnAKnownConnection(t *testing.T) {
 	// that the database has Citus.
 	cfg := pool.Config().Copy()
 	cfg.MaxConns, cfg.MinConns = 1, 0
+	seen := &sentStatements{}
+	cfg.ConnConfig.Tracer = seen
 	known, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -85,6 +89,9 @@ func TestCitusRunOnAKnownConnection(t *testing.T) {
 		if n := countPayments(t, pool, scope); n != 1 {
 			t.Fatalf("%d payments", n)
 		}
+		if !seen.sent("KeyLockCitus") {
+			t.Fatal("the duplicate's claim did not send KeyLockCitus")
+		}
 	})
 
 	t.Run("RecordWaitsUnderTheBudgetOnTheWorker", func(t *testing.T) {
@@ -136,8 +143,47 @@ func TestCitusRunOnAKnownConnection(t *testing.T) {
 		if err != nil || res.Replayed || calls.Load() != 2 {
 			t.Fatalf("once the holder rolled back: %+v, %v; fn ran %d times, want 2", res, err, calls.Load())
 		}
+		if !seen.sent("KeyStoreBudgetCitus") || seen.sent("KeyWaitRestoreCitus") {
+			t.Fatal("Run's record was not sent after KeyStoreBudgetCitus alone")
+		}
 		if n := countPayments(t, pool, scope); n != 1 {
 			t.Fatalf("%d payments", n)
 		}
 	})
 }
+
+// sentStatements is a tracer that notes the names of the statements of
+// idem's a connection sends (sqlc's "-- name: X" line), in batches or
+// alone.
+type sentStatements struct{ names sync.Map }
+
+func (s *sentStatements) note(sql string) {
+	if name, ok := strings.CutPrefix(sql, "-- name: "); ok {
+		if i := strings.IndexByte(name, ' '); i > 0 {
+			s.names.Store(name[:i], true)
+		}
+	}
+}
+
+// sent reports whether the statement named name was sent.
+func (s *sentStatements) sent(name string) bool {
+	_, ok := s.names.Load(name)
+	return ok
+}
+
+func (s *sentStatements) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	s.note(d.SQL)
+	return ctx
+}
+
+func (s *sentStatements) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (s *sentStatements) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+
+func (s *sentStatements) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
+	s.note(d.SQL)
+}
+
+func (s *sentStatements) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
