@@ -35,7 +35,7 @@ func TestCitusRunOnAKnownConnection(t *testing.T) {
 	cfg := pool.Config().Copy()
 	cfg.MaxConns, cfg.MinConns = 1, 0
 	seen := &sentStatements{}
-	cfg.ConnConfig.Tracer = seen
+	cfg.ConnConfig.Tracer = &statementTracer{see: seen.note}
 	known, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -152,9 +152,8 @@ func TestCitusRunOnAKnownConnection(t *testing.T) {
 	})
 }
 
-// sentStatements is a tracer that notes the names of the statements of
-// idem's a connection sends (sqlc's "-- name: X" line), in batches or
-// alone.
+// sentStatements notes the names of idem's statements a connection sends
+// (sqlc's "-- name: X" line), seen by a statementTracer.
 type sentStatements struct{ names sync.Map }
 
 func (s *sentStatements) note(sql string) {
@@ -170,20 +169,3 @@ func (s *sentStatements) sent(name string) bool {
 	_, ok := s.names.Load(name)
 	return ok
 }
-
-func (s *sentStatements) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
-	s.note(d.SQL)
-	return ctx
-}
-
-func (s *sentStatements) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-
-func (s *sentStatements) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
-	return ctx
-}
-
-func (s *sentStatements) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
-	s.note(d.SQL)
-}
-
-func (s *sentStatements) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}

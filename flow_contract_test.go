@@ -346,7 +346,12 @@ func TestFlowRoundTripsOnEveryConnection(t *testing.T) {
 	flow := countedFlow(&e, p)
 	for _, kind := range connKinds(t) {
 		var count testdb.WireCount
-		tracer := &batchTracer{}
+		var steps atomic.Int64
+		tracer := &statementTracer{see: func(sql string) {
+			if strings.Contains(sql, "INTO payment") || strings.Contains(sql, "UPDATE payment") {
+				steps.Add(1)
+			}
+		}}
 		pool := countedPool(t, ctx, &count, func(cfg *pgxpool.Config) {
 			cfg.ConnConfig.DefaultQueryExecMode = kind.mode
 			if kind.traced {
@@ -378,38 +383,32 @@ func TestFlowRoundTripsOnEveryConnection(t *testing.T) {
 		if got != want {
 			t.Errorf("%s: local–call–local, two replays, local–call–local took %v round trips, want %v", kind.name, got, want)
 		}
-		if kind.traced && tracer.steps.Load() != 3*2 {
-			t.Errorf("traced: the tracer saw %d of the steps' statements, want %d (three runs of two)", tracer.steps.Load(), 3*2)
+		if kind.traced && steps.Load() != 3*2 {
+			t.Errorf("traced: the tracer saw %d of the steps' statements, want %d (three runs of two)", steps.Load(), 3*2)
 		}
 	}
 }
 
-// batchTracer counts the statements of the steps of countedFlow it sees,
-// traced as otelpgx traces them: alone and in batches.
-type batchTracer struct{ steps atomic.Int64 }
+// statementTracer calls see with the SQL of every statement a connection
+// sends, alone or in a batch, as otelpgx traces them.
+type statementTracer struct{ see func(sql string) }
 
-func (b *batchTracer) count(sql string) {
-	if strings.Contains(sql, "INTO payment") || strings.Contains(sql, "UPDATE payment") {
-		b.steps.Add(1)
-	}
-}
-
-func (b *batchTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
-	b.count(data.SQL)
+func (s *statementTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	s.see(data.SQL)
 	return ctx
 }
 
-func (b *batchTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (s *statementTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-func (b *batchTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+func (s *statementTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
 	return ctx
 }
 
-func (b *batchTracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
-	b.count(data.SQL)
+func (s *statementTracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
+	s.see(data.SQL)
 }
 
-func (b *batchTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+func (s *statementTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
 
 // TestFlowStalledExecutorDoesNotEnterItsNextStep stalls an executor
 // between two local steps past its lease, while another executor takes
